@@ -1,0 +1,710 @@
+#!/usr/bin/env python3
+"""Benchmark mla_attn.mla_decode (DeepSeek MLA absorbed decode) on one Hopper GPU.
+
+For every config:
+  1. build the problem (q [b, s_q, h_q, 576] bf16, paged latent cache [pages, page, 1, 576] bf16 with
+     a random page permutation, int32 block_table / cache_seqlens, causal = s_q > 1, scale 1/sqrt(192));
+  2. check mla_attn (and FlashInfer's BatchMLAPagedAttentionWrapper, backend "fa3", when importable)
+     against a float32 torch reference: eager call into NaN-poisoned outputs, then a CUDA graph of one
+     call whose outputs are NaN-poisoned before the replay;
+  3. time the whole op as a CUDA graph (scheduling metadata / FlashInfer plan made once outside):
+       cold = median over replays each preceded by a 512 MB read (evicts the 60 MB L2),
+       warm = median over replays each preceded by a ~20 us spin kernel (no memory traffic);
+     replays per config are bounded by a time budget (--rep-ms per mode, scaled down when the
+     whole-run budget --time-budget-s runs short);
+  4. time mla_attn.get_decode_metadata eagerly (CUDA events around the host call, median of 20).
+Ceilings of the same run: HBM streaming read (Triton kernel if importable, else torch.sum) and a
+bf16 8192^3 matmul.
+
+Outputs: <out>/bench_decode.json and <out>/bench_decode.md (markdown table printed last).
+Method follows shared/anchors (RESULTS.md "Method"), so ratios to the static anchor table are
+meaningful; absolute numbers move by up to ~10 % between machines, so prefer the live FlashInfer
+ratio measured in this same run.
+
+usage: python benchmarks/bench_decode.py [--quick] [--configs main|ext|all] [--only SUBSTR,..]
+                                         [--out DIR] [--no-flashinfer] [--no-ceilings]
+"""
+import argparse
+import json
+import math
+import os
+import statistics
+import subprocess
+import sys
+import time
+import traceback
+import zlib
+
+import torch
+
+D_QK, D_V = 576, 512
+DEV = "cuda"  # a CPU smoke test of the data/reference/report code may set this to "cpu"
+PAGE = 64
+SCALE = 1.0 / math.sqrt(192.0)
+FLUSH_BYTES = 512 * 1024 * 1024
+SPIN_CYCLES = 40000          # ~20 us at ~2 GHz
+REL_L2_TOL, LSE_TOL = 2e-2, 1e-2
+
+# Best anchor (fastest correct cold time, us) per config, copied from the static anchor tables:
+#   main grid: shared/anchors/RESULTS.md, table "Best anchor per config (cold, correct results only)";
+#   ext grid : shared/anchors/RESULTS_ext.md, "best anchor" tables of groups A, B and C.
+# Measured on another H200 (power-capped, ~10 % machine-to-machine drift): indicative only. Lrand rows
+# used other random lengths (same distribution), so their ratio is approximate too.
+STATIC_BEST = {
+    # ---- RESULTS.md (main grid) ----
+    "h128_s1_b1_L1024": ("FlashInfer fa3", 18.0), "h128_s1_b1_L4096": ("FA3 (ns<=32)", 22.9),
+    "h128_s1_b1_L16384": ("FA3 (ns<=32)", 32.8), "h128_s1_b32_L1024": ("FlashInfer fa3", 34.9),
+    "h128_s1_b32_L4096": ("FlashMLA", 79.0), "h128_s1_b32_L16384": ("FlashMLA", 247.5),
+    "h128_s1_b128_L1024": ("FlashInfer fa3", 82.0), "h128_s1_b128_L4096": ("FlashMLA", 251.1),
+    "h128_s1_b128_L16384": ("FlashMLA", 972.5), "h128_s1_b128_Lrand": ("FlashMLA", 261.6),
+    "h128_s2_b1_L1024": ("FlashMLA", 22.0), "h128_s2_b1_L4096": ("FlashInfer fa3", 28.3),
+    "h128_s2_b1_L16384": ("FlashInfer fa3", 36.6), "h128_s2_b32_L1024": ("FlashInfer fa3", 43.6),
+    "h128_s2_b32_L4096": ("FlashMLA", 121.6), "h128_s2_b32_L16384": ("FlashMLA", 452.7),
+    "h128_s2_b128_L1024": ("FlashMLA", 141.3), "h128_s2_b128_L4096": ("FlashMLA", 476.5),
+    "h128_s2_b128_L16384": ("FlashMLA", 1792.6), "h128_s2_b128_Lrand": ("FlashMLA", 518.1),
+    "h16_s1_b1_L1024": ("FA3 (ns<=32)", 17.7), "h16_s1_b1_L4096": ("FA3 (ns=0)", 21.1),
+    "h16_s1_b1_L16384": ("FA3 (ns=0)", 27.8), "h16_s1_b32_L1024": ("FlashInfer fa3", 23.0),
+    "h16_s1_b32_L4096": ("FlashInfer fa3", 48.2), "h16_s1_b32_L16384": ("FlashInfer fa3", 153.2),
+    "h16_s1_b128_L1024": ("FlashInfer fa3", 47.2), "h16_s1_b128_L4096": ("FlashInfer fa3", 151.1),
+    "h16_s1_b128_L16384": ("FlashMLA", 577.9), "h16_s1_b128_Lrand": ("FlashMLA", 164.5),
+    "h16_s2_b1_L1024": ("FlashMLA", 20.6), "h16_s2_b1_L4096": ("FlashInfer fa3", 24.3),
+    "h16_s2_b1_L16384": ("FA3 (ns=0)", 31.5), "h16_s2_b32_L1024": ("FlashInfer fa3", 25.1),
+    "h16_s2_b32_L4096": ("FlashInfer fa3", 50.0), "h16_s2_b32_L16384": ("FlashInfer fa3", 155.6),
+    "h16_s2_b128_L1024": ("FlashInfer fa3", 47.9), "h16_s2_b128_L4096": ("FlashInfer fa3", 153.1),
+    "h16_s2_b128_L16384": ("FlashMLA", 592.4), "h16_s2_b128_Lrand": ("FlashMLA", 165.1),
+    "h128_s4_b32_L4096": ("FlashMLA", 225.1),
+    # ---- RESULTS_ext.md (ext grid; group A, B, C page-16 rows) ----
+    "h32_s1_b32_L4096": ("FlashInfer fa3", 49.2), "h32_s1_b32_L65536": ("FlashMLA", 578.8),
+    "h32_s1_b128_L4096": ("FlashInfer fa3", 151.5), "h32_s1_b128_L65536": ("FlashMLA", 2278.7),
+    "h64_s1_b32_L4096": ("FlashInfer fa3", 53.2), "h64_s1_b32_L65536": ("FlashMLA", 593.3),
+    "h64_s1_b128_L4096": ("FlashInfer fa3", 156.0), "h64_s1_b128_L65536": ("FlashMLA", 2380.7),
+    "h128_s64_b32_L4096": ("FlashMLA", 3566.4), "h16_s64_b32_L4096": ("FlashMLA", 425.8),
+    "h16_s1_b1_L4096_p16": ("FA3 (ns=0)", 20.9), "h16_s1_b1_L16384_p16": ("FA3 (ns=0)", 27.6),
+    "h16_s1_b128_L4096_p16": ("FlashInfer fa3", 160.4), "h16_s1_b128_L16384_p16": ("FA3 (ns<=32)", 599.5),
+    "h128_s1_b1_L4096_p16": ("FlashInfer fa3", 23.3), "h128_s1_b1_L16384_p16": ("FA3 (ns<=32)", 33.4),
+    "h128_s1_b128_L4096_p16": ("FlashInfer fa3", 262.6), "h128_s1_b128_L16384_p16": ("FlashInfer fa3", 1039.5),
+}
+
+QUICK = ["h128_s1_b1_L16384", "h128_s1_b128_L4096", "h128_s2_b32_L4096", "h128_s1_b128_Lrand",
+         "h16_s1_b1_L4096", "h16_s1_b128_L16384", "h16_s2_b32_L1024", "h16_s1_b128_L4096_p16"]
+
+
+def log(*a):
+    print(*a, flush=True)
+
+
+# ----------------------------------------------------------------------------------------------
+# configs
+# ----------------------------------------------------------------------------------------------
+def cfg(h_q, s_q, b, L, page=PAGE, grid="main"):
+    name = f"h{h_q}_s{s_q}_b{b}_L{L}" + ("" if page == PAGE else f"_p{page}")
+    return dict(name=name, h_q=h_q, s_q=s_q, b=b, L=L, page=page, grid=grid)
+
+
+def main_configs():
+    out = []
+    for h_q in (128, 16):
+        for s_q in (1, 2):
+            for b in (1, 32, 128):
+                for L in (1024, 4096, 16384):
+                    out.append(cfg(h_q, s_q, b, L))
+            out.append(cfg(h_q, s_q, 128, "rand"))
+    out.append(cfg(128, 4, 32, 4096))
+    return out
+
+
+def ext_configs():
+    out = []
+    for h_q in (32, 64):                       # TP4 / TP2 head counts
+        for b in (32, 128):
+            for L in (4096, 65536):
+                out.append(cfg(h_q, 1, b, L, grid="ext"))
+    for s_q in (4, 64):                        # speculative decoding (causal)
+        for h_q in (128, 16):
+            out.append(cfg(h_q, s_q, 32, 4096, grid="ext"))
+    for h_q in (16, 128):                      # page 16 next to its page-64 twin
+        for b in (1, 128):
+            for L in (4096, 16384):
+                for page in (16, 64):
+                    out.append(cfg(h_q, 1, b, L, page=page, grid="ext"))
+    return out
+
+
+def select_configs(which, quick, only):
+    if which == "main":
+        cs = main_configs()
+    elif which == "ext":
+        cs = ext_configs()
+    else:
+        cs = main_configs() + ext_configs()
+    if quick:
+        pool = {c["name"]: c for c in main_configs() + ext_configs()}
+        cs = [pool[n] for n in QUICK]
+    seen, uniq = set(), []
+    for c in cs:
+        if c["name"] not in seen:
+            seen.add(c["name"])
+            uniq.append(c)
+    if only:
+        keys = [k for k in only.split(",") if k]
+        uniq = [c for c in uniq if any(k in c["name"] for k in keys)]
+    return uniq
+
+
+# ----------------------------------------------------------------------------------------------
+# data and float32 reference
+# ----------------------------------------------------------------------------------------------
+def make_problem(c, seed):
+    gen = torch.Generator().manual_seed(seed)
+    b, s_q, h_q, page = c["b"], c["s_q"], c["h_q"], c["page"]
+    if c["L"] == "rand":
+        lens = torch.randint(1, 8193, (b,), generator=gen).clamp_min(s_q).to(torch.int32)
+    else:
+        lens = torch.full((b,), int(c["L"]), dtype=torch.int32)
+    npages = (lens + page - 1) // page
+    total = int(npages.sum())
+    order = torch.randperm(total, generator=gen).to(torch.int32)
+    table = torch.zeros(b, int(npages.max()), dtype=torch.int32)
+    start = 0
+    for i, n in enumerate(npages.tolist()):
+        table[i, :n] = order[start:start + n]
+        start += n
+    dgen = torch.Generator(device=DEV).manual_seed(seed)
+    kv = torch.randn(total, page, 1, D_QK, dtype=torch.bfloat16, device=DEV, generator=dgen)
+    q = torch.randn(b, s_q, h_q, D_QK, dtype=torch.bfloat16, device=DEV, generator=dgen)
+    return dict(q=q, kv=kv, table=table.to(DEV), lens=lens.to(DEV), table_cpu=table, lens_cpu=lens,
+                npages_cpu=npages, page=page)
+
+
+@torch.no_grad()
+def reference_fp32(p, causal):
+    """out [b, s_q, h_q, 512] fp32 and lse [b, s_q, h_q] fp32 (natural log), one request at a time."""
+    q, page = p["q"], p["page"]
+    b, s_q, h_q, _ = q.shape
+    pages = p["kv"].view(-1, page, D_QK)
+    out = torch.empty(b, s_q, h_q, D_V, dtype=torch.float32, device=DEV)
+    lse = torch.empty(b, s_q, h_q, dtype=torch.float32, device=DEV)
+    for i in range(b):
+        L = int(p["lens_cpu"][i])
+        ids = p["table_cpu"][i, :int(p["npages_cpu"][i])].to(DEV).long()
+        k = pages.index_select(0, ids).reshape(-1, D_QK)[:L].float()              # [L, 576]
+        logits = (q[i].float().reshape(s_q * h_q, D_QK) @ k.t()) * SCALE           # [(t,h), L]
+        if causal and s_q > 1:
+            last = L - s_q + torch.arange(s_q, device=DEV)                      # last visible key
+            hide = torch.arange(L, device=DEV)[None, :] > last[:, None]         # [s_q, L]
+            logits = logits.view(s_q, h_q, L).masked_fill(hide[:, None, :], float("-inf"))
+            logits = logits.view(s_q * h_q, L)
+        m = torch.logsumexp(logits, dim=-1)
+        out[i] = (torch.exp(logits - m[:, None]) @ k[:, :D_V]).view(s_q, h_q, D_V)
+        lse[i] = m.view(s_q, h_q)
+    return out, lse
+
+
+def compare(out, lse, ref_out, ref_lse):
+    o = out.float()
+    r = dict(nonfinite=int((~torch.isfinite(o)).sum()),
+             rel_l2=float((o - ref_out).norm() / ref_out.norm()),
+             max_abs=float((o - ref_out).abs().max()))
+    l = lse.float()
+    r["lse_nonfinite"] = int((~torch.isfinite(l)).sum())
+    r["lse_max_abs"] = float((l - ref_lse).abs().max())
+    r["ok"] = bool(r["nonfinite"] == 0 and r["lse_nonfinite"] == 0 and r["rel_l2"] < REL_L2_TOL
+                   and r["lse_max_abs"] < LSE_TOL)
+    return r
+
+
+# ----------------------------------------------------------------------------------------------
+# timing
+# ----------------------------------------------------------------------------------------------
+class GraphTimer:
+    def __init__(self):
+        self.buf = torch.ones(FLUSH_BYTES // 2, dtype=torch.bfloat16, device=DEV)
+        self.sink = torch.empty((), dtype=torch.float32, device=DEV)
+
+    def flush(self):
+        torch.sum(self.buf, 0, dtype=torch.float32, out=self.sink)
+
+    def estimate_ms(self, fn):
+        s, e = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
+        self.flush()
+        s.record()
+        fn()
+        e.record()
+        e.synchronize()
+        return s.elapsed_time(e)
+
+    def time(self, graph, rep_ms, min_reps=20, max_reps=600):
+        for _ in range(3):
+            graph.replay()
+        est = self.estimate_ms(graph.replay)
+        flush_ms = self.estimate_ms(self.flush)
+        n = int(max(min_reps, min(max_reps, rep_ms / (est + flush_ms + 0.01))))
+        res = dict(reps=n)
+        for mode in ("cold", "warm"):
+            ev = [(torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True))
+                  for _ in range(n)]
+            for s, e in ev:
+                if mode == "cold":
+                    self.flush()
+                else:
+                    torch.cuda._sleep(SPIN_CYCLES)
+                s.record()
+                graph.replay()
+                e.record()
+            torch.cuda.synchronize()
+            ts = sorted(s.elapsed_time(e) * 1e3 for s, e in ev)
+            res[f"{mode}_us"] = statistics.median(ts)
+            res[f"{mode}_p10_us"] = ts[len(ts) // 10]
+            res[f"{mode}_p90_us"] = ts[(9 * len(ts)) // 10]
+        return res
+
+
+def capture(fn):
+    """CUDA graph of fn() (warmed up on a side stream); returns (graph, outputs of the captured call)."""
+    side = torch.cuda.Stream()
+    side.wait_stream(torch.cuda.current_stream())
+    with torch.cuda.stream(side):
+        for _ in range(2):
+            fn()
+    torch.cuda.current_stream().wait_stream(side)
+    torch.cuda.synchronize()
+    g = torch.cuda.CUDAGraph()
+    with torch.cuda.graph(g):
+        outs = fn()
+    torch.cuda.synchronize()
+    return g, outs
+
+
+# ----------------------------------------------------------------------------------------------
+# kernels: prepare(p, c) -> dict(eager=fn() -> (out, lse) into poisoned outputs, graph_fn=fn() -> (out, lse))
+# out is [b, s_q, h_q, 512]; lse is [b, s_q, h_q]
+# ----------------------------------------------------------------------------------------------
+class Ours:
+    name = "mla_attn"
+
+    def __init__(self):
+        import mla_attn
+        self.m = mla_attn
+        try:
+            self.build_info = mla_attn.build_info()
+        except Exception as e:  # pragma: no cover
+            self.build_info = repr(e)
+
+    def metadata(self, p, c):
+        return self.m.get_decode_metadata(p["lens"], c["h_q"], s_q=c["s_q"], causal=c["s_q"] > 1)
+
+    def prepare(self, p, c):
+        causal = c["s_q"] > 1
+        md = self.metadata(p, c)
+        q, kv, table, lens = p["q"], p["kv"], p["table"], p["lens"]
+        dec = self.m.mla_decode
+        buf = torch.empty(q.shape[:-1] + (D_V,), dtype=q.dtype, device=q.device)
+
+        def eager():
+            buf.fill_(float("nan"))
+            # lse is allocated by the op: leave a NaN block of its size in the caching allocator
+            junk = torch.full(q.shape[:-1], float("nan"), dtype=torch.float32, device=q.device)
+            del junk
+            return dec(q, kv, table, lens, softmax_scale=SCALE, causal=causal, return_lse=True,
+                       metadata=md, out=buf)
+
+        def graph_fn():
+            return dec(q, kv, table, lens, softmax_scale=SCALE, causal=causal, return_lse=True,
+                       metadata=md)
+
+        info = dict(num_sm_parts=int(md.num_sm_parts))
+        try:
+            rs = md.req_splits.cpu()
+            info["max_splits"] = int(rs[:, 0].max()) if rs.numel() else 0
+        except Exception:
+            pass
+        return dict(eager=eager, graph_fn=graph_fn, info=info, keep=(md, buf))
+
+
+class FlashInferFA3:
+    name = "flashinfer_fa3"
+
+    def __init__(self):
+        import flashinfer
+        from flashinfer.mla import BatchMLAPagedAttentionWrapper, MLAPlanMetadata
+        self.version = flashinfer.__version__
+        self.Wrapper, self.Meta = BatchMLAPagedAttentionWrapper, MLAPlanMetadata
+        self.workspace = torch.empty(256 << 20, dtype=torch.uint8, device=DEV)
+
+    def prepare(self, p, c):
+        q = p["q"]
+        b, s_q, h_q, _ = q.shape
+        npages = p["npages_cpu"]
+        qo_indptr = torch.arange(b + 1, dtype=torch.int32) * s_q
+        kv_indptr = torch.cat([torch.zeros(1, dtype=torch.int32), torch.cumsum(npages, 0).to(torch.int32)])
+        kv_indices = torch.cat([p["table_cpu"][i, :int(n)] for i, n in enumerate(npages.tolist())])
+        kv_indices = kv_indices.to(torch.int32).to(DEV)
+        w = self.Wrapper(self.workspace, backend="fa3")
+        w.plan(metadata=self.Meta.csr(qo_indptr=qo_indptr, kv_indptr=kv_indptr, kv_indices=kv_indices,
+                                      kv_len_arr=p["lens_cpu"].clone()),
+               num_heads=h_q, head_dim_ckv=D_V, head_dim_kpe=D_QK - D_V, page_size=p["page"],
+               causal=s_q > 1, sm_scale=SCALE, q_data_type=torch.bfloat16, kv_data_type=torch.bfloat16,
+               query_layout="packed", kv_cache_layout="packed", lse_mode="basee")
+        qf = q.view(b * s_q, h_q, D_QK)
+        cache = p["kv"].view(-1, p["page"], D_QK)
+        out = torch.empty(b * s_q, h_q, D_V, dtype=torch.bfloat16, device=DEV)
+        lse = torch.empty(b * s_q, h_q, dtype=torch.float32, device=DEV)
+
+        def run():
+            w.run(query=qf, kv_cache=cache, out=out, lse=lse, return_lse=True, return_lse_base_on_e=True)
+            return out.view(b, s_q, h_q, D_V), lse.view(b, s_q, h_q)
+
+        def eager():
+            out.fill_(float("nan"))
+            lse.fill_(float("nan"))
+            return run()
+        return dict(eager=eager, graph_fn=run, info={}, keep=(w, kv_indices))
+
+
+# ----------------------------------------------------------------------------------------------
+# ceilings
+# ----------------------------------------------------------------------------------------------
+def _event_ms(fn, warmup, iters):
+    for _ in range(warmup):
+        fn()
+    ts = []
+    for _ in range(iters):
+        s, e = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
+        s.record()
+        fn()
+        e.record()
+        ts.append((s, e))
+    torch.cuda.synchronize()
+    return statistics.median(s.elapsed_time(e) for s, e in ts)
+
+
+def _make_stream_read():
+    import triton
+    import triton.language as tl
+
+    @triton.jit
+    def stream_read(src, dst, chunk, TILE: tl.constexpr):
+        # each program sums one contiguous chunk of `chunk` elements (a multiple of TILE)
+        row = tl.program_id(0).to(tl.int64) * chunk
+        acc = tl.zeros([TILE], dtype=tl.float32)
+        for off in tl.range(0, chunk, TILE, num_stages=3):
+            acc += tl.load(src + row + off + tl.arange(0, TILE)).to(tl.float32)
+        tl.store(dst + tl.program_id(0), tl.sum(acc, axis=0))
+    return stream_read
+
+
+def measure_ceilings():
+    res = {}
+    n = 1 << 31                                     # 4 GiB of bf16
+    x = torch.randn(n, dtype=torch.bfloat16, device=DEV)
+    sink = torch.empty((), dtype=torch.float32, device=DEV)
+    ms = _event_ms(lambda: torch.sum(x, 0, dtype=torch.float32, out=sink), 5, 20)
+    res["read_torch_sum_TBps"] = 2 * n / ms / 1e9
+    try:
+        kern = _make_stream_read()
+        sms = torch.cuda.get_device_properties(0).multi_processor_count
+        best = 0.0
+        for progs in (sms * 8, sms * 16, sms * 32):
+            for tile in (2048, 4096):
+                chunk = n // progs // tile * tile
+                dst = torch.empty(progs, dtype=torch.float32, device=DEV)
+                ms = _event_ms(lambda: kern[(progs,)](x, dst, chunk, TILE=tile, num_warps=8), 3, 15)
+                best = max(best, 2 * progs * chunk / ms / 1e9)
+        res["read_triton_TBps"] = best
+    except Exception as e:
+        res["read_triton_error"] = repr(e)[:300]
+    res["read_TBps"] = max(res.get("read_triton_TBps", 0.0), res["read_torch_sum_TBps"])
+    del x
+    torch.cuda.empty_cache()
+    a = torch.randn(8192, 8192, dtype=torch.bfloat16, device=DEV)
+    bm = torch.randn(8192, 8192, dtype=torch.bfloat16, device=DEV)
+    c = torch.empty(8192, 8192, dtype=torch.bfloat16, device=DEV)
+    t_end = time.time() + 0.5                       # ~0.5 s warm-up (clocks / power settle)
+    while time.time() < t_end:
+        torch.matmul(a, bm, out=c)
+        torch.cuda.synchronize()
+    ms = _event_ms(lambda: torch.matmul(a, bm, out=c), 2, 50)
+    res["mm8192_bf16_TFLOPs"] = 2 * 8192 ** 3 / ms / 1e9
+    res["nvml_after_mm"] = nvml_sample()
+    del a, bm, c
+    torch.cuda.empty_cache()
+    return res
+
+
+_NVML = []
+
+
+def nvml_sample():
+    try:
+        import pynvml
+        if not _NVML:
+            pynvml.nvmlInit()
+            _NVML.append(pynvml.nvmlDeviceGetHandleByIndex(torch.cuda.current_device()))
+        h = _NVML[0]
+        return dict(sm_MHz=pynvml.nvmlDeviceGetClockInfo(h, pynvml.NVML_CLOCK_SM),
+                    power_W=round(pynvml.nvmlDeviceGetPowerUsage(h) / 1000.0, 1))
+    except Exception:
+        return {}
+
+
+def smi():
+    try:
+        return subprocess.run(["nvidia-smi", "--query-gpu=name,driver_version,clocks.sm,clocks.max.sm,"
+                               "power.draw,power.limit,temperature.gpu", "--format=csv,noheader"],
+                              capture_output=True, text=True, timeout=20).stdout.strip()
+    except Exception as e:
+        return repr(e)
+
+
+# ----------------------------------------------------------------------------------------------
+# metadata timing
+# ----------------------------------------------------------------------------------------------
+def time_metadata(ours, p, c, iters=20):
+    for _ in range(3):
+        ours.metadata(p, c)
+    torch.cuda.synchronize()
+    evs, walls = [], []
+    for _ in range(iters):
+        s, e = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
+        t0 = time.perf_counter()
+        s.record()
+        ours.metadata(p, c)
+        e.record()
+        e.synchronize()
+        walls.append((time.perf_counter() - t0) * 1e6)
+        evs.append(s.elapsed_time(e) * 1e3)
+    return dict(md_us=statistics.median(evs), md_wall_us=statistics.median(walls))
+
+
+# ----------------------------------------------------------------------------------------------
+# driver
+# ----------------------------------------------------------------------------------------------
+def run_kernel(kern, p, c, ref, timer, rep_ms):
+    r = dict(kernel=kern.name)
+    try:
+        prep = kern.prepare(p, c)
+        r.update(prep["info"])
+        out, lse = prep["eager"]()
+        torch.cuda.synchronize()
+        eager_chk = compare(out, lse, *ref)
+        del out, lse
+        g, (gout, glse) = capture(prep["graph_fn"])
+        gout.fill_(float("nan"))
+        glse.fill_(float("nan"))
+        g.replay()
+        torch.cuda.synchronize()
+        graph_chk = compare(gout, glse, *ref)
+        r["eager_check"], r["graph_check"] = eager_chk, graph_chk
+        r["rel_l2"] = max(eager_chk["rel_l2"], graph_chk["rel_l2"])
+        r["max_abs"] = max(eager_chk["max_abs"], graph_chk["max_abs"])
+        r["lse_max_abs"] = max(eager_chk["lse_max_abs"], graph_chk["lse_max_abs"])
+        r["ok"] = eager_chk["ok"] and graph_chk["ok"]
+        r.update(timer.time(g, rep_ms))
+        r["nvml_after"] = nvml_sample()
+        del g, gout, glse, prep
+    except Exception:
+        r["error"] = traceback.format_exc()[-3000:]
+        r["ok"] = False
+        try:
+            torch.cuda.synchronize()
+        except Exception:
+            pass
+    return r
+
+
+def fmt(v, f="{:.1f}", none="-"):
+    return none if v is None else f.format(v)
+
+
+def write_outputs(results, out_dir):
+    os.makedirs(out_dir, exist_ok=True)
+    with open(os.path.join(out_dir, "bench_decode.json"), "w") as f:
+        json.dump(results, f, indent=1, default=str)
+    ce = results.get("ceilings") or {}
+    lines = []
+    info = results["info"]
+    lines.append(f"# mla_attn decode benchmark ({info.get('gpu')}, torch {info.get('torch')}, "
+                 f"FlashInfer {info.get('flashinfer', 'n/a')})")
+    lines.append("")
+    if ce:
+        lines.append(f"Ceilings (this run): HBM read {ce.get('read_TBps', 0):.2f} TB/s "
+                     f"(Triton {ce.get('read_triton_TBps', float('nan')):.2f}, torch.sum "
+                     f"{ce.get('read_torch_sum_TBps', 0):.2f}); bf16 matmul 8192^3 "
+                     f"{ce.get('mm8192_bf16_TFLOPs', 0):.0f} TFLOP/s")
+        lines.append("")
+    lines.append("cold/warm: median us of a CUDA-graph replay of the whole op (cold: L2 flushed by a 512 MB "
+                 "read first). TB/s and TFLOP/s from cold. FI = FlashInfer fa3 (live, this run). "
+                 "x FI = FI cold / ours cold; x static = best anchor of shared/anchors (other run) / ours "
+                 "(> 1: ours faster). md us = get_decode_metadata, eager, CUDA events.")
+    lines.append("")
+    lines.append("| config | ok | rel L2 | max abs | lse err | cold us | warm us | TB/s | TFLOP/s | md us "
+                 "| FI cold us | FI ok | x FI | static best (us) | x static |")
+    lines.append("|---|---|---|---|---|---|---|---|---|---|---|---|---|---|---|")
+    for row in results["rows"]:
+        o = row.get("ours", {})
+        fi = row.get("flashinfer_fa3")
+        st = STATIC_BEST.get(row["cfg"])
+        cold = o.get("cold_us")
+        if "error" in o and cold is None:
+            err = o["error"].strip().splitlines()[-1][:80].replace("|", "/")
+            lines.append(f"| {row['cfg']} | ERROR | {err} | | | | | | | {fmt(row.get('md_us'))} | "
+                         f"{fmt(fi.get('cold_us') if fi else None)} | | | | |")
+            continue
+        ok = "ok" if o.get("ok") else "FAIL"
+        fi_cold = fi.get("cold_us") if fi else None
+        fi_ok = "" if not fi else ("ok" if fi.get("ok") else ("ERR" if "error" in fi else "FAIL"))
+        x_fi = fi_cold / cold if (fi_cold and cold) else None
+        x_st = st[1] / cold if (st and cold) else None
+        lines.append(
+            f"| {row['cfg']} | {ok} | {fmt(o.get('rel_l2'), '{:.1e}')} | {fmt(o.get('max_abs'), '{:.1e}')} | "
+            f"{fmt(o.get('lse_max_abs'), '{:.1e}')} | {fmt(cold)} | {fmt(o.get('warm_us'))} | "
+            f"{fmt(row['bytes'] / cold / 1e6 if cold else None, '{:.2f}')} | "
+            f"{fmt(row['flops'] / cold / 1e6 if cold else None, '{:.0f}')} | {fmt(row.get('md_us'))} | "
+            f"{fmt(fi_cold)} | {fi_ok} | {fmt(x_fi, '{:.2f}')} | "
+            f"{(st[0] + ' ' + format(st[1], '.1f')) if st else '-'} | {fmt(x_st, '{:.2f}')} |")
+    rat_fi = [r["flashinfer_fa3"]["cold_us"] / r["ours"]["cold_us"] for r in results["rows"]
+              if r.get("ours", {}).get("cold_us") and (r.get("flashinfer_fa3") or {}).get("cold_us")]
+    rat_st = [STATIC_BEST[r["cfg"]][1] / r["ours"]["cold_us"] for r in results["rows"]
+              if r.get("ours", {}).get("cold_us") and r["cfg"] in STATIC_BEST]
+    lines.append("")
+    n_ok = sum(1 for r in results["rows"] if r.get("ours", {}).get("ok"))
+    lines.append(f"Correct: {n_ok}/{len(results['rows'])} configs.")
+    if rat_fi:
+        lines.append(f"Geo-mean x FI (live FlashInfer fa3 / ours): "
+                     f"{math.exp(sum(map(math.log, rat_fi)) / len(rat_fi)):.3f} over {len(rat_fi)} configs.")
+    if rat_st:
+        lines.append(f"Geo-mean x static best anchor / ours: "
+                     f"{math.exp(sum(map(math.log, rat_st)) / len(rat_st)):.3f} over {len(rat_st)} configs.")
+    if results.get("errors"):
+        lines.append("")
+        lines.append("Errors: " + "; ".join(f"{k}: {str(v).strip().splitlines()[-1][:160]}"
+                                             for k, v in results["errors"]))
+    text = "\n".join(lines) + "\n"
+    with open(os.path.join(out_dir, "bench_decode.md"), "w") as f:
+        f.write(text)
+    return text
+
+
+def main():
+    here = os.path.dirname(os.path.abspath(__file__))
+    ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    ap.add_argument("--configs", default="main", choices=("main", "ext", "all"))
+    ap.add_argument("--quick", action="store_true", help="small fixed subset (%d configs)" % len(QUICK))
+    ap.add_argument("--only", default="", help="comma list of config-name substrings")
+    ap.add_argument("--out", default=os.path.join(here, "results"))
+    ap.add_argument("--no-flashinfer", action="store_true")
+    ap.add_argument("--no-ceilings", action="store_true")
+    ap.add_argument("--rep-ms", type=float, default=100.0, help="timing budget per mode per kernel (ms)")
+    ap.add_argument("--time-budget-s", type=float, default=None,
+                    help="whole-run budget (default 300 s for main/--quick, 340 s for ext/all): rep-ms is "
+                         "scaled down when it runs short; configs still left at 1.5x the budget are skipped")
+    args = ap.parse_args()
+    if args.time_budget_s is None:
+        args.time_budget_s = 300.0 if (args.quick or args.configs == "main") else 340.0
+    t0 = time.time()
+    if not torch.cuda.is_available():
+        sys.exit("bench_decode.py needs a CUDA GPU")
+    torch.backends.cuda.matmul.allow_tf32 = False
+    torch.set_float32_matmul_precision("highest")
+    props = torch.cuda.get_device_properties(0)
+    info = dict(torch=torch.__version__, cuda=torch.version.cuda, gpu=torch.cuda.get_device_name(),
+                sms=props.multi_processor_count, smi_before=smi(), args=vars(args),
+                python=sys.version.split()[0])
+    try:
+        import triton
+        info["triton"] = triton.__version__
+    except Exception:
+        pass
+    results = dict(info=info, ceilings=None, rows=[], errors=[])
+    log(json.dumps(info, indent=1))
+
+    try:
+        ours = Ours()
+        info["mla_attn_build_info"] = ours.build_info
+    except Exception:
+        sys.exit("cannot import mla_attn:\n" + traceback.format_exc())
+    fi = None
+    if not args.no_flashinfer:
+        try:
+            fi = FlashInferFA3()
+            info["flashinfer"] = fi.version
+            log(f"FlashInfer {fi.version} loaded (backend fa3)")
+        except Exception as e:
+            results["errors"].append(("flashinfer_import", traceback.format_exc()[-1500:]))
+            log(f"FlashInfer not importable, running without it: {e!r}")
+
+    if not args.no_ceilings:
+        try:
+            results["ceilings"] = measure_ceilings()
+            log("ceilings", json.dumps(results["ceilings"]))
+        except Exception:
+            results["errors"].append(("ceilings", traceback.format_exc()[-1500:]))
+            log(traceback.format_exc())
+
+    timer = GraphTimer()
+    cfgs = select_configs(args.configs, args.quick, args.only)
+    kerns = [ours] + ([fi] if fi else [])
+    log(f"{len(cfgs)} configs, kernels: {[k.name for k in kerns]}")
+    for ci, c in enumerate(cfgs):
+        elapsed = time.time() - t0
+        left = args.time_budget_s - elapsed
+        if left < -0.5 * args.time_budget_s:
+            log(f"time budget exhausted: skipping {c['name']} and the rest")
+            results["errors"].append(("budget", f"skipped from {c['name']} ({len(cfgs) - ci} configs)"))
+            break
+        # keep ~half the remaining budget for data/reference/capture; split the rest over timings
+        per = max(left, 0.0) * 1e3 * 0.5 / max(1, len(cfgs) - ci) / (2 * len(kerns))
+        rep_ms = max(15.0, min(args.rep_ms, per))
+        causal = c["s_q"] > 1
+        row = dict(cfg=c["name"], grid=c["grid"], h_q=c["h_q"], s_q=c["s_q"], b=c["b"], L=c["L"],
+                   page=c["page"], causal=causal, rep_ms=rep_ms)
+        try:
+            ts = time.time()
+            p = make_problem(c, seed=zlib.crc32(c["name"].encode()) & 0x7FFFFFFF)
+            ref = reference_fp32(p, causal)
+            torch.cuda.synchronize()
+            t_ref = time.time() - ts
+        except Exception:
+            results["errors"].append((c["name"], "data/ref: " + traceback.format_exc()[-1500:]))
+            log(f"[{ci + 1}/{len(cfgs)}] {c['name']} data/reference FAILED\n{traceback.format_exc()}")
+            torch.cuda.empty_cache()
+            continue
+        sum_L = int(p["lens_cpu"].sum())
+        b, s_q, h_q = c["b"], c["s_q"], c["h_q"]
+        row.update(sum_L=sum_L, bytes=sum_L * D_QK * 2 + b * s_q * h_q * (D_QK + D_V) * 2,
+                   flops=2 * s_q * h_q * sum_L * (D_QK + D_V))
+        log(f"[{ci + 1}/{len(cfgs)}] {c['name']} sum_L={sum_L} KV {sum_L * D_QK * 2 / 1e6:.0f} MB "
+            f"data+ref {t_ref:.1f}s rep_ms {rep_ms:.0f} t+{time.time() - t0:.0f}s")
+        try:
+            row.update(time_metadata(ours, p, c))
+        except Exception:
+            row["md_error"] = traceback.format_exc()[-1500:]
+        for k in kerns:
+            r = run_kernel(k, p, c, ref, timer, rep_ms)
+            row["ours" if k is ours else k.name] = r
+            if "cold_us" in r:
+                log(f"   {k.name:15s} {'ok  ' if r['ok'] else 'FAIL'} relL2 {r['rel_l2']:.1e} "
+                    f"maxabs {r['max_abs']:.1e} lse {r['lse_max_abs']:.1e} | cold {r['cold_us']:8.1f} us "
+                    f"warm {r['warm_us']:8.1f} us  {row['bytes'] / r['cold_us'] / 1e6:5.2f} TB/s "
+                    f"{row['flops'] / r['cold_us'] / 1e6:5.0f} TFLOP/s ({r['reps']} reps)")
+            else:
+                log(f"   {k.name:15s} ERROR {r['error'].strip().splitlines()[-1][:300]}")
+            torch.cuda.empty_cache()
+        if "md_us" in row:
+            log(f"   get_decode_metadata {row['md_us']:.1f} us (events), {row['md_wall_us']:.1f} us host")
+        results["rows"].append(row)
+        del p, ref
+        torch.cuda.empty_cache()
+        write_outputs(results, args.out)
+
+    info["smi_after"] = smi()
+    info["elapsed_s"] = time.time() - t0
+    text = write_outputs(results, args.out)
+    log(f"\nwrote {args.out}/bench_decode.json and bench_decode.md in {info['elapsed_s']:.0f}s\n")
+    log(text)
+    n_fail = sum(1 for r in results["rows"] if not r.get("ours", {}).get("ok"))
+    sys.exit(1 if n_fail else 0)
+
+
+if __name__ == "__main__":
+    main()

@@ -1,0 +1,194 @@
+// CUDA implementations of the decode ops: input checks, params, launch. The Python layer
+// (python/mla_attn/decode.py) validates with readable messages first; these checks are the last line
+// for callers of torch.ops.mla_attn.* directly. None of them syncs with the host.
+#include <ATen/ATen.h>
+#include <ATen/cuda/CUDAContext.h>
+#include <c10/cuda/CUDAGuard.h>
+#include <torch/library.h>
+
+#include "mla_decode/config.h"
+#include "mla_decode/decode.h"
+
+namespace {
+using at::Tensor;
+using mla_decode::DecodeParams;
+
+int num_q_tiles(int64_t max_seqlen_q, int64_t num_heads_q) {
+  return int((max_seqlen_q * num_heads_q + mla_decode::kBlockM - 1) / mla_decode::kBlockM);
+}
+
+void check_sm90(const Tensor& t) {
+  const auto* prop = at::cuda::getDeviceProperties(t.device().index());
+  TORCH_CHECK(prop->major == 9 && prop->minor == 0,
+              "mla_attn: the decode kernel needs an sm_90 (Hopper) GPU; got sm_", prop->major,
+              prop->minor, " (", prop->name, ")");
+}
+
+void check_i32(const Tensor& t, const char* name, const Tensor& like) {
+  TORCH_CHECK(t.scalar_type() == at::kInt, "mla_attn: ", name, " must be int32");
+  TORCH_CHECK(t.device() == like.device(), "mla_attn: ", name, " must be on ", like.device());
+  TORCH_CHECK(t.stride(-1) == 1, "mla_attn: ", name, " must be contiguous in its last dim");
+}
+
+void mla_decode_cuda_impl(const Tensor& q, const std::optional<Tensor>& q_pe, const Tensor& kv_cache,
+                          const Tensor& block_table, const Tensor& cache_seqlens,
+                          const std::optional<Tensor>& cu_seqlens_q, int64_t max_seqlen_q,
+                          double softmax_scale, bool causal, const Tensor& tile_sched,
+                          const Tensor& req_splits, int64_t num_sm_parts, Tensor& out, Tensor& lse,
+                          const std::optional<Tensor>& k_scale) {
+  using namespace mla_decode;
+  TORCH_CHECK(!k_scale.has_value(), "mla_attn: k_scale (FP8 KV cache) is not implemented yet");
+  check_sm90(q);
+  const bool varlen = cu_seqlens_q.has_value();
+  TORCH_CHECK(q.dim() == (varlen ? 3 : 4), "mla_attn: q must be [B, s_q, h_q, D] or, with cu_seqlens_q, [T, h_q, D]");
+  TORCH_CHECK(q.scalar_type() == at::kBFloat16 || q.scalar_type() == at::kHalf, "mla_attn: q must be bf16 or fp16");
+  TORCH_CHECK(kv_cache.scalar_type() == q.scalar_type(), "mla_attn: kv_cache dtype must equal q dtype");
+  const int64_t q_dim = q.size(-1);
+  TORCH_CHECK(q_pe.has_value() ? q_dim == kHeadDimV : q_dim == kHeadDimK,
+              "mla_attn: q last dim must be 576, or 512 with q_pe given");
+  TORCH_CHECK(kv_cache.dim() == 3 || (kv_cache.dim() == 4 && kv_cache.size(2) == 1),
+              "mla_attn: kv_cache must be [pages, page_size, 576] or [pages, page_size, 1, 576]");
+  TORCH_CHECK(kv_cache.size(-1) == kHeadDimK && kv_cache.stride(-1) == 1, "mla_attn: kv_cache last dim must be 576, contiguous");
+  const int64_t page_size = kv_cache.size(1);
+  TORCH_CHECK(page_size % 16 == 0 && page_size >= 16 && page_size <= 256, "mla_attn: page_size must be a multiple of 16 in [16, 256]");
+  TORCH_CHECK(q.stride(-1) == 1 && (!q_pe.has_value() || q_pe->stride(-1) == 1), "mla_attn: q and q_pe must be contiguous in the last dim");
+  for (const Tensor& t : {q, kv_cache, block_table, cache_seqlens, out, lse}) {
+    TORCH_CHECK(t.device() == q.device(), "mla_attn: all tensors must be on ", q.device());
+  }
+  check_i32(block_table, "block_table", q);
+  check_i32(cache_seqlens, "cache_seqlens", q);
+  check_i32(tile_sched, "tile_sched", q);
+  check_i32(req_splits, "req_splits", q);
+  const int64_t batch = cache_seqlens.size(0);
+  TORCH_CHECK(block_table.dim() == 2 && block_table.size(0) == batch, "mla_attn: block_table must be [B, max_pages]");
+  TORCH_CHECK(req_splits.size(0) == batch, "mla_attn: metadata was made for another batch size");
+  if (varlen) {
+    check_i32(*cu_seqlens_q, "cu_seqlens_q", q);
+    TORCH_CHECK(cu_seqlens_q->numel() == batch + 1, "mla_attn: cu_seqlens_q must have B + 1 entries");
+  } else {
+    TORCH_CHECK(q.size(0) == batch && q.size(1) == max_seqlen_q, "mla_attn: q must be [B, s_q, h_q, D]");
+  }
+  const int64_t heads = q.size(-2);
+  TORCH_CHECK(heads >= 1 && heads <= 128, "mla_attn: h_q must be in [1, 128]");
+  TORCH_CHECK(max_seqlen_q >= 1, "mla_attn: max_seqlen_q must be >= 1");
+  const int tiles = num_q_tiles(max_seqlen_q, heads);
+  TORCH_CHECK(num_sm_parts >= 1 && num_sm_parts <= tile_sched.size(0), "mla_attn: num_sm_parts out of range");
+
+  const c10::cuda::CUDAGuard guard(q.device());
+  auto stream = at::cuda::getCurrentCUDAStream();
+
+  DecodeParams p = {};
+  auto set_q = [&](const Tensor& t, int64_t offset, const void*& ptr, int64_t& bs, int64_t& ts, int64_t& hs) {
+    ptr = static_cast<const char*>(t.data_ptr()) + offset * t.element_size();
+    bs = varlen ? 0 : t.stride(0);
+    ts = varlen ? t.stride(0) : t.stride(1);
+    hs = t.stride(-2);
+  };
+  set_q(q, 0, p.q_nope, p.q_nope_batch_stride, p.q_nope_token_stride, p.q_nope_head_stride);
+  if (q_pe.has_value()) {
+    set_q(*q_pe, 0, p.q_pe, p.q_pe_batch_stride, p.q_pe_token_stride, p.q_pe_head_stride);
+  } else {
+    set_q(q, kHeadDimV, p.q_pe, p.q_pe_batch_stride, p.q_pe_token_stride, p.q_pe_head_stride);
+  }
+  const void* unused = nullptr;
+  set_q(out, 0, unused, p.out_batch_stride, p.out_token_stride, p.out_head_stride);
+  p.out = out.data_ptr();
+  p.lse = lse.data_ptr<float>();
+  p.lse_batch_stride = varlen ? 0 : lse.stride(0);
+  p.lse_token_stride = varlen ? lse.stride(0) : lse.stride(1);
+  p.lse_head_stride = lse.stride(-1);
+
+  p.block_table = block_table.data_ptr<int>();
+  p.block_table_stride = block_table.stride(0);
+  p.max_pages = int(block_table.size(1));
+  p.cache_seqlens = cache_seqlens.data_ptr<int>();
+  p.cu_seqlens_q = varlen ? cu_seqlens_q->data_ptr<int>() : nullptr;
+  p.kv = kv_cache.data_ptr();
+  p.kv_page_stride = kv_cache.stride(0);
+  p.kv_token_stride = kv_cache.stride(1);
+  p.num_pages = int(kv_cache.size(0));
+  p.page_size = int(page_size);
+  p.batch = int(batch);
+  p.num_heads_q = int(heads);
+  p.max_seqlen_q = int(max_seqlen_q);
+  p.scale_log2 = float(softmax_scale * M_LOG2E);
+  p.causal = causal;
+  p.tile_sched = tile_sched.data_ptr<int>();
+  p.req_splits = req_splits.data_ptr<int>();
+  p.num_sm_parts = int(num_sm_parts);
+  p.num_q_tiles = tiles;
+  // At most 2 (parts - 1) pieces belong to split requests (each part boundary cuts one request).
+  Tensor partial_out, partial_lse;
+  if (num_sm_parts > 1) {
+    const int64_t rows = 2 * (num_sm_parts - 1) * int64_t(tiles) * kBlockM;
+    partial_out = at::empty({rows, kHeadDimV}, q.options().dtype(at::kFloat));
+    partial_lse = at::empty({rows}, q.options().dtype(at::kFloat));
+    p.partial_out = partial_out.data_ptr<float>();
+    p.partial_lse = partial_lse.data_ptr<float>();
+  }
+  if (batch == 0) return;
+
+  const bool bf16 = q.scalar_type() == at::kBFloat16;
+  DecodeTma tma;
+  const char* tma_error = make_kv_tma(p, bf16, &tma);
+  TORCH_CHECK(tma_error == nullptr, "mla_attn: ", tma_error ? tma_error : "");
+  const cudaError_t err = bf16 ? run_mla_decode<cutlass::bfloat16_t>(p, tma, stream)
+                               : run_mla_decode<cutlass::half_t>(p, tma, stream);
+  C10_CUDA_CHECK(err);
+}
+
+std::tuple<Tensor, Tensor> mla_decode_cuda(const Tensor& q, const std::optional<Tensor>& q_pe,
+                                           const Tensor& kv_cache, const Tensor& block_table,
+                                           const Tensor& cache_seqlens,
+                                           const std::optional<Tensor>& cu_seqlens_q,
+                                           int64_t max_seqlen_q, double softmax_scale, bool causal,
+                                           const Tensor& tile_sched, const Tensor& req_splits,
+                                           int64_t num_sm_parts, const std::optional<Tensor>& k_scale) {
+  auto out_shape = q.sizes().vec();
+  out_shape.back() = mla_decode::kHeadDimV;
+  Tensor out = at::empty(out_shape, q.options());
+  Tensor lse = at::empty(q.sizes().slice(0, q.dim() - 1), q.options().dtype(at::kFloat));
+  mla_decode_cuda_impl(q, q_pe, kv_cache, block_table, cache_seqlens, cu_seqlens_q, max_seqlen_q,
+                       softmax_scale, causal, tile_sched, req_splits, num_sm_parts, out, lse, k_scale);
+  return {out, lse};
+}
+
+void mla_decode_out_cuda(const Tensor& q, const std::optional<Tensor>& q_pe, const Tensor& kv_cache,
+                         const Tensor& block_table, const Tensor& cache_seqlens,
+                         const std::optional<Tensor>& cu_seqlens_q, int64_t max_seqlen_q,
+                         double softmax_scale, bool causal, const Tensor& tile_sched,
+                         const Tensor& req_splits, int64_t num_sm_parts, Tensor out, Tensor lse,
+                         const std::optional<Tensor>& k_scale) {
+  TORCH_CHECK(out.scalar_type() == q.scalar_type() && out.size(-1) == mla_decode::kHeadDimV &&
+                  out.stride(-1) == 1,
+              "mla_attn: out must be [.., h_q, 512] of q's dtype, contiguous in the last dim");
+  TORCH_CHECK(lse.scalar_type() == at::kFloat, "mla_attn: lse must be float32");
+  mla_decode_cuda_impl(q, q_pe, kv_cache, block_table, cache_seqlens, cu_seqlens_q, max_seqlen_q,
+                       softmax_scale, causal, tile_sched, req_splits, num_sm_parts, out, lse, k_scale);
+}
+
+std::tuple<Tensor, Tensor> get_decode_metadata_cuda(const Tensor& cache_seqlens,
+                                                    const std::optional<Tensor>& cu_seqlens_q,
+                                                    int64_t max_seqlen_q, int64_t num_heads_q,
+                                                    bool causal, int64_t num_sm_parts, int64_t num_sms) {
+  (void)cu_seqlens_q; (void)max_seqlen_q; (void)num_heads_q; (void)causal;  // enter via num_sm_parts
+  check_i32(cache_seqlens, "cache_seqlens", cache_seqlens);
+  TORCH_CHECK(num_sm_parts >= 1 && num_sm_parts <= num_sms, "mla_attn: need 1 <= num_sm_parts <= num_sms");
+  const c10::cuda::CUDAGuard guard(cache_seqlens.device());
+  const int64_t batch = cache_seqlens.size(0);
+  auto opts = cache_seqlens.options().dtype(at::kInt);
+  Tensor tile_sched = at::empty({num_sms, 8}, opts);
+  Tensor req_splits = at::empty({batch, 2}, opts);
+  C10_CUDA_CHECK(mla_decode::run_decode_metadata(
+      cache_seqlens.data_ptr<int>(), int(batch), int(num_sm_parts), int(num_sms),
+      tile_sched.data_ptr<int>(), req_splits.data_ptr<int>(), at::cuda::getCurrentCUDAStream()));
+  return {tile_sched, req_splits};
+}
+
+}  // namespace
+
+TORCH_LIBRARY_IMPL(mla_attn, CUDA, m) {
+  m.impl("mla_decode", &mla_decode_cuda);
+  m.impl("mla_decode_out", &mla_decode_out_cuda);
+  m.impl("get_decode_metadata", &get_decode_metadata_cuda);
+}

@@ -1,0 +1,36 @@
+// Op schemas of the mla_attn library. The only place that defines them.
+//
+// Every op has a functional form returning fresh tensors and an `_out` form that writes into
+// caller-provided tensors (mutable args, returns nothing), because custom ops may not return an
+// alias of an input. Keyword-only arguments after `*` are where later features (FP8 scale,
+// deterministic split policy) are added without breaking callers.
+//
+// CUDA kernels are registered in decode_api.cpp; CPU implementations (the reference) and the fake
+// (meta) kernels are registered from Python in python/mla_attn/_ops.py.
+#include <torch/library.h>
+
+TORCH_LIBRARY(mla_attn, m) {
+  // Split-KV work partition for mla_decode, computed on the device (no host sync).
+  //   cache_seqlens int32 [B]; cu_seqlens_q int32 [B+1] or None (then every request has max_seqlen_q
+  //   tokens). Returns tile_sched int32 [num_sms, 8] (rows >= num_sm_parts unused) and
+  //   req_splits int32 [B, 2] = (number of splits, first partial-workspace slot).
+  m.def(
+      "get_decode_metadata(Tensor cache_seqlens, Tensor? cu_seqlens_q, int max_seqlen_q, "
+      "int num_heads_q, bool causal, int num_sm_parts, int num_sms) -> (Tensor, Tensor)");
+
+  // Absorbed MLA decode over a paged latent cache.
+  //   q        [B, s_q, h_q, 576|512] or varlen [T, h_q, 576|512] (with cu_seqlens_q)
+  //   q_pe     None, or [.., h_q, 64] when q holds only the 512 latent dims
+  //   kv_cache [num_pages, page_size, 576] or [num_pages, page_size, 1, 576]
+  //   returns  out [.., h_q, 512] (q's dtype), lse fp32 [.., h_q] (natural log, +inf = no key)
+  m.def(
+      "mla_decode(Tensor q, Tensor? q_pe, Tensor kv_cache, Tensor block_table, Tensor cache_seqlens, "
+      "Tensor? cu_seqlens_q, int max_seqlen_q, float softmax_scale, bool causal, "
+      "Tensor tile_sched, Tensor req_splits, int num_sm_parts, *, Tensor? k_scale=None) "
+      "-> (Tensor, Tensor)");
+  m.def(
+      "mla_decode_out(Tensor q, Tensor? q_pe, Tensor kv_cache, Tensor block_table, "
+      "Tensor cache_seqlens, Tensor? cu_seqlens_q, int max_seqlen_q, float softmax_scale, "
+      "bool causal, Tensor tile_sched, Tensor req_splits, int num_sm_parts, Tensor(a!) out, "
+      "Tensor(b!) lse, *, Tensor? k_scale=None) -> ()");
+}

@@ -1,0 +1,23 @@
+// Decode geometry: numbers only.
+#pragma once
+
+namespace mla_decode {
+
+constexpr int kHeadDimK = 576;       // 512 latent + 64 rope; K = all of it
+constexpr int kHeadDimV = 512;       // V = the first 512 columns of the K tile
+constexpr int kBlockM = 64;          // query rows ((token, head) pairs) per tile
+constexpr int kBlockN = 64;          // keys per KV block
+constexpr int kStages = 2;           // KV blocks in flight (2 x 72 KB + 72 KB of Q fill shared memory)
+constexpr int kNumMathWarpgroups = 2;
+constexpr int kNumThreads = (kNumMathWarpgroups + 1) * 128;  // + one producer warpgroup
+constexpr int kMathRegisters = 232;  // 2 x 128 x 232 + 128 x 40 <= 64K registers
+constexpr int kProducerRegisters = 40;
+constexpr int kTmaColumns = 64;      // one 128-byte swizzle atom of bf16/fp16
+constexpr int kFixedSplitCost = 5;   // scheduler: cost of a split in blocks (metadata.py: FIXED_COST)
+constexpr int kCombineRowsPerCta = 8;  // one warp per row
+
+static_assert(kHeadDimK % kTmaColumns == 0, "K head dim must be whole swizzle atoms");
+static_assert(kHeadDimV == kNumMathWarpgroups * 256, "each math warpgroup owns 256 output columns");
+static_assert(kBlockN % 16 == 0 && kBlockM == 64, "one WGMMA M-tile per warpgroup");
+
+}  // namespace mla_decode

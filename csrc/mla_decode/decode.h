@@ -1,0 +1,25 @@
+// Launchers of the decode kernels (declarations only: the bindings never parse CuTe).
+#pragma once
+#include <cuda_runtime.h>
+#include "mla_decode/params.h"
+
+namespace cutlass {  // element types of the instantiations, declared so the bindings need no CUTLASS
+struct bfloat16_t;
+struct half_t;
+}  // namespace cutlass
+
+namespace mla_decode {
+
+// Builds the TMA descriptor for the paged cache; returns an error message or nullptr.
+const char* make_kv_tma(const DecodeParams& params, bool is_bf16, DecodeTma* tma);
+
+// Split kernel + (when any request is split) the combine kernel, chained with PDL.
+template <typename Element>
+cudaError_t run_mla_decode(const DecodeParams& params, const DecodeTma& tma, cudaStream_t stream);
+
+// One-warp scheduler kernel: fills tile_sched [num_sms, 8] and req_splits [batch, 2]. The partition
+// depends on the KV lengths only; query lengths and heads enter through num_sm_parts.
+cudaError_t run_decode_metadata(const int* cache_seqlens, int batch, int num_sm_parts, int num_sms,
+                                int* tile_sched, int* req_splits, cudaStream_t stream);
+
+}  // namespace mla_decode

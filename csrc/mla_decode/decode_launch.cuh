@@ -1,0 +1,38 @@
+// Host launcher of the split kernel and the combine kernel (templated on the element type; explicit
+// instantiations live in instantiations/).
+#pragma once
+#include <cuda_runtime.h>
+
+#include "mla_decode/combine_kernel.cuh"
+#include "mla_decode/decode.h"
+#include "mla_decode/decode_kernel.cuh"
+
+namespace mla_decode {
+
+template <typename Element>
+cudaError_t run_mla_decode(const DecodeParams& params, const DecodeTma& tma, cudaStream_t stream) {
+  using Traits = DecodeTraits<Element>;
+  auto kernel = mla_decode_kernel<Traits>;
+  constexpr int smem = Traits::kSmemBytes + 1024;  // + slack to align the map to 1024 bytes
+  const cudaError_t attr =
+      cudaFuncSetAttribute(kernel, cudaFuncAttributeMaxDynamicSharedMemorySize, smem);
+  if (attr != cudaSuccess) return attr;
+  const dim3 grid(params.num_q_tiles, params.num_sm_parts);
+  kernel<<<grid, kNumThreads, smem, stream>>>(params, tma);
+  cudaError_t err = cudaGetLastError();
+  if (err != cudaSuccess || params.num_sm_parts == 1) return err;  // one part: nothing is split
+
+  const int max_rows = params.max_seqlen_q * params.num_heads_q;
+  cudaLaunchConfig_t config = {};
+  config.gridDim = dim3(params.batch, (max_rows + kCombineRowsPerCta - 1) / kCombineRowsPerCta);
+  config.blockDim = dim3(kCombineRowsPerCta * 32);
+  config.stream = stream;
+  cudaLaunchAttribute pdl[1];
+  pdl[0].id = cudaLaunchAttributeProgrammaticStreamSerialization;
+  pdl[0].val.programmaticStreamSerializationAllowed = 1;
+  config.attrs = pdl;
+  config.numAttrs = 1;
+  return cudaLaunchKernelEx(&config, mla_combine_kernel<Element>, params);
+}
+
+}  // namespace mla_decode

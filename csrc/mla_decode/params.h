@@ -1,0 +1,50 @@
+// The only host/device contract of the decode kernels: a plain struct, element strides in int64.
+#pragma once
+#include <cuda.h>  // CUtensorMap (type only; the driver entry point is fetched at run time)
+#include <cstdint>
+
+namespace mla_decode {
+
+struct DecodeParams {
+  // Queries, split into the latent part and the rope part (views of one tensor or two tensors).
+  // Row (request b, token t, head h) of q, out and lse lives at
+  //   b * batch_stride + (first_token(b) + t) * token_stride + h * head_stride,
+  // first_token(b) = cu_seqlens_q ? cu_seqlens_q[b] : 0 (varlen tensors have batch_stride 0).
+  const void* q_nope;  // [.., h_q, 512]
+  const void* q_pe;    // [.., h_q, 64]
+  int64_t q_nope_batch_stride, q_nope_token_stride, q_nope_head_stride;
+  int64_t q_pe_batch_stride, q_pe_token_stride, q_pe_head_stride;
+
+  void* out;   // [.., h_q, 512], q's dtype
+  float* lse;  // [.., h_q] fp32, natural log
+  int64_t out_batch_stride, out_token_stride, out_head_stride;
+  int64_t lse_batch_stride, lse_token_stride, lse_head_stride;
+
+  const int* block_table;  // [batch, max_pages]
+  int64_t block_table_stride;
+  const int* cache_seqlens;  // [batch]
+  const int* cu_seqlens_q;   // [batch + 1] or nullptr (uniform: every request has max_seqlen_q tokens)
+
+  // Paged cache [num_pages, page_size, 576]; read through `kv_tma` only.
+  const void* kv;
+  int64_t kv_page_stride, kv_token_stride;
+  int num_pages, page_size, max_pages;
+
+  int batch, num_heads_q, max_seqlen_q;
+  float scale_log2;  // softmax_scale * log2(e)
+  bool causal;
+
+  // Split-KV schedule (see python/mla_attn/metadata.py) and the fp32 workspace for split partials.
+  const int* tile_sched;  // [num_sms, 8]: begin_b, begin_blk, last_b, last_hi, begin_split
+  const int* req_splits;  // [batch, 2]: num_splits, first workspace slot
+  int num_sm_parts, num_q_tiles;
+  float* partial_out;  // [slots * num_q_tiles * 64, 512]
+  float* partial_lse;  // [slots * num_q_tiles * 64]
+};
+
+struct DecodeTma {
+  CUtensorMap kv;  // 3-D (576, page_size, num_pages), box (64, rows_per_copy, 1), 128-byte swizzle
+  int rows_per_copy;
+};
+
+}  // namespace mla_decode

@@ -1,0 +1,60 @@
+// Split-KV scheduler, on the device so that mla_decode stays CUDA-graph safe (no host sync).
+// The algorithm is specified once in python/mla_attn/metadata.py (schedule_cpu); this kernel must
+// produce the same tensors bit for bit (tests compare them).
+#include "common/device_utils.cuh"
+#include "mla_decode/config.h"
+#include "mla_decode/decode.h"
+
+namespace mla_decode {
+
+__global__ void decode_metadata_kernel(const int* cache_seqlens, int batch, int num_sm_parts,
+                                       int num_sms, int* tile_sched, int* req_splits) {
+  // One warp: lanes sum the cost; lane 0 walks the requests (the walk is inherently sequential).
+  const int lane = threadIdx.x;
+  auto num_blocks = [&](int b) { return mla_common::ceil_div(max(cache_seqlens[b], 0), kBlockN); };
+  long long total = 0;
+  for (int b = lane; b < batch; b += 32) total += num_blocks(b) + kFixedSplitCost;
+#pragma unroll
+  for (int o = 16; o > 0; o /= 2) total += __shfl_xor_sync(0xffffffff, total, o);
+  for (int part = num_sm_parts + lane; part < num_sms; part += 32) {
+    int* row = tile_sched + part * 8;
+    row[0] = 0; row[1] = 0; row[2] = -1; row[3] = 0; row[4] = 0; row[5] = 0; row[6] = 0; row[7] = 0;
+  }
+  if (lane != 0) return;
+  const long long payload = (total + num_sm_parts - 1) / num_sm_parts + kFixedSplitCost;
+  int b = 0, blk = 0, split = 0, slot = 0;
+  for (int part = 0; part < num_sm_parts; ++part) {
+    int* row = tile_sched + part * 8;
+    row[0] = b < batch ? b : 0; row[1] = b < batch ? blk : 0; row[4] = b < batch ? split : 0;
+    row[5] = 0; row[6] = 0; row[7] = 0;
+    int last_b = b < batch ? b - 1 : -1, last_hi = 0;
+    long long remain = payload;
+    while (b < batch) {
+      const int n = num_blocks(b);
+      const int rest = n - blk;
+      if (rest + kFixedSplitCost <= remain || part == num_sm_parts - 1) {
+        remain -= rest + kFixedSplitCost;
+        const int num_splits = split + 1;
+        req_splits[2 * b] = num_splits;
+        req_splits[2 * b + 1] = slot;
+        if (num_splits > 1) slot += num_splits;
+        last_b = b; last_hi = n;
+        ++b; blk = 0; split = 0;
+      } else {
+        const long long take = remain - kFixedSplitCost;
+        if (take > 0) { last_b = b; last_hi = blk + int(take); blk += int(take); ++split; }
+        break;
+      }
+    }
+    row[2] = last_b; row[3] = last_hi;
+  }
+}
+
+cudaError_t run_decode_metadata(const int* cache_seqlens, int batch, int num_sm_parts, int num_sms,
+                                int* tile_sched, int* req_splits, cudaStream_t stream) {
+  decode_metadata_kernel<<<1, 32, 0, stream>>>(cache_seqlens, batch, num_sm_parts, num_sms,
+                                               tile_sched, req_splits);
+  return cudaGetLastError();
+}
+
+}  // namespace mla_decode

@@ -1,0 +1,41 @@
+// Walking one persistent CTA's share of the split-KV schedule. Used identically by the producer
+// (to issue loads) and the math warpgroups (to consume them), so both see the same block sequence.
+#pragma once
+#include "common/device_utils.cuh"
+#include "mla_decode/config.h"
+#include "mla_decode/params.h"
+
+namespace mla_decode {
+
+// One request's piece of work for this CTA: KV blocks [blk_lo, blk_hi) of request b for q-tile m.
+struct Segment {
+  int b, blk_lo, blk_hi, split;
+  int seqlen_k;     // keys of the request, clamped to what the block table can hold
+  int seqlen_q;     // new tokens of the request
+  int first_token;  // cu_seqlens_q[b] (varlen) or 0
+};
+
+struct PartRange {
+  int begin_b, begin_blk, last_b, last_hi, begin_split;
+
+  __device__ static PartRange load(const DecodeParams& p, int part) {
+    const int* s = p.tile_sched + part * 8;
+    return {s[0], s[1], s[2], s[3], s[4]};
+  }
+
+  // Fills `seg` for request b; returns false when this CTA's q-tile has no rows in request b.
+  __device__ bool segment(const DecodeParams& p, int b, int m_block, Segment& seg) const {
+    seg.b = b;
+    seg.first_token = p.cu_seqlens_q ? p.cu_seqlens_q[b] : 0;
+    seg.seqlen_q = p.cu_seqlens_q ? p.cu_seqlens_q[b + 1] - seg.first_token : p.max_seqlen_q;
+    if (m_block * kBlockM >= seg.seqlen_q * p.num_heads_q) return false;
+    int seqlen = p.cache_seqlens[b];
+    seg.seqlen_k = min(max(seqlen, 0), p.max_pages * p.page_size);
+    seg.blk_lo = b == begin_b ? begin_blk : 0;
+    seg.blk_hi = b == last_b ? last_hi : mla_common::ceil_div(max(seqlen, 0), kBlockN);
+    seg.split = b == begin_b ? begin_split : 0;
+    return true;
+  }
+};
+
+}  // namespace mla_decode

@@ -1,0 +1,64 @@
+// CuTe types of the decode kernel: WGMMA atoms, swizzled shared-memory layouts, and the struct that
+// *is* the shared-memory map.
+#pragma once
+#include <cute/tensor.hpp>
+#include <cute/atom/mma_traits_sm90_gmma.hpp>
+#include <cutlass/arch/barrier.h>
+
+#include "mla_decode/config.h"
+
+namespace mla_decode {
+using namespace cute;
+
+template <typename Element_>
+struct DecodeTraits {
+  using Element = Element_;  // cutlass::bfloat16_t or cutlass::half_t
+  // Q tile [64 rows, 576] and K tile [64 keys, 576], K-major (head dim contiguous), 128-byte
+  // swizzle: each 64-column slab is 64 rows x 128 B = 8 KB, which is exactly what one TMA box of
+  // 64 columns writes, so TMA and WGMMA agree on the layout.
+  using SmemLayoutQ = decltype(tile_to_shape(GMMA::Layout_K_SW128_Atom<Element>{},
+                                             Shape<Int<kBlockM>, Int<kHeadDimK>>{}));
+  using SmemLayoutK = decltype(tile_to_shape(GMMA::Layout_K_SW128_Atom<Element>{},
+                                             Shape<Int<kBlockN>, Int<kHeadDimK>>{}));
+  // V^T [512 dims, 64 keys] is the same bytes as the first 512 columns of the K tile, seen
+  // MN-major (atoms of 64 dims x 8 keys, keys iterated first): V is never loaded twice.
+  using SmemLayoutVt = decltype(tile_to_shape(GMMA::Layout_MN_SW128_Atom<Element>{},
+                                              Shape<Int<kHeadDimV>, Int<kBlockN>>{}, Step<_2, _1>{}));
+  // P [64 rows, 64 keys]: written by both math warpgroups (32 keys each), read by both for PV.
+  using SmemLayoutP = decltype(tile_to_shape(GMMA::Layout_K_SW128_Atom<Element>{},
+                                             Shape<Int<kBlockM>, Int<kBlockN>>{}));
+
+  // S = Q K^T: warpgroup w computes the 64 x 32 scores of keys [32w, 32w + 32).
+  using TiledMmaQK = decltype(make_tiled_mma(
+      GMMA::ss_op_selector<Element, Element, float, Shape<Int<kBlockM>, Int<kBlockN / 2>, _64>>(),
+      Layout<Shape<_1, Int<kNumMathWarpgroups>, _1>>{}));
+  // O += P V: warpgroup w owns output columns [256w, 256w + 256).
+  using TiledMmaPV = decltype(make_tiled_mma(
+      GMMA::ss_op_selector<Element, Element, float, Shape<Int<kBlockM>, Int<kHeadDimV / 2>, _64>,
+                           GMMA::Major::K, GMMA::Major::MN>(),
+      Layout<Shape<_1, Int<kNumMathWarpgroups>, _1>>{}));
+
+  struct SharedStorage {
+    alignas(1024) Element q[cosize_v<SmemLayoutQ>];
+    alignas(1024) Element k[kStages][cosize_v<SmemLayoutK>];
+    alignas(1024) Element p[cosize_v<SmemLayoutP>];
+    float row_max[kNumMathWarpgroups][kBlockM];  // per-warpgroup partial row max of a block
+    float row_sum[kNumMathWarpgroups][kBlockM];  // per-warpgroup softmax denominators (epilogue)
+    uint64_t kv_full[kStages];                   // TMA bytes of a K tile have landed
+    uint64_t kv_empty[kStages];                  // both math warpgroups are done with a K tile
+  };
+  static constexpr int kSmemBytes = int(sizeof(SharedStorage));
+  static_assert(kSmemBytes <= 227 * 1024, "shared memory map exceeds the sm_90 limit");
+};
+
+// Named barriers (id 0 is __syncthreads). Each guards one hand-off between the math warpgroups.
+enum class DecodeBarrier : int {
+  kQReady = 1,   // Q tile written by plain stores, fenced for WGMMA
+  kRowMax = 2,   // both partial row maxima of the current block are in row_max
+  kPReady = 3,   // both halves of P are in shared memory
+  kRowSum = 4,   // both partial denominators are in row_sum
+  kTailZeroed0 = 5,  // warpgroup 0 zeroed its key rows past the sequence end
+  kTailZeroed1 = 6,
+};
+
+}  // namespace mla_decode

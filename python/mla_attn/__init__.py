@@ -1,0 +1,13 @@
+"""mla_attn: Hopper kernels for DeepSeek MLA attention, exposed as torch.ops.mla_attn.*."""
+import torch  # noqa: F401  (loads libc10/libtorch, which _C links against)
+
+from . import _C  # registers the TORCH_LIBRARY schemas (and CUDA kernels when built with them)
+from . import _ops  # noqa: F401  (fakes + CPU kernels)
+from . import reference
+from .decode import get_decode_metadata, mla_decode
+from .metadata import DecodeMetadata
+
+build_info = _C.build_info
+__version__ = "0.1.0"
+
+__all__ = ["mla_decode", "get_decode_metadata", "DecodeMetadata", "reference", "build_info", "__version__"]

@@ -1,0 +1,96 @@
+"""Split-KV sizing and the CPU twin of the decode scheduler.
+
+Everything that decides output/workspace shapes lives here so torch.compile fakes can compute it.
+schedule_cpu must stay bit-identical to the device scheduler kernel (contract: "Split-KV scheduler").
+"""
+import functools
+from typing import NamedTuple
+
+import torch
+
+BLOCK_M = 64  # query rows (token x head) per tile
+BLOCK_N = 64  # keys per KV block
+FIXED_COST = 5  # per-segment overhead, in blocks, charged by the scheduler
+CPU_NUM_SMS = 132  # H200: CPU schedules mirror what the GPU would do
+
+
+def _cdiv(a, b):
+    return -(-a // b)
+
+
+def num_q_tiles(max_seqlen_q, h_q):
+    return _cdiv(max_seqlen_q * h_q, BLOCK_M)
+
+
+def num_sm_parts(num_sms, max_seqlen_q, h_q):
+    return max(1, num_sms // num_q_tiles(max_seqlen_q, h_q))
+
+
+def metadata_shapes(batch, num_sms):
+    """Shapes of (tile_sched, req_splits)."""
+    return (num_sms, 8), (batch, 2)
+
+
+@functools.lru_cache(maxsize=None)
+def _cuda_num_sms(index):
+    return torch.cuda.get_device_properties(index).multi_processor_count
+
+
+def device_num_sms(device):
+    device = torch.device(device)
+    if device.type != "cuda":
+        return CPU_NUM_SMS
+    return _cuda_num_sms(device.index if device.index is not None else torch.cuda.current_device())
+
+
+class DecodeMetadata(NamedTuple):
+    tile_sched: torch.Tensor  # int32 [num_sms, 8]
+    req_splits: torch.Tensor  # int32 [B, 2] = (num_splits, first workspace slot)
+    num_sm_parts: int
+    max_seqlen_q: int
+    num_heads_q: int
+    causal: bool
+
+
+_EMPTY_PART = (0, 0, -1, 0, 0, 0, 0, 0)
+
+
+def schedule_cpu(cache_seqlens, cu_seqlens_q, max_seqlen_q, num_heads_q, num_sm_parts, num_sms):
+    """The contract's sequential walk. Returns (tile_sched int32 [num_sms, 8], req_splits int32 [B, 2]).
+
+    The partition depends only on KV lengths (every q tile of a request walks the same KV blocks),
+    so cu_seqlens_q / max_seqlen_q / num_heads_q are accepted for signature parity but unused.
+    """
+    if not 1 <= num_sm_parts <= num_sms:
+        raise ValueError(f"num_sm_parts={num_sm_parts} must be in [1, num_sms={num_sms}]")
+    n = [_cdiv(max(int(l), 0), BLOCK_N) for l in cache_seqlens.tolist()]
+    B, P = len(n), num_sm_parts
+    payload = _cdiv(sum(n) + B * FIXED_COST, P) + FIXED_COST
+    sched = [_EMPTY_PART] * num_sms
+    num_splits = [0] * B
+    b = blk = k = 0
+    for p in range(P):
+        if b >= B:
+            continue
+        begin = (b, blk, k)
+        remain, last_b, last_hi = payload, b - 1, 0
+        while b < B:
+            rest = n[b] - blk
+            if rest + FIXED_COST <= remain or p == P - 1:
+                remain -= rest + FIXED_COST
+                num_splits[b], last_b, last_hi = k + 1, b, n[b]
+                b, blk, k = b + 1, 0, 0
+            else:
+                take = remain - FIXED_COST
+                if take > 0:
+                    last_b, last_hi = b, blk + take
+                    blk, k = blk + take, k + 1
+                break
+        sched[p] = (begin[0], begin[1], last_b, last_hi, begin[2], 0, 0, 0)
+    slots, slot = [], 0
+    for s in num_splits:
+        slots.append(slot)
+        slot += s if s > 1 else 0
+    tile_sched = torch.tensor(sched, dtype=torch.int32).reshape(num_sms, 8)
+    req_splits = torch.tensor(list(zip(num_splits, slots)), dtype=torch.int32).reshape(B, 2)
+    return tile_sched, req_splits

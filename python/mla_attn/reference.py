@@ -1,0 +1,105 @@
+"""Pure-PyTorch reference for mla_attn: the single correctness oracle (and the CPU implementation).
+
+Conventions (shared with the CUDA kernels, see the contract):
+  * causal masking is bottom-right aligned: query token i of a request with s queries and L keys sees
+    keys [0, L - s + i];
+  * lse is the natural log of sum_j exp(scale * q.k_j);
+  * a row that sees no key has out 0 and lse +inf.
+Everything is computed in `dtype` (float32 or float64) and returned in that dtype; callers cast.
+Host syncs (.tolist()) are fine here: this is an oracle, not a graph-safe op.
+"""
+import math
+
+import torch
+
+D_QK = 576  # latent (512) + rope (64)
+D_V = 512  # V is the first 512 dims of the latent cache
+
+
+def _attend(q, k, v, scale, causal):
+    """q [s, h, d]; k [L, hk, d]; v [L, hk, dv] with hk in {1, h} -> out [s, h, dv], lse [s, h]."""
+    s, h, _ = q.shape
+    n_keys = k.shape[0]
+    k = k.expand(n_keys, h, k.shape[-1])
+    v = v.expand(n_keys, h, v.shape[-1])
+    scores = torch.einsum("shd,lhd->hsl", q, k) * scale
+    if causal:
+        # key j visible to query i iff j <= L - s + i (bottom-right aligned)
+        i = torch.arange(s, device=q.device)[:, None]
+        j = torch.arange(n_keys, device=q.device)[None, :]
+        scores = scores.masked_fill(j > n_keys - s + i, float("-inf"))
+    lse = torch.logsumexp(scores, dim=-1)  # [h, s]; -inf for rows with no visible key
+    empty = lse == float("-inf")
+    # exp(-inf - -inf) is NaN on empty rows: zero them explicitly
+    p = torch.exp(scores - lse[..., None]).masked_fill(empty[..., None], 0.0)
+    out = torch.einsum("hsl,lhv->shv", p, v)
+    lse = lse.masked_fill(empty, float("inf"))
+    return out, lse.transpose(0, 1)
+
+
+def mla_decode_ref(q, kv_cache, block_table, cache_seqlens, *, cu_seqlens_q=None, q_pe=None,
+                   softmax_scale, causal, dtype=torch.float32):
+    """Absorbed MLA decode over a paged latent cache.
+
+    q [B, s, h, 576] (or [B, s, h, 512] + q_pe [.., 64]); varlen: q [T, h, 576|512] + cu_seqlens_q [B+1].
+    kv_cache [num_pages, page_size, 576] or [num_pages, page_size, 1, 576]; block_table [B, max_pages];
+    cache_seqlens [B]. Returns out [.., h, 512], lse [.., h] in `dtype`.
+    Only pages < ceil(L/page_size) and slots < L are read, so garbage elsewhere cannot leak.
+    """
+    if q_pe is not None:
+        q = torch.cat([q, q_pe], dim=-1)
+    num_pages, page_size = kv_cache.shape[0], kv_cache.shape[1]
+    kv = kv_cache.reshape(num_pages, page_size, kv_cache.shape[-1])
+    lens = cache_seqlens.tolist()
+    if cu_seqlens_q is None:
+        rows = [(b, slice(None)) for b in range(q.shape[0])]
+    else:
+        cu = cu_seqlens_q.tolist()
+        rows = [(slice(cu[b], cu[b + 1]),) for b in range(len(lens))]
+    out = torch.zeros(q.shape[:-1] + (D_V,), dtype=dtype, device=q.device)
+    lse = torch.full(q.shape[:-1], float("inf"), dtype=dtype, device=q.device)
+    for b, idx in enumerate(rows):
+        n_keys = max(lens[b], 0)
+        pages = block_table[b, : math.ceil(n_keys / page_size)].long()
+        k = kv[pages].reshape(-1, kv.shape[-1])[:n_keys].to(dtype)[:, None, :]  # [L, 1, 576]
+        qb = q[idx].to(dtype)  # [s, h, 576]
+        o, l = _attend(qb, k, k[..., :D_V], softmax_scale, causal)
+        out[idx] = o
+        lse[idx] = l
+    return out, lse
+
+
+def mla_prefill_ref(q, k, v, cu_seqlens_q, cu_seqlens_k, *, softmax_scale, causal, k_pe=None,
+                    dtype=torch.float32):
+    """Varlen MHA-style MLA prefill.
+
+    q [Tq, h, 192]; k [Tk, h, 192] or k [Tk, h, 128] + k_pe [Tk, 1, 64] (shared across heads);
+    v [Tk, h, 128]. Returns out [Tq, h, dv], lse [Tq, h] in `dtype`.
+    """
+    if k_pe is not None:
+        k = torch.cat([k, k_pe.expand(k.shape[0], k.shape[1], k_pe.shape[-1])], dim=-1)
+    cq, ck = cu_seqlens_q.tolist(), cu_seqlens_k.tolist()
+    out = torch.zeros(q.shape[:-1] + (v.shape[-1],), dtype=dtype, device=q.device)
+    lse = torch.full(q.shape[:-1], float("inf"), dtype=dtype, device=q.device)
+    for b in range(len(cq) - 1):
+        qs, ks = slice(cq[b], cq[b + 1]), slice(ck[b], ck[b + 1])
+        o, l = _attend(q[qs].to(dtype), k[ks].to(dtype), v[ks].to(dtype), softmax_scale, causal)
+        out[qs] = o
+        lse[qs] = l
+    return out, lse
+
+
+def merge_attn_states_ref(outs, lses):
+    """Exact merge of n partial attentions over disjoint key sets.
+
+    outs [n, ..., d], lses [n, ...]. An infinite lse (either sign) marks an empty part; if all parts
+    are empty the result is out 0, lse +inf.
+    """
+    empty = torch.isinf(lses)
+    lses = lses.masked_fill(empty, float("-inf"))
+    lse = torch.logsumexp(lses, dim=0)
+    none = lse == float("-inf")
+    w = torch.exp(lses - lse).masked_fill(empty | none, 0.0)
+    # empty parts may hold garbage (even NaN) in out: never multiply it in
+    out = (w[..., None] * outs.masked_fill(empty[..., None], 0.0)).sum(0)
+    return out, lse.masked_fill(none, float("inf"))

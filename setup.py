@@ -1,0 +1,245 @@
+# Build script for mla_attn: one CUDA extension, `mla_attn._C`, holding the sm_90a decode kernels,
+# the TORCH_LIBRARY op schemas (csrc/bindings/ops.cpp) and a small pybind11 module (build_info()).
+#
+# Environment knobs
+#   CUDA_HOME                   CUDA toolkit root (default /usr/local/cuda; nvcc >= 12.3 required).
+#                               The `nvcc` on PATH is never consulted.
+#   CUTLASS_DIR                 CUTLASS checkout to take headers from (its include/ must hold cute/).
+#                               Otherwise: third_party/cutlass submodule, then the nvidia-cutlass
+#                               wheel (cutlass_library/source/include).
+#   MAX_JOBS                    parallel compile jobs (honoured by torch's ninja build).
+#   NVCC_THREADS                nvcc --threads N (default 2).
+#   MLA_ATTN_PTXAS_VERBOSE=1    ptxas -v --warn-on-spills --warn-on-local-memory-usage.
+#   MLA_ATTN_DISABLE_FP16=1     drop fp16 instantiation sources, define MLA_ATTN_DISABLE_FP16.
+#   MLA_ATTN_DISABLE_BF16=1     same for bf16.
+import glob
+import importlib.util
+import os
+import re
+import subprocess
+import sys
+from pathlib import Path
+
+from setuptools import setup
+
+ROOT = Path(__file__).resolve().parent
+PKG_DIR = ROOT / "python" / "mla_attn"
+CUTLASS_PIN = "4.2.0"  # third_party/cutlass is pinned at v4.2.0 (59b61c606fe7aa4d33e60d3e6352cbfde98361c3)
+MIN_NVCC = (12, 3)
+
+
+def log(msg: str) -> None:
+    print(f"[mla_attn setup] {msg}", flush=True)
+
+
+def env_flag(name: str) -> bool:
+    return os.environ.get(name, "0").strip().lower() in ("1", "true", "yes", "on")
+
+
+# ---------------------------------------------------------------------------------------------
+# CUDA toolkit. Resolved before torch.utils.cpp_extension is imported: torch fixes CUDA_HOME at
+# import time and would otherwise guess it from the `nvcc` on PATH (a wrapper on some machines).
+# ---------------------------------------------------------------------------------------------
+def resolve_cuda_home() -> Path:
+    cuda_home = Path(os.environ.get("CUDA_HOME") or "/usr/local/cuda")
+    nvcc = cuda_home / "bin" / "nvcc"
+    if not nvcc.is_file():
+        sys.exit(
+            f"error: no nvcc at {nvcc}. Set CUDA_HOME to a CUDA toolkit (>= "
+            f"{MIN_NVCC[0]}.{MIN_NVCC[1]}) root, e.g. CUDA_HOME=/usr/local/cuda."
+        )
+    os.environ["CUDA_HOME"] = str(cuda_home)
+    return cuda_home
+
+
+def nvcc_version(cuda_home: Path) -> tuple:
+    nvcc = cuda_home / "bin" / "nvcc"
+    try:
+        out = subprocess.check_output([str(nvcc), "--version"], text=True)
+    except (OSError, subprocess.CalledProcessError) as e:
+        sys.exit(f"error: `{nvcc} --version` failed: {e}")
+    m = re.search(r"release (\d+)\.(\d+)", out)
+    if not m:
+        sys.exit(f"error: cannot parse the version from `{nvcc} --version`:\n{out}")
+    ver = (int(m.group(1)), int(m.group(2)))
+    if ver < MIN_NVCC:
+        sys.exit(
+            f"error: {nvcc} is CUDA {ver[0]}.{ver[1]}; mla_attn needs CUDA >= "
+            f"{MIN_NVCC[0]}.{MIN_NVCC[1]} (sm_90a WGMMA/TMA and C++20). Point CUDA_HOME at a newer "
+            "toolkit."
+        )
+    return ver
+
+
+# ---------------------------------------------------------------------------------------------
+# CUTLASS headers: $CUTLASS_DIR, then the third_party/cutlass submodule, then the
+# nvidia-cutlass==4.2.0.0 wheel (located with importlib, not imported).
+# ---------------------------------------------------------------------------------------------
+def _include_of(root: Path):
+    for cand in (root / "include", root):
+        if (cand / "cute").is_dir() and (cand / "cutlass" / "version.h").is_file():
+            return cand
+    return None
+
+
+def find_cutlass():
+    tried = []
+    env_dir = os.environ.get("CUTLASS_DIR")
+    if env_dir:
+        inc = _include_of(Path(env_dir).expanduser().resolve())
+        tried.append(f"  1. $CUTLASS_DIR={env_dir}: " + ("ok" if inc else "no include/cute there"))
+        if inc:
+            return inc, "CUTLASS_DIR"
+        log(f"WARNING: $CUTLASS_DIR={env_dir} holds no include/cute; trying the next source")
+    else:
+        tried.append("  1. $CUTLASS_DIR: not set")
+
+    sub = ROOT / "third_party" / "cutlass" / "include"
+    if (sub / "cute").is_dir():
+        return sub, "submodule"
+    tried.append(
+        f"  2. submodule {sub}: not checked out (git submodule update --init third_party/cutlass)"
+    )
+
+    spec = importlib.util.find_spec("cutlass_library")
+    if spec is not None and spec.submodule_search_locations:
+        for loc in spec.submodule_search_locations:
+            inc = Path(loc) / "source" / "include"
+            if (inc / "cute").is_dir():
+                return inc, "nvidia-cutlass wheel"
+        tried.append("  3. nvidia-cutlass wheel: cutlass_library found but has no source/include/cute")
+    else:
+        tried.append(f"  3. nvidia-cutlass wheel: not installed (pip install nvidia-cutlass=={CUTLASS_PIN}.0)")
+    sys.exit("error: CUTLASS headers not found. Looked in, in order:\n" + "\n".join(tried))
+
+
+def cutlass_version(inc: Path) -> str:
+    text = (inc / "cutlass" / "version.h").read_text()
+    parts = [re.search(rf"#define\s+CUTLASS_{k}\s+(\d+)", text) for k in ("MAJOR", "MINOR", "PATCH")]
+    return ".".join(p.group(1) if p else "?" for p in parts)
+
+
+def find_torch_cuda_include():
+    """<site-packages>/nvidia/cu13/include of the CUDA 13 torch wheels (cusparse.h, cublas_v2.h, ...),
+    needed by torch's CUDA headers when the system toolkit lacks the math libraries."""
+    spec = importlib.util.find_spec("nvidia")
+    if spec is None or not spec.submodule_search_locations:
+        return None
+    for loc in spec.submodule_search_locations:
+        inc = Path(loc) / "cu13" / "include"
+        if (inc / "cusparse.h").is_file():
+            return inc
+    return None
+
+
+cuda_home = resolve_cuda_home()
+NVCC_VER = nvcc_version(cuda_home)
+CUTLASS_INC, CUTLASS_SOURCE = find_cutlass()
+CUTLASS_VER = cutlass_version(CUTLASS_INC)
+TORCH_CUDA_INC = find_torch_cuda_include()
+log(f"CUDA_HOME={cuda_home} (nvcc {NVCC_VER[0]}.{NVCC_VER[1]})")
+log(f"CUTLASS {CUTLASS_VER} headers from {CUTLASS_SOURCE}: {CUTLASS_INC}")
+if CUTLASS_VER != CUTLASS_PIN:
+    log(f"WARNING: CUTLASS {CUTLASS_VER} found, the kernels are developed against {CUTLASS_PIN}")
+log(f"torch wheel CUDA headers: {TORCH_CUDA_INC or 'none'}")
+
+# Imported only now: torch reads CUDA_HOME at import time.
+from torch.utils.cpp_extension import BuildExtension, CUDAExtension  # noqa: E402
+import torch  # noqa: E402
+
+# ---------------------------------------------------------------------------------------------
+# Features and sources.
+# ---------------------------------------------------------------------------------------------
+DTYPES = [d for d in ("bf16", "fp16") if not env_flag(f"MLA_ATTN_DISABLE_{d.upper()}")]
+if not DTYPES:
+    sys.exit("error: MLA_ATTN_DISABLE_BF16 and MLA_ATTN_DISABLE_FP16 together leave nothing to build")
+
+
+def rel(p: str) -> str:
+    return os.path.relpath(p, ROOT)
+
+
+cuda_sources = sorted(glob.glob(str(ROOT / "csrc" / "mla_decode" / "**" / "*.cu"), recursive=True))
+for d in ("bf16", "fp16"):
+    if d not in DTYPES:  # instantiation files are named after their dtype (instantiations/fp16.cu)
+        cuda_sources = [s for s in cuda_sources if d not in Path(s).stem]
+sources = sorted(glob.glob(str(ROOT / "csrc" / "bindings" / "*.cpp"))) + cuda_sources
+sources = [rel(s) for s in sources]
+log(f"sources ({len(sources)}): {' '.join(sources)}")
+
+feature_macros = [f"-DMLA_ATTN_DISABLE_{d.upper()}" for d in ("bf16", "fp16") if d not in DTYPES]
+info_macros = [
+    f"-DMLA_ATTN_CUTLASS_SOURCE=\"{CUTLASS_SOURCE}\"",
+    f"-DMLA_ATTN_NVCC_VERSION=\"{NVCC_VER[0]}.{NVCC_VER[1]}\"",
+    f"-DMLA_ATTN_TORCH_VERSION=\"{torch.__version__}\"",
+    '-DMLA_ATTN_ARCH="sm_90a"',
+]
+
+nvcc_flags = [
+    "-gencode=arch=compute_90a,code=sm_90a",
+    "-std=c++20",
+    "-O3",
+    "-DNDEBUG",
+    "--use_fast_math",
+    "-lineinfo",
+    "--expt-relaxed-constexpr",
+    "--expt-extended-lambda",
+    "-DCUTLASS_ENABLE_GDC_FOR_SM90",  # CUTLASS's PDL helpers compile to nothing without it
+    # torch adds these to every CUDAExtension; CuTe/CUTLASS need the half/bf16 operators.
+    "-U__CUDA_NO_HALF_OPERATORS__",
+    "-U__CUDA_NO_HALF_CONVERSIONS__",
+    "-U__CUDA_NO_BFLOAT16_CONVERSIONS__",
+    "-U__CUDA_NO_HALF2_OPERATORS__",
+    "--threads",
+    os.environ.get("NVCC_THREADS", "2"),
+] + feature_macros
+if env_flag("MLA_ATTN_PTXAS_VERBOSE"):
+    nvcc_flags.append("-Xptxas=-v,--warn-on-spills,--warn-on-local-memory-usage")
+
+cxx_flags = ["-O3", "-std=c++20", "-DNDEBUG"] + feature_macros + info_macros
+
+include_dirs = [str(ROOT / "csrc"), str(CUTLASS_INC)]
+if TORCH_CUDA_INC is not None:
+    # -isystem: searched after CUDA_HOME/include, so it only fills in the headers the toolkit lacks.
+    nvcc_flags += ["-isystem", str(TORCH_CUDA_INC)]
+    cxx_flags += ["-isystem", str(TORCH_CUDA_INC)]
+
+
+# ---------------------------------------------------------------------------------------------
+# Generated build config (gitignored), read by mla_attn at runtime and by the tests.
+# ---------------------------------------------------------------------------------------------
+def write_build_config() -> None:
+    text = f'''# Generated by setup.py -- do not edit (gitignored).
+ARCH = "sm_90a"
+CUTLASS_VERSION = "{CUTLASS_VER}"
+CUTLASS_SOURCE = "{CUTLASS_SOURCE}"
+CUTLASS_INCLUDE = {str(CUTLASS_INC)!r}
+NVCC_VERSION = "{NVCC_VER[0]}.{NVCC_VER[1]}"
+CUDA_HOME = {str(cuda_home)!r}
+TORCH_VERSION = "{torch.__version__}"
+DTYPES = {tuple(DTYPES)!r}
+PTXAS_VERBOSE = {env_flag("MLA_ATTN_PTXAS_VERBOSE")!r}
+'''
+    PKG_DIR.mkdir(parents=True, exist_ok=True)
+    path = PKG_DIR / "_build_config.py"
+    if not path.exists() or path.read_text() != text:
+        path.write_text(text)
+
+
+write_build_config()
+
+setup(
+    package_dir={"": "python"},
+    packages=["mla_attn"],
+    ext_modules=[
+        CUDAExtension(
+            name="mla_attn._C",
+            sources=sources,
+            include_dirs=include_dirs,
+            extra_compile_args={"cxx": cxx_flags, "nvcc": nvcc_flags},
+            py_limited_api=False,
+        )
+    ],
+    cmdclass={"build_ext": BuildExtension.with_options(use_ninja=True)},
+    zip_safe=False,
+)

@@ -1,0 +1,49 @@
+"""Adversarial decode inputs shared by the tests: NaN in every cache slot past each length and in
+every unused page, permuted block tables with huge ids in the unused tails, random data."""
+import math
+
+import torch
+
+D_QK, D_V = 576, 512
+HUGE_ID = 2**31 - 1
+
+
+def make_decode_case(lens, s_q, h_q, page_size, *, varlen=False, split_pe=False, kv_4d=False,
+                     dtype=torch.bfloat16, seed=0):
+    """lens: keys per request. s_q: tokens per request (uniform) or, with varlen, the max; varlen
+    requests get lengths in [0, s_q] including a 0-token one when there is more than one request."""
+    g = torch.Generator().manual_seed(seed)
+    B = len(lens)
+    used = [math.ceil(l / page_size) for l in lens]
+    max_pages = max(used, default=0) + 2
+    num_pages = sum(used) + 3
+    kv = torch.full((num_pages, page_size, D_QK), float("nan"), dtype=dtype)
+    block_table = torch.full((B, max_pages), HUGE_ID, dtype=torch.int32)
+    block_table[:, -1] = -7  # garbage of both signs in the tails
+    perm = torch.randperm(num_pages, generator=g).tolist()
+    for b, l in enumerate(lens):
+        pages = [perm.pop() for _ in range(used[b])]
+        block_table[b, : used[b]] = torch.tensor(pages, dtype=torch.int32)
+        if pages:
+            data = torch.randn(used[b] * page_size, D_QK, generator=g)
+            data[l:] = float("nan")  # slots past the length stay poisoned
+            kv[pages] = data.reshape(used[b], page_size, D_QK).to(dtype)
+    if varlen:
+        s = torch.randint(0, s_q + 1, (B,), generator=g)
+        s[0] = s_q
+        if B > 1:
+            s[1] = 0
+        cu = torch.zeros(B + 1, dtype=torch.int32)
+        cu[1:] = torch.cumsum(s, 0)
+        q = torch.randn(int(cu[-1]), h_q, D_QK, generator=g).to(dtype)
+    else:
+        cu = None
+        q = torch.randn(B, s_q, h_q, D_QK, generator=g).to(dtype)
+    q_pe = None
+    if split_pe:
+        q, q_pe = q[..., :D_V].contiguous(), q[..., D_V:].contiguous()
+    if kv_4d:
+        kv = kv[:, :, None, :]
+    return dict(q=q, q_pe=q_pe, kv_cache=kv, block_table=block_table,
+                cache_seqlens=torch.tensor(lens, dtype=torch.int32), cu_seqlens_q=cu, max_seqlen_q=s_q,
+                softmax_scale=D_QK**-0.5)

@@ -1,0 +1,174 @@
+"""Every input error mla_decode promises to catch, with the message it raises."""
+import pytest
+import torch
+from cases import D_QK, D_V, make_decode_case
+
+import mla_attn
+from mla_attn.decode import _want_value_checks
+
+
+def base(varlen=False, split_pe=False, kv_4d=False):
+    return make_decode_case([20, 3], 2, 4, 16, varlen=varlen, split_pe=split_pe, kv_4d=kv_4d)
+
+
+def call(c, **kw):
+    args = dict(cu_seqlens_q=c["cu_seqlens_q"], q_pe=c["q_pe"], softmax_scale=c["softmax_scale"])
+    if c["cu_seqlens_q"] is not None:
+        args["max_seqlen_q"] = c["max_seqlen_q"]
+    args.update(kw)
+    return mla_attn.mla_decode(c["q"], c["kv_cache"], c["block_table"], c["cache_seqlens"], **args)
+
+
+def _with(c, **changes):
+    return {**c, **changes}
+
+
+def _misaligned(t):
+    """Same values, but rows padded by one element: stride(-2) * 2 bytes is not a multiple of 16."""
+    buf = torch.empty(t.shape[:-1] + (t.shape[-1] + 1,), dtype=t.dtype)
+    buf[..., :-1] = t
+    return buf[..., :-1]
+
+
+def _last_dim_strided(t):
+    return t.transpose(-1, -2).contiguous().transpose(-1, -2)
+
+
+def test_valid_inputs_pass():
+    for kw in (dict(), dict(varlen=True), dict(split_pe=True, kv_4d=True)):
+        call(base(**kw))
+
+
+C = base()
+CV = base(varlen=True)
+CPE = base(split_pe=True)
+KV = C["kv_cache"]
+
+STATIC_ERRORS = [
+    # ranks and head dims
+    (_with(C, q=C["q"][..., :D_V]), ValueError, r"q must be \[B, s_q, h_q, 576\]"),
+    (_with(C, q=C["q"][0]), ValueError, r"3-D \(varlen\) q needs cu_seqlens_q"),
+    (_with(C, q=C["q"][None]), ValueError, r"q must be"),
+    (_with(CPE, q_pe=CPE["q_pe"][..., :32]), ValueError, r"q_pe must have shape"),
+    (_with(C, kv_cache=KV[..., :D_V]), ValueError, r"kv_cache must be \[num_pages, page_size, 576\]"),
+    (_with(C, kv_cache=KV[:, :, None].expand(-1, -1, 2, -1)), ValueError, r"kv_cache must be"),
+    # dtypes
+    (_with(C, q=C["q"].float()), TypeError, r"q must be bfloat16 or float16"),
+    (_with(C, kv_cache=KV.half()), TypeError, r"kv_cache dtype torch.float16 must match q dtype"),
+    (_with(CPE, q_pe=CPE["q_pe"].half()), TypeError, r"q_pe dtype"),
+    (_with(C, block_table=C["block_table"].long()), TypeError, r"block_table must be int32"),
+    (_with(C, cache_seqlens=C["cache_seqlens"].long()), TypeError, r"cache_seqlens must be int32"),
+    (_with(CV, cu_seqlens_q=CV["cu_seqlens_q"].long()), TypeError, r"cu_seqlens_q must be int32"),
+    # devices
+    (_with(C, block_table=C["block_table"].to("meta")), ValueError, r"block_table is on meta but q is on cpu"),
+    (_with(C, kv_cache=KV.to("meta")), ValueError, r"kv_cache is on meta"),
+    # layout
+    (_with(C, q=_last_dim_strided(C["q"])), ValueError, r"q: last dim must be contiguous"),
+    (_with(C, q=_misaligned(C["q"])), ValueError, r"q: stride\(1\) = 2308 elements is not a multiple of 16 bytes"),
+    (_with(C, kv_cache=_misaligned(KV)), ValueError, r"kv_cache: stride\(1\)"),
+    (_with(C, block_table=C["block_table"].t().contiguous().t()), ValueError, r"block_table: last dim"),
+    # page size
+    (_with(C, kv_cache=KV[:, :8]), ValueError, r"page_size must be a multiple of 16 in \[16, 256\], got 8"),
+    (_with(C, kv_cache=torch.randn(2, 24, D_QK).bfloat16()), ValueError, r"page_size .* got 24"),
+    (_with(C, kv_cache=torch.randn(1, 272, D_QK).bfloat16()), ValueError, r"page_size .* got 272"),
+    # batch sizes
+    (_with(C, block_table=C["block_table"][:1]), ValueError, r"block_table has 1 rows but cache_seqlens has 2"),
+    (_with(C, q=C["q"][:1]), ValueError, r"q has batch 1 but cache_seqlens has 2"),
+    (_with(CV, cu_seqlens_q=CV["cu_seqlens_q"][:2]), ValueError, r"cu_seqlens_q must have batch \+ 1 = 3"),
+    # varlen plumbing
+    (_with(C, cu_seqlens_q=CV["cu_seqlens_q"]), ValueError, r"cu_seqlens_q is only valid with 3-D"),
+    # head count and query length limits
+    (_with(C, q=C["q"][:, :, :0]), ValueError, r"num_heads_q must be in \[1, 128\], got 0"),
+    (_with(C, q=torch.randn(2, 1, 129, D_QK).bfloat16()), ValueError, r"num_heads_q .* got 129"),
+    (_with(C, q=C["q"][:, :0]), ValueError, r"max_seqlen_q .* must be in \[1, 512\], got 0"),
+    (_with(CV, max_seqlen_q=513), ValueError, r"max_seqlen_q .* got 513"),
+]
+
+
+@pytest.mark.parametrize("case,exc,match", STATIC_ERRORS)
+def test_static_errors(case, exc, match):
+    with pytest.raises(exc, match=match):
+        call(case)
+
+
+def test_call_level_errors():
+    with pytest.raises(ValueError, match="softmax_scale is required"):
+        call(C, softmax_scale=None)
+    with pytest.raises(ValueError, match="cu_seqlens_q given without max_seqlen_q"):
+        call(CV, max_seqlen_q=None)
+    with pytest.raises(ValueError, match=r"max_seqlen_q=3 does not match q.shape\[1\]=2"):
+        call(C, max_seqlen_q=3)
+    want = C["q"].shape[:-1] + (D_V,)
+    with pytest.raises(ValueError, match="out must have shape"):
+        call(C, out=torch.empty(want[:-1] + (576,), dtype=torch.bfloat16))
+    with pytest.raises(TypeError, match="out dtype"):
+        call(C, out=torch.empty(want, dtype=torch.float16))
+    with pytest.raises(ValueError, match="out is on meta"):
+        call(C, out=torch.empty(want, dtype=torch.bfloat16, device="meta"))
+
+
+def test_metadata_mismatch():
+    md = mla_attn.get_decode_metadata(C["cache_seqlens"], 4, s_q=2)
+    call(C, metadata=md)
+    for kw, match in ((dict(causal=False), "causal=True but this call has False"),):
+        with pytest.raises(ValueError, match=match):
+            call(C, metadata=md, **kw)
+    bad = {
+        "num_heads_q=8": mla_attn.get_decode_metadata(C["cache_seqlens"], 8, s_q=2),
+        "max_seqlen_q=3": mla_attn.get_decode_metadata(C["cache_seqlens"], 4, s_q=3),
+        "batch 3": mla_attn.get_decode_metadata(torch.zeros(3, dtype=torch.int32), 4, s_q=2),
+    }
+    for match, other in bad.items():
+        with pytest.raises(ValueError, match=f"metadata was computed for {match}"):
+            call(C, metadata=other)
+    with pytest.raises(TypeError, match="DecodeMetadata"):
+        call(C, metadata=tuple(md))
+    with pytest.raises(ValueError, match="needs s_q"):
+        mla_attn.get_decode_metadata(C["cache_seqlens"], 4)
+
+
+def _lens(*v):
+    return torch.tensor(v, dtype=torch.int32)
+
+
+def _cu(*v):
+    return torch.tensor(v, dtype=torch.int32)
+
+
+def _bt_with(c, b, j, value):
+    bt = c["block_table"].clone()
+    bt[b, j] = value
+    return bt
+
+
+T = CV["q"].shape[0]
+VALUE_ERRORS = [
+    (_with(C, cache_seqlens=_lens(-1, 3)), r"cache_seqlens\[0\] = -1 is negative"),
+    (_with(C, cache_seqlens=_lens(20, 16 * C["block_table"].shape[1] + 1)), r"exceeds block_table capacity"),
+    (_with(CV, cu_seqlens_q=_cu(1, 1, T)), r"cu_seqlens_q\[0\] must be 0"),
+    (_with(CV, cu_seqlens_q=_cu(0, T, T - 1)), r"cu_seqlens_q\[-1\] = .* must equal the number of q tokens"),
+    (_with(CV, cu_seqlens_q=_cu(0, T + 1, T)), r"non-decreasing"),
+    (_with(CV, max_seqlen_q=1), r"request 0 has 2 q tokens > max_seqlen_q=1"),
+    (_with(C, block_table=_bt_with(C, 0, 1, -1)), r"block_table\[0, 1\] = -1 is not a page id"),
+    (_with(C, block_table=_bt_with(C, 1, 0, KV.shape[0])), r"block_table\[1, 0\] = .* is not a page id"),
+]
+
+
+@pytest.mark.parametrize("case,match", VALUE_ERRORS)
+def test_value_errors_on_cpu(case, match):
+    with pytest.raises(ValueError, match=match):
+        call(case)
+
+
+def test_value_checks_policy(monkeypatch):
+    # garbage past the used pages is legal (make_decode_case puts huge and negative ids there)
+    assert (C["block_table"][:, -1] < 0).all()
+    call(C, validate=True)
+    call(_with(C, cache_seqlens=_lens(-1, 3)), validate=False)  # opt-out skips value checks
+    cuda = torch.device("cuda")
+    monkeypatch.delenv("MLA_ATTN_VALIDATE", raising=False)
+    assert _want_value_checks(None, torch.device("cpu"))
+    assert not _want_value_checks(None, cuda)  # no host sync on GPU by default
+    assert _want_value_checks(True, cuda)
+    monkeypatch.setenv("MLA_ATTN_VALIDATE", "1")
+    assert _want_value_checks(None, cuda)
