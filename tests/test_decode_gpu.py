@@ -1,0 +1,157 @@
+"""mla_decode on the GPU against the float32 reference, on adversarial inputs (tests/cases.py):
+NaN in every cache slot past each length and in unused pages, permuted block tables with huge and
+negative ids in unused tails, zero-length requests, odd head counts, varlen causal queries."""
+import pytest
+import torch
+
+import mla_attn
+from mla_attn.metadata import schedule_cpu
+from mla_attn.reference import mla_decode_ref
+
+from cases import make_decode_case
+
+pytestmark = pytest.mark.gpu
+
+
+def to_cuda(case):
+    return {k: (v.cuda() if isinstance(v, torch.Tensor) else v) for k, v in case.items()}
+
+
+def run(case, causal, **kw):
+    c = case
+    if c["cu_seqlens_q"] is not None:
+        kw["max_seqlen_q"] = c["max_seqlen_q"]
+    return mla_attn.mla_decode(c["q"], c["kv_cache"], c["block_table"], c["cache_seqlens"],
+                               cu_seqlens_q=c["cu_seqlens_q"], q_pe=c["q_pe"],
+                               softmax_scale=c["softmax_scale"], causal=causal, return_lse=True, **kw)
+
+
+def reference(case, causal, dtype=torch.float32):
+    c = case
+    return mla_decode_ref(c["q"], c["kv_cache"], c["block_table"], c["cache_seqlens"],
+                          cu_seqlens_q=c["cu_seqlens_q"], q_pe=c["q_pe"],
+                          softmax_scale=c["softmax_scale"], causal=causal, dtype=dtype)
+
+
+def check_unit_scale(case, causal, out, lse):
+    """Unit-scale data: max |err| <= 2x the error of the same computation in bf16/fp16 PyTorch, + 1e-3."""
+    ref_out, ref_lse = reference(case, causal)
+    low_out, _ = reference(case, causal, dtype=case["q"].dtype)
+    assert torch.isfinite(out).all(), "non-finite output"
+    err = (out.float() - ref_out).abs().max().item()
+    bound = 2 * (low_out.float() - ref_out).abs().max().item() + 1e-3
+    assert err <= bound, f"out max err {err:.3e} > {bound:.3e}"
+    empty = torch.isinf(ref_lse)
+    assert torch.equal(torch.isinf(lse), empty) and (lse[empty] > 0).all(), "+inf lse exactly on empty rows"
+    assert not out[empty].any(), "rows without a visible key must be 0"
+    lse_err = (lse[~empty] - ref_lse[~empty]).abs().max().item() if (~empty).any() else 0.0
+    assert lse_err <= 1e-3, f"lse max err {lse_err:.3e}"
+
+
+CASES = [
+    # (lens, s_q, h_q, page_size, varlen, split_pe)
+    ([1023], 1, 128, 64, False, False),
+    ([4099, 1], 1, 16, 16, False, False),
+    ([113, 0, 15, 1023], 2, 8, 32, False, True),
+    ([0], 1, 1, 64, False, False),
+    ([15, 113], 4, 3, 128, False, False),
+    ([1023, 4099, 7], 7, 9, 16, False, False),
+    ([300, 64, 65], 1, 63, 64, False, True),
+    ([2000], 1, 126, 48, False, False),
+    ([513, 1000], 64, 16, 64, False, False),
+    ([4099, 113, 1, 0, 1023], 7, 32, 16, True, False),
+    ([1500, 900, 64], 64, 128, 64, True, True),
+    ([700, 10], 512, 8, 256, True, False),
+]
+
+
+@pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float16])
+@pytest.mark.parametrize("causal", [True, False])
+@pytest.mark.parametrize("lens,s_q,h_q,page_size,varlen,split_pe", CASES)
+def test_decode_matches_reference(lens, s_q, h_q, page_size, varlen, split_pe, causal, dtype):
+    case = to_cuda(make_decode_case(lens, s_q, h_q, page_size, varlen=varlen, split_pe=split_pe,
+                                    dtype=dtype, seed=len(lens) * 1000 + s_q * 10 + h_q))
+    out, lse = run(case, causal)
+    check_unit_scale(case, causal, out, lse)
+
+
+@pytest.mark.parametrize("batch", [1, 17, 64])
+def test_ragged_batches(batch):
+    g = torch.Generator().manual_seed(batch)
+    lens = torch.randint(0, 3000, (batch,), generator=g).tolist()
+    case = to_cuda(make_decode_case(lens, 2, 16, 16, seed=batch))
+    out, lse = run(case, True)
+    check_unit_scale(case, True, out, lse)
+
+
+def test_long_context():
+    case = to_cuda(make_decode_case([40000, 33000], 1, 16, 64, kv_4d=True, seed=7))
+    out, lse = run(case, True)
+    check_unit_scale(case, True, out, lse)
+
+
+@pytest.mark.parametrize("h_q,s_q", [(128, 1), (16, 2), (64, 4)])
+def test_flashmla_tolerances(h_q, s_q):
+    """FlashMLA-style data (randn/10 clamped to +-1) under FlashMLA's own tolerances."""
+    case = to_cuda(make_decode_case([4096, 1000, 77], s_q, h_q, 64, seed=h_q + s_q))
+    case["kv_cache"] = (case["kv_cache"].float() / 10).clamp(-1, 1).to(torch.bfloat16)  # NaN stays NaN
+    case["q"] = (case["q"].float() / 10).clamp(-1, 1).to(torch.bfloat16)
+    out, lse = run(case, True)
+    ref_out, ref_lse = reference(case, True)
+    o, r = out.float(), ref_out
+    ok = ((o - r).abs() <= 8e-4) | ((o - r).abs() <= 2.01 / 128 * r.abs())
+    assert ok.all(), f"{(~ok).sum().item()} elements out of tolerance"
+    cos_diff = 1 - 2 * (o.double() * r.double()).sum() / ((o.double() ** 2).sum() + (r.double() ** 2).sum())
+    assert cos_diff <= 5e-6, f"cosine distance {cos_diff.item():.2e}"
+    okl = ((lse - ref_lse).abs() <= 1e-6) | ((lse - ref_lse).abs() <= 8.01 / 65536 * ref_lse.abs())
+    assert okl.all(), f"lse max err {(lse - ref_lse).abs().max().item():.3e}"
+
+
+def test_out_given_and_strided_q():
+    case = to_cuda(make_decode_case([1023, 77], 2, 16, 64, seed=3))
+    big = torch.randn(2, 2, 16, 640, device="cuda", dtype=torch.bfloat16)  # padded rows: strided q
+    big[..., :576] = case["q"]
+    case["q"] = big[..., :576]
+    out = torch.full((2, 2, 16, 512), float("nan"), device="cuda", dtype=torch.bfloat16)
+    got, lse = run(case, True, out=out)
+    assert got.data_ptr() == out.data_ptr()
+    check_unit_scale(case, True, out, lse)
+
+
+def test_metadata_matches_cpu_schedule():
+    g = torch.Generator().manual_seed(0)
+    for batch, h_q, s_q in [(1, 128, 1), (37, 16, 2), (128, 128, 1), (5, 8, 64)]:
+        lens = torch.randint(0, 20000, (batch,), generator=g, dtype=torch.int32)
+        md = mla_attn.get_decode_metadata(lens.cuda(), h_q, s_q=s_q, causal=True)
+        tile_cpu, splits_cpu = schedule_cpu(lens, None, s_q, h_q, md.num_sm_parts, md.tile_sched.shape[0])
+        assert torch.equal(md.tile_sched.cpu(), tile_cpu)
+        assert torch.equal(md.req_splits.cpu(), splits_cpu)
+
+
+def test_two_runs_bit_identical():
+    case = to_cuda(make_decode_case([5000, 3000, 20], 2, 64, 32, seed=11))
+    a = run(case, True)
+    b = run(case, True)
+    assert torch.equal(a[0], b[0]) and torch.equal(a[1], b[1])
+
+
+def test_cuda_graph_replay_with_new_lengths():
+    case = to_cuda(make_decode_case([3000, 2000, 1000, 100], 1, 16, 64, seed=5))
+    lens = case["cache_seqlens"]
+    out = torch.empty(4, 1, 16, 512, device="cuda", dtype=torch.bfloat16)
+
+    def step():
+        md = mla_attn.get_decode_metadata(lens, 16, s_q=1, causal=True)
+        return run(case, True, metadata=md, out=out)
+
+    step()
+    torch.cuda.synchronize()
+    graph = torch.cuda.CUDAGraph()
+    with torch.cuda.graph(graph):
+        _, lse = step()
+    for new in ([100, 2000, 999, 1], [0, 64, 65, 99]):  # never longer than the pages allocated
+        lens.copy_(torch.tensor(new, dtype=torch.int32))
+        out.fill_(float("nan"))
+        graph.replay()
+        torch.cuda.synchronize()
+        check_unit_scale(case, True, out, lse)
