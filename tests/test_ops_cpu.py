@@ -26,7 +26,7 @@ def _args(c):
 def test_ops_registered():
     for name in ("get_decode_metadata", "mla_decode", "mla_decode_out"):
         assert hasattr(OPS, name), name
-    assert isinstance(mla_attn.build_info(), str)
+    assert "arch" in mla_attn.build_info()
     assert mla_attn.__version__ == "0.1.0"
 
 

@@ -17,6 +17,24 @@ __device__ __forceinline__ void grid_dependency_wait() {
 #endif
 }
 
+// Starts a 3-D TMA box read from HBM into L2 only (no shared memory, no barrier): used to run
+// ahead of the shared-memory stage ring on memory-bound decode.
+__device__ __forceinline__ void tma_prefetch_l2_3d(const void* tensor_map, int c0, int c1, int c2) {
+#if defined(__CUDA_ARCH__) && __CUDA_ARCH__ >= 900
+  asm volatile("cp.async.bulk.prefetch.tensor.3d.L2.global [%0, {%1, %2, %3}];" ::"l"(tensor_map),
+               "r"(c0), "r"(c1), "r"(c2)
+               : "memory");
+#endif
+}
+
+// 16-byte global -> shared copy that bypasses registers; src_bytes = 0 writes zeros instead.
+__device__ __forceinline__ void cp_async_16(void* smem, const void* gmem, bool valid) {
+  const uint32_t dst = static_cast<uint32_t>(__cvta_generic_to_shared(smem));
+  asm volatile("cp.async.cg.shared.global [%0], [%1], 16, %2;" ::"r"(dst), "l"(gmem), "r"(valid ? 16 : 0)
+               : "memory");
+}
+__device__ __forceinline__ void cp_async_wait_all() { asm volatile("cp.async.wait_all;" ::: "memory"); }
+
 __device__ __forceinline__ int ceil_div(int a, int b) { return (a + b - 1) / b; }
 
 }  // namespace mla_common

@@ -12,9 +12,9 @@ constexpr int kNumMathWarpgroups = 2;
 constexpr int kNumThreads = (kNumMathWarpgroups + 1) * 128;  // + one producer warpgroup
 constexpr int kMathRegisters = 232;  // 2 x 128 x 232 + 128 x 40 <= 64K registers
 constexpr int kProducerRegisters = 40;
+constexpr int kL2PrefetchBlocks = 2;  // producer prefetches block j + 2 into L2 when loading block j
 constexpr int kTmaColumns = 64;      // one 128-byte swizzle atom of bf16/fp16
 constexpr int kFixedSplitCost = 5;   // scheduler: cost of a split in blocks (metadata.py: FIXED_COST)
-constexpr int kCombineRowsPerCta = 8;  // one warp per row
 
 static_assert(kHeadDimK % kTmaColumns == 0, "K head dim must be whole swizzle atoms");
 static_assert(kHeadDimV == kNumMathWarpgroups * 256, "each math warpgroup owns 256 output columns");

@@ -50,23 +50,30 @@ __device__ void produce_kv_tiles(const DecodeParams& p, const DecodeTma& tma,
       }
       // Only pieces that start before the sequence end are loaded; the math warpgroups zero the
       // rest of the tile, so no page past ceil(L / page_size) is ever dereferenced.
-      const int key0 = blk * kBlockN;
-      const int valid_keys = min(max(seg.seqlen_k - key0, 0), kBlockN);
-      const int num_copies = mla_common::ceil_div(valid_keys, rows);
-      Barrier::arrive_and_expect_tx(&ss.kv_full[stage], num_copies * rows * bytes_per_copy_row);
-      Tensor sK = make_tensor(make_smem_ptr(ss.k[stage]), typename Traits::SmemLayoutK{});
-      for (int c = 0; c < num_copies; ++c) {
-        const int key = key0 + c * rows;
-        const int page = min(max(pages[key / p.page_size], 0), p.num_pages - 1);
-        const int row_in_page = key % p.page_size;
+      auto for_each_copy = [&](int block, auto&& fn) {
+        const int key0 = block * kBlockN;
+        const int num_copies = mla_common::ceil_div(min(max(seg.seqlen_k - key0, 0), kBlockN), rows);
+        for (int c = 0; c < num_copies; ++c) {
+          const int key = key0 + c * rows;
+          const int page = min(max(pages[key / p.page_size], 0), p.num_pages - 1);
 #pragma unroll
-        for (int slab = 0; slab < kSlabs; ++slab) {
-          SM90_TMA_LOAD_3D::copy(&tma.kv, &ss.kv_full[stage],
-                                 uint64_t(TMA::CacheHintSm90::EVICT_FIRST),
-                                 &sK(c * rows, slab * kTmaColumns), slab * kTmaColumns,
-                                 row_in_page, page);
+          for (int slab = 0; slab < kSlabs; ++slab) fn(c, slab, key % p.page_size, page);
         }
+        return num_copies;
+      };
+      if (blk + kL2PrefetchBlocks < seg.blk_hi) {
+        for_each_copy(blk + kL2PrefetchBlocks, [&](int, int slab, int row_in_page, int page) {
+          mla_common::tma_prefetch_l2_3d(&tma.kv, slab * kTmaColumns, row_in_page, page);
+        });
       }
+      const int valid_keys = min(max(seg.seqlen_k - blk * kBlockN, 0), kBlockN);
+      Barrier::arrive_and_expect_tx(&ss.kv_full[stage],
+                                    mla_common::ceil_div(valid_keys, rows) * rows * bytes_per_copy_row);
+      Tensor sK = make_tensor(make_smem_ptr(ss.k[stage]), typename Traits::SmemLayoutK{});
+      for_each_copy(blk, [&](int c, int slab, int row_in_page, int page) {
+        SM90_TMA_LOAD_3D::copy(&tma.kv, &ss.kv_full[stage], uint64_t(TMA::CacheHintSm90::EVICT_FIRST),
+                               &sK(c * rows, slab * kTmaColumns), slab * kTmaColumns, row_in_page, page);
+      });
     }
   }
 }
@@ -103,25 +110,24 @@ __device__ void consume_kv_tiles(const DecodeParams& p, typename Traits::SharedS
     const int rows_in_request = seg.seqlen_q * p.num_heads_q;
     const int row_base = m_block * kBlockM;
 
-    // ---- Q tile: plain 16-byte loads into the swizzled layout (rows past the request are zero).
+    // ---- Q tile: 16-byte cp.async copies into the swizzled layout, all in flight at once (rows
+    // past the request are zero-filled).
     {
       constexpr int kChunks = kHeadDimK / 8;
       for (int i = tid; i < kBlockM * kChunks; i += 256) {
         const int r = i / kChunks, c = i % kChunks, row = row_base + r;
-        uint4 v = make_uint4(0, 0, 0, 0);
-        if (row < rows_in_request) {
-          const int t = row / p.num_heads_q, h = row % p.num_heads_q;
-          const int64_t token = seg.first_token + t;
-          const Element* src =
-              c < kHeadDimV / 8
-                  ? static_cast<const Element*>(p.q_nope) + seg.b * p.q_nope_batch_stride +
-                        token * p.q_nope_token_stride + h * p.q_nope_head_stride + c * 8
-                  : static_cast<const Element*>(p.q_pe) + seg.b * p.q_pe_batch_stride +
-                        token * p.q_pe_token_stride + h * p.q_pe_head_stride + (c * 8 - kHeadDimV);
-          v = *reinterpret_cast<const uint4*>(src);
-        }
-        *reinterpret_cast<uint4*>(&sQ(r, c * 8)) = v;
+        const bool valid = row < rows_in_request;
+        const int t = valid ? row / p.num_heads_q : 0, h = valid ? row % p.num_heads_q : 0;
+        const int64_t token = seg.first_token + t;
+        const Element* src =
+            c < kHeadDimV / 8
+                ? static_cast<const Element*>(p.q_nope) + seg.b * p.q_nope_batch_stride +
+                      token * p.q_nope_token_stride + h * p.q_nope_head_stride + c * 8
+                : static_cast<const Element*>(p.q_pe) + seg.b * p.q_pe_batch_stride +
+                      token * p.q_pe_token_stride + h * p.q_pe_head_stride + (c * 8 - kHeadDimV);
+        mla_common::cp_async_16(&sQ(r, c * 8), valid ? src : p.q_nope, valid);
       }
+      mla_common::cp_async_wait_all();
       cutlass::arch::fence_view_async_shared();
       named_barrier_sync(256, int(DecodeBarrier::kQReady));
     }

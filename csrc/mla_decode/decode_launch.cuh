@@ -24,8 +24,8 @@ cudaError_t run_mla_decode(const DecodeParams& params, const DecodeTma& tma, cud
 
   const int max_rows = params.max_seqlen_q * params.num_heads_q;
   cudaLaunchConfig_t config = {};
-  config.gridDim = dim3(params.batch, (max_rows + kCombineRowsPerCta - 1) / kCombineRowsPerCta);
-  config.blockDim = dim3(kCombineRowsPerCta * 32);
+  config.gridDim = dim3(params.batch, max_rows);
+  config.blockDim = dim3(kCombineThreads);
   config.stream = stream;
   cudaLaunchAttribute pdl[1];
   pdl[0].id = cudaLaunchAttributeProgrammaticStreamSerialization;
