@@ -17,16 +17,6 @@ __device__ __forceinline__ void grid_dependency_wait() {
 #endif
 }
 
-// Starts a 3-D TMA box read from HBM into L2 only (no shared memory, no barrier): used to run
-// ahead of the shared-memory stage ring on memory-bound decode.
-__device__ __forceinline__ void tma_prefetch_l2_3d(const void* tensor_map, int c0, int c1, int c2) {
-#if defined(__CUDA_ARCH__) && __CUDA_ARCH__ >= 900
-  asm volatile("cp.async.bulk.prefetch.tensor.3d.L2.global [%0, {%1, %2, %3}];" ::"l"(tensor_map),
-               "r"(c0), "r"(c1), "r"(c2)
-               : "memory");
-#endif
-}
-
 // 16-byte global -> shared copy that bypasses registers; src_bytes = 0 writes zeros instead.
 __device__ __forceinline__ void cp_async_16(void* smem, const void* gmem, bool valid) {
   const uint32_t dst = static_cast<uint32_t>(__cvta_generic_to_shared(smem));
@@ -34,6 +24,15 @@ __device__ __forceinline__ void cp_async_16(void* smem, const void* gmem, bool v
                : "memory");
 }
 __device__ __forceinline__ void cp_async_wait_all() { asm volatile("cp.async.wait_all;" ::: "memory"); }
+
+// Returns `ptr` through an opaque move, so the compiler recomputes what derives from it (WGMMA
+// descriptors) at each use instead of keeping dozens of them live in registers across a loop.
+template <typename T>
+__device__ __forceinline__ T* opaque(T* ptr) {
+  uint64_t v = reinterpret_cast<uint64_t>(ptr);
+  asm volatile("mov.b64 %0, %0;" : "+l"(v));
+  return reinterpret_cast<T*>(v);
+}
 
 __device__ __forceinline__ int ceil_div(int a, int b) { return (a + b - 1) / b; }
 

@@ -6,7 +6,7 @@
 //
 // Warpgroup roles (384 threads):
 //   WG 2  producer: one thread issues TMA copies of 64-key x 576-dim K tiles (9 swizzle slabs per
-//         page piece) into a 2-stage ring, kv_full / kv_empty mbarriers.
+//         page piece) into a 2-stage ring; one kv_full mbarrier per slab, one kv_empty per stage.
 //   WG 0,1 math: S = Q K^T with each warpgroup taking 32 of the 64 keys (no redundant work), row
 //         maxima exchanged through shared memory, P = exp2(S - m) written to shared memory, then
 //         O[:, 256w:256w+256] += P V with V read from the same K tile (first 512 columns).
@@ -35,9 +35,8 @@ __device__ void produce_kv_tiles(const DecodeParams& p, const DecodeTma& tma,
                                  typename Traits::SharedStorage& ss, const PartRange& range,
                                  int m_block) {
   using Barrier = cutlass::arch::ClusterTransactionBarrier;
-  constexpr int kSlabs = kHeadDimK / kTmaColumns;
   const int rows = tma.rows_per_copy;  // divides both page_size and kBlockN
-  const uint32_t bytes_per_copy_row = kHeadDimK * sizeof(typename Traits::Element);
+  const uint32_t bytes_per_slab_row = kTmaColumns * sizeof(typename Traits::Element);
   int iteration = 0;
   for (int b = range.begin_b; b <= range.last_b; ++b) {
     Segment seg;
@@ -49,31 +48,25 @@ __device__ void produce_kv_tiles(const DecodeParams& p, const DecodeTma& tma,
         cutlass::arch::ClusterBarrier::wait(&ss.kv_empty[stage], ((iteration / kStages) - 1) & 1);
       }
       // Only pieces that start before the sequence end are loaded; the math warpgroups zero the
-      // rest of the tile, so no page past ceil(L / page_size) is ever dereferenced.
-      auto for_each_copy = [&](int block, auto&& fn) {
-        const int key0 = block * kBlockN;
-        const int num_copies = mla_common::ceil_div(min(max(seg.seqlen_k - key0, 0), kBlockN), rows);
-        for (int c = 0; c < num_copies; ++c) {
-          const int key = key0 + c * rows;
-          const int page = min(max(pages[key / p.page_size], 0), p.num_pages - 1);
+      // rest of the tile, so no page past ceil(L / page_size) is ever dereferenced. Each 64-column
+      // slab completes its own barrier, so QK can start on slab 0 while the others are in flight.
+      const int key0 = blk * kBlockN;
+      const int num_copies = mla_common::ceil_div(min(max(seg.seqlen_k - key0, 0), kBlockN), rows);
+      // Expected bytes first (a barrier's transaction count may dip below zero meanwhile).
 #pragma unroll
-          for (int slab = 0; slab < kSlabs; ++slab) fn(c, slab, key % p.page_size, page);
-        }
-        return num_copies;
-      };
-      if (blk + kL2PrefetchBlocks < seg.blk_hi) {
-        for_each_copy(blk + kL2PrefetchBlocks, [&](int, int slab, int row_in_page, int page) {
-          mla_common::tma_prefetch_l2_3d(&tma.kv, slab * kTmaColumns, row_in_page, page);
-        });
+      for (int slab = 0; slab < kSlabs; ++slab) {
+        Barrier::arrive_and_expect_tx(&ss.kv_full[stage][slab], num_copies * rows * bytes_per_slab_row);
       }
-      const int valid_keys = min(max(seg.seqlen_k - blk * kBlockN, 0), kBlockN);
-      Barrier::arrive_and_expect_tx(&ss.kv_full[stage],
-                                    mla_common::ceil_div(valid_keys, rows) * rows * bytes_per_copy_row);
       Tensor sK = make_tensor(make_smem_ptr(ss.k[stage]), typename Traits::SmemLayoutK{});
-      for_each_copy(blk, [&](int c, int slab, int row_in_page, int page) {
-        SM90_TMA_LOAD_3D::copy(&tma.kv, &ss.kv_full[stage], uint64_t(TMA::CacheHintSm90::EVICT_FIRST),
-                               &sK(c * rows, slab * kTmaColumns), slab * kTmaColumns, row_in_page, page);
-      });
+      for (int c = 0; c < num_copies; ++c) {
+        const int key = key0 + c * rows;
+        const int page = min(max(pages[key / p.page_size], 0), p.num_pages - 1);
+#pragma unroll
+        for (int slab = 0; slab < kSlabs; ++slab) {
+          SM90_TMA_LOAD_3D::copy(&tma.kv, &ss.kv_full[stage][slab], uint64_t(TMA::CacheHintSm90::EVICT_FIRST),
+                                 &sK(c * rows, slab * kTmaColumns), slab * kTmaColumns, key % p.page_size, page);
+        }
+      }
     }
   }
 }
@@ -93,15 +86,16 @@ __device__ void consume_kv_tiles(const DecodeParams& p, typename Traits::SharedS
 
   Tensor sQ = make_tensor(make_smem_ptr(ss.q), typename Traits::SmemLayoutQ{});   // (64, 576)
   Tensor sP = make_tensor(make_smem_ptr(ss.p), typename Traits::SmemLayoutP{});   // (64, 64)
-  Tensor tSrQ = thr_qk.partition_fragment_A(sQ);                                   // descriptors
-  Tensor tOrP = thr_pv.partition_fragment_A(sP);
   Tensor tSsP = thr_qk.partition_C(sP);  // where this thread's scores go in P
   // Coordinates (row, key) / (row, dim) of each accumulator element of this thread.
   Tensor tScS = thr_qk.partition_C(make_identity_tensor(Shape<Int<kBlockM>, Int<kBlockN>>{}));
   Tensor tOcO = thr_pv.partition_C(make_identity_tensor(Shape<Int<kBlockM>, Int<kHeadDimV>>{}));
   Tensor tOrO = partition_fragment_C(mma_pv, Shape<Int<kBlockM>, Int<kHeadDimV>>{});  // (64, 256) per WG
-  // Each thread holds two rows of every accumulator: r0 and r0 + 8.
+  Tensor tSrS = partition_fragment_C(mma_qk, Shape<Int<kBlockM>, Int<kBlockN>>{});    // (64, 32) per WG
+  // Each thread holds two rows of every accumulator, r0 and r0 + 8: element e of an SM90 WGMMA
+  // accumulator ((2 columns, 2 row halves, N/8), ...) belongs to row r0 + 8 * row_half(e).
   const int r0 = get<0>(tScS(0));
+  auto row_half = [](int e) { return (e >> 1) & 1; };
 
   int iteration = 0;
   for (int b = range.begin_b; b <= range.last_b; ++b) {
@@ -144,39 +138,56 @@ __device__ void consume_kv_tiles(const DecodeParams& p, typename Traits::SharedS
     float row_sum[2] = {0.f, 0.f};
     clear(tOrO);
 
-    for (int blk = seg.blk_lo; blk < seg.blk_hi; ++blk, ++iteration) {
-      const int stage = iteration % kStages;
-      cutlass::arch::ClusterBarrier::wait(&ss.kv_full[stage], (iteration / kStages) & 1);
+    // S = Q K^T for this warpgroup's 32 keys of block `blk` (ring slot `it`), issued as each
+    // 64-column slab of the tile lands, so the MMAs overlap the rest of the copy.
+    auto issue_qk = [&](int blk, int it) {
+      const int stage = it % kStages;
+      const uint32_t phase = (it / kStages) & 1;
       Tensor sK = make_tensor(make_smem_ptr(ss.k[stage]), typename Traits::SmemLayoutK{});
-      Tensor sVt = make_tensor(make_smem_ptr(ss.k[stage]), typename Traits::SmemLayoutVt{});
-      const int key0 = blk * kBlockN;
-
-      // ---- Tail block: zero this warpgroup's key rows past the sequence end (never loaded, or
+      // Tail block: zero this warpgroup's key rows past the sequence end (never loaded, or
       // holding slots past L) so that 0-probability keys cannot inject NaN/Inf through P V.
-      const int valid_keys = seg.seqlen_k - key0;
+      const int valid_keys = seg.seqlen_k - blk * kBlockN;
       if (valid_keys < kBlockN) {
+        for (int slab = 0; slab < kSlabs; ++slab) {
+          cutlass::arch::ClusterBarrier::wait(&ss.kv_full[stage][slab], phase);
+        }
         constexpr int kChunks = kHeadDimK / 8;
         const int first = max(valid_keys, warpgroup * 32), last = warpgroup * 32 + 32;
         for (int i = tid_in_wg; i < (last - first) * kChunks; i += 128) {
-          const int r = first + i / kChunks, c = i % kChunks;
-          if (r < last) *reinterpret_cast<uint4*>(&sK(r, c * 8)) = make_uint4(0, 0, 0, 0);
+          *reinterpret_cast<uint4*>(&sK(first + i / kChunks, i % kChunks * 8)) = make_uint4(0, 0, 0, 0);
         }
         cutlass::arch::fence_view_async_shared();
         named_barrier_sync(128, int(DecodeBarrier::kTailZeroed0) + warpgroup);
       }
-
-      // ---- S = Q K^T for this warpgroup's 32 keys.
-      Tensor tSrK = thr_qk.partition_fragment_B(sK);
-      Tensor tSrS = partition_fragment_C(mma_qk, Shape<Int<kBlockM>, Int<kBlockN>>{});
+      // One WGMMA commit group per slab, each issued as soon as its slab has landed (a barrier
+      // wait inside a group would make the compiler serialize the MMAs around it).
+      constexpr int kStepsPerSlab = kTmaColumns / 16;
       warpgroup_fence_operand(tSrS);
-      warpgroup_arrive();
       mma_qk.accumulate_ = GMMA::ScaleOut::Zero;
 #pragma unroll
-      for (int k = 0; k < size<2>(tSrQ); ++k) {
-        cute::gemm(mma_qk, tSrQ(_, _, k), tSrK(_, _, k), tSrS);
-        mma_qk.accumulate_ = GMMA::ScaleOut::One;
+      for (int slab = 0; slab < kSlabs; ++slab) {
+        cutlass::arch::ClusterBarrier::wait(&ss.kv_full[stage][slab], phase);
+        // Descriptors are rebuilt per slab from opaque bases (cheap integer math): otherwise the
+        // compiler computes all 2 x 36 of them up front and holds them across the waits.
+        Tensor tSrQ = thr_qk.partition_fragment_A(
+            make_tensor(make_smem_ptr(mla_common::opaque(ss.q)), typename Traits::SmemLayoutQ{}));
+        Tensor tSrK = thr_qk.partition_fragment_B(
+            make_tensor(make_smem_ptr(mla_common::opaque(ss.k[stage])), typename Traits::SmemLayoutK{}));
+        warpgroup_arrive();
+#pragma unroll
+        for (int k = slab * kStepsPerSlab; k < (slab + 1) * kStepsPerSlab; ++k) {
+          cute::gemm(mma_qk, tSrQ(_, _, k), tSrK(_, _, k), tSrS);
+          mma_qk.accumulate_ = GMMA::ScaleOut::One;
+        }
+        warpgroup_commit_batch();
       }
-      warpgroup_commit_batch();
+    };
+
+    for (int blk = seg.blk_lo; blk < seg.blk_hi; ++blk, ++iteration) {
+      const int stage = iteration % kStages;
+      Tensor sVt = make_tensor(make_smem_ptr(ss.k[stage]), typename Traits::SmemLayoutVt{});
+      const int key0 = blk * kBlockN;
+      issue_qk(blk, iteration);
       warpgroup_wait<0>();
       warpgroup_fence_operand(tSrS);
 
@@ -184,7 +195,7 @@ __device__ void consume_kv_tiles(const DecodeParams& p, typename Traits::SharedS
       float block_max[2] = {-INFINITY, -INFINITY};
 #pragma unroll
       for (int e = 0; e < size(tSrS); ++e) {
-        const int i = get<0>(tScS(e)) == r0 ? 0 : 1;
+        const int i = row_half(e);
         const int key = key0 + get<1>(tScS(e));
         const float s = key <= last_key[i] ? tSrS(e) * p.scale_log2 : -INFINITY;
         tSrS(e) = s;
@@ -215,19 +226,21 @@ __device__ void consume_kv_tiles(const DecodeParams& p, typename Traits::SharedS
       }
 #pragma unroll
       for (int e = 0; e < size(tSrS); ++e) {
-        const int i = get<0>(tScS(e)) == r0 ? 0 : 1;
+        const int i = row_half(e);
         const float prob = exp2f(tSrS(e) - base[i]);
         row_sum[i] += prob;
         tSsP(e) = Element(prob);
       }
 #pragma unroll
       for (int e = 0; e < size(tOrO); ++e) {
-        tOrO(e) *= rescale[get<0>(tOcO(e)) == r0 ? 0 : 1];
+        tOrO(e) *= rescale[row_half(e)];
       }
       cutlass::arch::fence_view_async_shared();
       named_barrier_sync(256, int(DecodeBarrier::kPReady));
 
       // ---- O[:, own 256 columns] += P V.
+      Tensor tOrP = thr_pv.partition_fragment_A(
+          make_tensor(make_smem_ptr(mla_common::opaque(ss.p)), typename Traits::SmemLayoutP{}));
       Tensor tOrV = thr_pv.partition_fragment_B(sVt);
       warpgroup_fence_operand(tOrO);
       warpgroup_arrive();
@@ -279,8 +292,8 @@ __device__ void consume_kv_tiles(const DecodeParams& p, typename Traits::SharedS
     }
 #pragma unroll
     for (int e = 0; e < size(tOrO); e += 2) {
-      const int i = get<0>(tOcO(e)) == r0 ? 0 : 1;
-      const int row = row_base + get<0>(tOcO(e));
+      const int i = row_half(e);
+      const int row = row_base + r0 + 8 * i;
       const int col = get<1>(tOcO(e));
       if (row >= rows_in_request) continue;
       const float v0 = tOrO(e) * inv_sum[i], v1 = tOrO(e + 1) * inv_sum[i];
@@ -313,7 +326,9 @@ __global__ void __launch_bounds__(kNumThreads, 1)
 
   if (threadIdx.x == 0) {
     for (int s = 0; s < kStages; ++s) {
-      cutlass::arch::ClusterTransactionBarrier::init(&ss.kv_full[s], 1);
+      for (int slab = 0; slab < kSlabs; ++slab) {
+        cutlass::arch::ClusterTransactionBarrier::init(&ss.kv_full[s][slab], 1);
+      }
       cutlass::arch::ClusterBarrier::init(&ss.kv_empty[s], kNumMathWarpgroups);
     }
     cutlass::arch::fence_barrier_init();

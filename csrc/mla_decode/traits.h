@@ -44,7 +44,7 @@ struct DecodeTraits {
     alignas(1024) Element p[cosize_v<SmemLayoutP>];
     float row_max[kNumMathWarpgroups][kBlockM];  // per-warpgroup partial row max of a block
     float row_sum[kNumMathWarpgroups][kBlockM];  // per-warpgroup softmax denominators (epilogue)
-    uint64_t kv_full[kStages];                   // TMA bytes of a K tile have landed
+    uint64_t kv_full[kStages][kSlabs];           // TMA bytes of one 64-column slab have landed
     uint64_t kv_empty[kStages];                  // both math warpgroups are done with a K tile
   };
   static constexpr int kSmemBytes = int(sizeof(SharedStorage));
