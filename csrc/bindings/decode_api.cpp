@@ -72,7 +72,8 @@ void mla_decode_cuda_impl(const Tensor& q, const std::optional<Tensor>& q_pe, co
   TORCH_CHECK(heads >= 1 && heads <= 128, "mla_attn: h_q must be in [1, 128]");
   TORCH_CHECK(max_seqlen_q >= 1, "mla_attn: max_seqlen_q must be >= 1");
   const int tiles = num_q_tiles(max_seqlen_q, heads);
-  TORCH_CHECK(num_sm_parts >= 1 && num_sm_parts <= tile_sched.size(0), "mla_attn: num_sm_parts out of range");
+  TORCH_CHECK(num_sm_parts >= 1 && num_sm_parts <= tile_sched.size(0) && num_sm_parts <= kMaxSmParts,
+              "mla_attn: num_sm_parts out of range");
 
   const c10::cuda::CUDAGuard guard(q.device());
   auto stream = at::cuda::getCurrentCUDAStream();
@@ -173,9 +174,11 @@ std::tuple<Tensor, Tensor> get_decode_metadata_cuda(const Tensor& cache_seqlens,
                                                     bool causal, int64_t num_sm_parts, int64_t num_sms) {
   (void)cu_seqlens_q; (void)max_seqlen_q; (void)num_heads_q; (void)causal;  // enter via num_sm_parts
   check_i32(cache_seqlens, "cache_seqlens", cache_seqlens);
-  TORCH_CHECK(num_sm_parts >= 1 && num_sm_parts <= num_sms, "mla_attn: need 1 <= num_sm_parts <= num_sms");
+  TORCH_CHECK(num_sm_parts >= 1 && num_sm_parts <= num_sms && num_sm_parts <= mla_decode::kMaxSmParts,
+              "mla_attn: need 1 <= num_sm_parts <= min(num_sms, ", mla_decode::kMaxSmParts, ")");
   const c10::cuda::CUDAGuard guard(cache_seqlens.device());
   const int64_t batch = cache_seqlens.size(0);
+  TORCH_CHECK(batch <= 50000, "mla_attn: get_decode_metadata supports at most 50000 requests");
   auto opts = cache_seqlens.options().dtype(at::kInt);
   Tensor tile_sched = at::empty({num_sms, 8}, opts);
   Tensor req_splits = at::empty({batch, 2}, opts);

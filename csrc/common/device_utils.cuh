@@ -34,6 +34,13 @@ __device__ __forceinline__ T* opaque(T* ptr) {
   return reinterpret_cast<T*>(v);
 }
 
+// Programmatic dependent launch: lets the next kernel in the stream start its prologue now.
+__device__ __forceinline__ void launch_dependents() {
+#if defined(__CUDA_ARCH__) && __CUDA_ARCH__ >= 900
+  asm volatile("griddepcontrol.launch_dependents;" ::: "memory");
+#endif
+}
+
 __device__ __forceinline__ int ceil_div(int a, int b) { return (a + b - 1) / b; }
 
 }  // namespace mla_common

@@ -1,9 +1,9 @@
 // Merges the fp32 partials of split requests by their LSE into the final out / lse.
 //
-// Grid (batch, max_rows): one CTA of 128 threads per query row; each thread owns 4 of the 512
-// columns. The split weights exp(lse_s - lse) are computed once per row into shared memory, so the
-// column loop issues independent loads (latency-bound otherwise: small batches have up to
-// num_sm_parts splits per row). Launched with programmatic dependent launch right behind the split
+// Grid (batch, max_rows): one CTA of 4 warps per query row. The split weights exp(lse_s - lse) go
+// to shared memory first; then warp w sums splits w, w + 4, ... over all 512 columns (16 per
+// lane, coalesced float4 loads, several splits in flight), and the four warp sums are added
+// through shared memory. Launched with programmatic dependent launch right behind the split
 // kernel; griddepcontrol.wait makes the partials visible (plain loads, never __ldg, because the
 // predecessor wrote them).
 #pragma once
@@ -16,16 +16,18 @@
 
 namespace mla_decode {
 
-constexpr int kCombineThreads = kHeadDimV / 4;
-constexpr int kMaxSplits = 1024;  // >= num_sm_parts (at most the SM count)
+constexpr int kCombineWarps = 4;
+constexpr int kCombineThreads = kCombineWarps * 32;
 
 template <typename Element>
 __global__ void __launch_bounds__(kCombineThreads)
     mla_combine_kernel(__grid_constant__ const DecodeParams p) {
-  __shared__ float weights[kMaxSplits];
-  __shared__ float reduce[kCombineThreads / 32];
+  __shared__ float weights[kMaxSmParts];  // a request has at most num_sm_parts splits
+  __shared__ float reduce[kCombineWarps];
+  __shared__ float4 warp_sums[kCombineWarps][kHeadDimV / 4];
   mla_common::grid_dependency_wait();
   const int b = blockIdx.x, row = blockIdx.y, tid = threadIdx.x;
+  const int warp = tid / 32, lane = tid % 32;
   const int num_splits = p.req_splits[2 * b];
   if (num_splits <= 1) return;  // written directly by the split kernel
   const int first_token = p.cu_seqlens_q ? p.cu_seqlens_q[b] : 0;
@@ -43,11 +45,11 @@ __global__ void __launch_bounds__(kCombineThreads)
       const float other = __shfl_xor_sync(0xffffffff, v, o);
       v = is_max ? fmaxf(v, other) : v + other;
     }
-    if (tid % 32 == 0) reduce[tid / 32] = v;
+    if (lane == 0) reduce[warp] = v;
     __syncthreads();
     float r = reduce[0];
 #pragma unroll
-    for (int w = 1; w < kCombineThreads / 32; ++w) r = is_max ? fmaxf(r, reduce[w]) : r + reduce[w];
+    for (int w = 1; w < kCombineWarps; ++w) r = is_max ? fmaxf(r, reduce[w]) : r + reduce[w];
     __syncthreads();
     return r;
   };
@@ -61,24 +63,37 @@ __global__ void __launch_bounds__(kCombineThreads)
   const bool empty = max_lse == -INFINITY;  // no split saw a key
   float sum = 0.f;
   for (int s = tid; s < num_splits; s += kCombineThreads) {
-    weights[s] = empty ? 0.f : expf(weights[s] - max_lse);  // exp(-inf) = 0 for empty splits
+    weights[s] = empty ? 0.f : expf(weights[s] - max_lse);  // 0 for empty splits (lse -inf)
     sum += weights[s];
   }
-  sum = block_reduce(sum, false);
+  sum = block_reduce(sum, false);  // also orders the weight writes before the reads below
   const float inv_sum = empty ? 0.f : 1.f / sum;
 
-  float4 acc = make_float4(0.f, 0.f, 0.f, 0.f);
+  // An empty split's partial is 0 (it wrote O * 0), so every split can be summed unconditionally.
+  float4 acc[4] = {};
 #pragma unroll 4
-  for (int s = 0; s < num_splits; ++s) {
+  for (int s = warp; s < num_splits; s += kCombineWarps) {
     const float w = weights[s] * inv_sum;
-    if (w == 0.f) continue;  // empty split: its partial may be anything
-    const float4 v = reinterpret_cast<const float4*>(p.partial_out + partial_row(s) * kHeadDimV)[tid];
-    acc.x += w * v.x; acc.y += w * v.y; acc.z += w * v.z; acc.w += w * v.w;
+    const float4* src = reinterpret_cast<const float4*>(p.partial_out + partial_row(s) * kHeadDimV);
+#pragma unroll
+    for (int j = 0; j < 4; ++j) {
+      const float4 v = src[lane + 32 * j];
+      acc[j].x += w * v.x; acc[j].y += w * v.y; acc[j].z += w * v.z; acc[j].w += w * v.w;
+    }
+  }
+#pragma unroll
+  for (int j = 0; j < 4; ++j) warp_sums[warp][lane + 32 * j] = acc[j];
+  __syncthreads();
+  float4 total = warp_sums[0][tid];
+#pragma unroll
+  for (int w = 1; w < kCombineWarps; ++w) {
+    const float4 v = warp_sums[w][tid];
+    total.x += v.x; total.y += v.y; total.z += v.z; total.w += v.w;
   }
   const int t = row / p.num_heads_q, h = row % p.num_heads_q;
   Element* out = static_cast<Element*>(p.out) + b * p.out_batch_stride +
                  (first_token + t) * p.out_token_stride + h * p.out_head_stride + 4 * tid;
-  out[0] = Element(acc.x); out[1] = Element(acc.y); out[2] = Element(acc.z); out[3] = Element(acc.w);
+  out[0] = Element(total.x); out[1] = Element(total.y); out[2] = Element(total.z); out[3] = Element(total.w);
   if (tid == 0) {
     p.lse[b * p.lse_batch_stride + (first_token + t) * p.lse_token_stride + h * p.lse_head_stride] =
         empty ? INFINITY : max_lse + logf(sum);

@@ -14,6 +14,7 @@ constexpr int kMathRegisters = 240;  // 2 x 128 x 240 + 128 x 24 <= 64K register
 constexpr int kProducerRegisters = 24;
 constexpr int kTmaColumns = 64;      // one 128-byte swizzle atom of bf16/fp16
 constexpr int kSlabs = kHeadDimK / kTmaColumns;  // a K tile arrives as 9 slabs, each with a barrier
+constexpr int kMaxSmParts = 1024;    // bound on num_sm_parts (split count of a request)
 constexpr int kFixedSplitCost = 5;   // scheduler: cost of a split in blocks (metadata.py: FIXED_COST)
 
 static_assert(kHeadDimK % kTmaColumns == 0, "K head dim must be whole swizzle atoms");

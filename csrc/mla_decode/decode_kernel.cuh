@@ -323,6 +323,9 @@ __global__ void __launch_bounds__(kNumThreads, 1)
   const int warpgroup = __shfl_sync(0xffffffff, threadIdx.x / 128, 0);
   const int m_block = blockIdx.x;
   const PartRange range = PartRange::load(params, blockIdx.y);
+  // The combine kernel may start now: its CTAs fill SMs whose parts are done (or empty) and wait
+  // in griddepcontrol.wait until this grid has finished and flushed.
+  mla_common::launch_dependents();
 
   if (threadIdx.x == 0) {
     for (int s = 0; s < kStages; ++s) {

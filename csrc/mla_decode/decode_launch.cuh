@@ -23,6 +23,10 @@ cudaError_t run_mla_decode(const DecodeParams& params, const DecodeTma& tma, cud
   if (err != cudaSuccess || params.num_sm_parts == 1) return err;  // one part: nothing is split
 
   const int max_rows = params.max_seqlen_q * params.num_heads_q;
+  // Same shared-memory carveout as the split kernel, so the SMs need no reconfiguration between them.
+  err = cudaFuncSetAttribute(mla_combine_kernel<Element>, cudaFuncAttributePreferredSharedMemoryCarveout,
+                             int(cudaSharedmemCarveoutMaxShared));
+  if (err != cudaSuccess) return err;
   cudaLaunchConfig_t config = {};
   config.gridDim = dim3(params.batch, max_rows);
   config.blockDim = dim3(kCombineThreads);

@@ -7,20 +7,32 @@
 
 namespace mla_decode {
 
-__global__ void decode_metadata_kernel(const int* cache_seqlens, int batch, int num_sm_parts,
-                                       int num_sms, int* tile_sched, int* req_splits) {
-  // One warp: lanes sum the cost; lane 0 walks the requests (the walk is inherently sequential).
-  const int lane = threadIdx.x;
-  auto num_blocks = [&](int b) { return mla_common::ceil_div(max(cache_seqlens[b], 0), kBlockN); };
+constexpr int kMetadataThreads = 256;
+
+// One CTA: all threads stage the per-request block counts in shared memory and sum their cost;
+// thread 0 then walks the requests (inherently sequential) without touching global memory.
+__global__ void __launch_bounds__(kMetadataThreads)
+    decode_metadata_kernel(const int* cache_seqlens, int batch, int num_sm_parts, int num_sms,
+                           int* tile_sched, int* req_splits) {
+  extern __shared__ int num_blocks[];  // [batch]
+  __shared__ long long warp_totals[kMetadataThreads / 32];
+  const int tid = threadIdx.x;
   long long total = 0;
-  for (int b = lane; b < batch; b += 32) total += num_blocks(b) + kFixedSplitCost;
+  for (int b = tid; b < batch; b += kMetadataThreads) {
+    num_blocks[b] = mla_common::ceil_div(max(cache_seqlens[b], 0), kBlockN);
+    total += num_blocks[b] + kFixedSplitCost;
+  }
 #pragma unroll
   for (int o = 16; o > 0; o /= 2) total += __shfl_xor_sync(0xffffffff, total, o);
-  for (int part = num_sm_parts + lane; part < num_sms; part += 32) {
+  if (tid % 32 == 0) warp_totals[tid / 32] = total;
+  for (int part = num_sm_parts + tid; part < num_sms; part += kMetadataThreads) {
     int* row = tile_sched + part * 8;
     row[0] = 0; row[1] = 0; row[2] = -1; row[3] = 0; row[4] = 0; row[5] = 0; row[6] = 0; row[7] = 0;
   }
-  if (lane != 0) return;
+  __syncthreads();
+  if (tid != 0) return;
+  total = 0;
+  for (int w = 0; w < kMetadataThreads / 32; ++w) total += warp_totals[w];
   const long long payload = (total + num_sm_parts - 1) / num_sm_parts + kFixedSplitCost;
   int b = 0, blk = 0, split = 0, slot = 0;
   for (int part = 0; part < num_sm_parts; ++part) {
@@ -30,7 +42,7 @@ __global__ void decode_metadata_kernel(const int* cache_seqlens, int batch, int 
     int last_b = b < batch ? b - 1 : -1, last_hi = 0;
     long long remain = payload;
     while (b < batch) {
-      const int n = num_blocks(b);
+      const int n = num_blocks[b];
       const int rest = n - blk;
       if (rest + kFixedSplitCost <= remain || part == num_sm_parts - 1) {
         remain -= rest + kFixedSplitCost;
@@ -52,8 +64,14 @@ __global__ void decode_metadata_kernel(const int* cache_seqlens, int batch, int 
 
 cudaError_t run_decode_metadata(const int* cache_seqlens, int batch, int num_sm_parts, int num_sms,
                                 int* tile_sched, int* req_splits, cudaStream_t stream) {
-  decode_metadata_kernel<<<1, 32, 0, stream>>>(cache_seqlens, batch, num_sm_parts, num_sms,
-                                               tile_sched, req_splits);
+  const int smem = batch * int(sizeof(int));
+  if (smem > 48 * 1024) {
+    const cudaError_t err = cudaFuncSetAttribute(decode_metadata_kernel,
+                                                 cudaFuncAttributeMaxDynamicSharedMemorySize, smem);
+    if (err != cudaSuccess) return err;
+  }
+  decode_metadata_kernel<<<1, kMetadataThreads, smem, stream>>>(cache_seqlens, batch, num_sm_parts,
+                                                                num_sms, tile_sched, req_splits);
   return cudaGetLastError();
 }
 
