@@ -10,6 +10,11 @@ __device__ __forceinline__ void named_barrier_sync(int num_threads, int id) {
   asm volatile("bar.sync %0, %1;" ::"r"(id), "r"(num_threads) : "memory");
 }
 
+// Arrives on a named barrier without waiting (the producer side of a hand-off).
+__device__ __forceinline__ void named_barrier_arrive(int num_threads, int id) {
+  asm volatile("bar.arrive %0, %1;" ::"r"(id), "r"(num_threads) : "memory");
+}
+
 // Programmatic dependent launch: wait until the preceding kernel's memory is visible.
 __device__ __forceinline__ void grid_dependency_wait() {
 #if defined(__CUDA_ARCH__) && __CUDA_ARCH__ >= 900

@@ -7,9 +7,10 @@
 // Warpgroup roles (384 threads):
 //   WG 2  producer: one thread issues TMA copies of 64-key x 576-dim K tiles (9 swizzle slabs per
 //         page piece) into a 2-stage ring; one kv_full mbarrier per slab, one kv_empty per stage.
-//   WG 0,1 math: S = Q K^T with each warpgroup taking 32 of the 64 keys (no redundant work), row
-//         maxima exchanged through shared memory, P = exp2(S - m) written to shared memory, then
-//         O[:, 256w:256w+256] += P V with V read from the same K tile (first 512 columns).
+//   WG 0,1 math: KV blocks alternate between them. The owner of a block computes S = Q K^T for all
+//         64 keys, the online-softmax step and P = exp2(S - m), and hands P and the new row max to
+//         the other through shared memory; both then add P V to their half of O (256 columns),
+//         with V read from the same K tile (its first 512 columns).
 // A split writes either the final row (request not split) or an fp32 partial + LSE that
 // combine_kernel.cuh merges.
 #pragma once
@@ -27,6 +28,7 @@
 
 namespace mla_decode {
 using namespace cute;
+using mla_common::named_barrier_arrive;
 using mla_common::named_barrier_sync;
 
 // Issues all K-tile loads of this CTA's schedule. Runs on one thread.
@@ -71,6 +73,10 @@ __device__ void produce_kv_tiles(const DecodeParams& p, const DecodeTma& tma,
   }
 }
 
+// The math warpgroups. KV blocks of a segment alternate between them: the owner of a block
+// computes its full S = Q K^T (64 x 64), the online-softmax step and P, and publishes P and the new
+// row max in shared memory; both warpgroups then rescale their half of O and add P V for their 256
+// columns. While one warpgroup runs its softmax, the other's MMAs keep the tensor cores busy.
 template <typename Traits>
 __device__ void consume_kv_tiles(const DecodeParams& p, typename Traits::SharedStorage& ss,
                                  const PartRange& range, int m_block) {
@@ -79,19 +85,19 @@ __device__ void consume_kv_tiles(const DecodeParams& p, typename Traits::SharedS
   const int warpgroup = tid / 128;
   const int tid_in_wg = tid % 128;
 
-  typename Traits::TiledMmaQK mma_qk;
-  typename Traits::TiledMmaPV mma_pv;
-  auto thr_qk = mma_qk.get_thread_slice(tid);
+  typename Traits::TiledMmaQK mma_qk;   // one warpgroup
+  typename Traits::TiledMmaPV mma_pv;   // two warpgroups, split along the 512 output columns
+  auto thr_qk = mma_qk.get_thread_slice(tid_in_wg);
   auto thr_pv = mma_pv.get_thread_slice(tid);
 
   Tensor sQ = make_tensor(make_smem_ptr(ss.q), typename Traits::SmemLayoutQ{});   // (64, 576)
   Tensor sP = make_tensor(make_smem_ptr(ss.p), typename Traits::SmemLayoutP{});   // (64, 64)
-  Tensor tSsP = thr_qk.partition_C(sP);  // where this thread's scores go in P
+  Tensor tSsP = thr_qk.partition_C(sP);  // where this thread's probabilities go in P
   // Coordinates (row, key) / (row, dim) of each accumulator element of this thread.
   Tensor tScS = thr_qk.partition_C(make_identity_tensor(Shape<Int<kBlockM>, Int<kBlockN>>{}));
   Tensor tOcO = thr_pv.partition_C(make_identity_tensor(Shape<Int<kBlockM>, Int<kHeadDimV>>{}));
   Tensor tOrO = partition_fragment_C(mma_pv, Shape<Int<kBlockM>, Int<kHeadDimV>>{});  // (64, 256) per WG
-  Tensor tSrS = partition_fragment_C(mma_qk, Shape<Int<kBlockM>, Int<kBlockN>>{});    // (64, 32) per WG
+  Tensor tSrS = partition_fragment_C(mma_qk, Shape<Int<kBlockM>, Int<kBlockN>>{});    // (64, 64)
   // Each thread holds two rows of every accumulator, r0 and r0 + 8: element e of an SM90 WGMMA
   // accumulator ((2 columns, 2 row halves, N/8), ...) belongs to row r0 + 8 * row_half(e).
   const int r0 = get<0>(tScS(0));
@@ -105,20 +111,21 @@ __device__ void consume_kv_tiles(const DecodeParams& p, typename Traits::SharedS
     const int row_base = m_block * kBlockM;
 
     // ---- Q tile: 16-byte cp.async copies into the swizzled layout, all in flight at once (rows
-    // past the request are zero-filled).
+    // past the request are zero-filled). Thread t copies chunks t % 4, t % 4 + 4, ... of row t / 4,
+    // so the row's address math is done once.
     {
-      constexpr int kChunks = kHeadDimK / 8;
-      for (int i = tid; i < kBlockM * kChunks; i += 256) {
-        const int r = i / kChunks, c = i % kChunks, row = row_base + r;
-        const bool valid = row < rows_in_request;
-        const int t = valid ? row / p.num_heads_q : 0, h = valid ? row % p.num_heads_q : 0;
-        const int64_t token = seg.first_token + t;
-        const Element* src =
-            c < kHeadDimV / 8
-                ? static_cast<const Element*>(p.q_nope) + seg.b * p.q_nope_batch_stride +
-                      token * p.q_nope_token_stride + h * p.q_nope_head_stride + c * 8
-                : static_cast<const Element*>(p.q_pe) + seg.b * p.q_pe_batch_stride +
-                      token * p.q_pe_token_stride + h * p.q_pe_head_stride + (c * 8 - kHeadDimV);
+      constexpr int kChunks = kHeadDimK / 8, kThreadsPerRow = 256 / kBlockM;
+      const int r = tid / kThreadsPerRow, row = row_base + r;
+      const bool valid = row < rows_in_request;
+      const int t = valid ? row / p.num_heads_q : 0, h = valid ? row % p.num_heads_q : 0;
+      const int64_t token = seg.first_token + t;
+      const Element* q_nope = static_cast<const Element*>(p.q_nope) + seg.b * p.q_nope_batch_stride +
+                              token * p.q_nope_token_stride + h * p.q_nope_head_stride;
+      const Element* q_pe = static_cast<const Element*>(p.q_pe) + seg.b * p.q_pe_batch_stride +
+                            token * p.q_pe_token_stride + h * p.q_pe_head_stride - kHeadDimV;
+#pragma unroll
+      for (int c = tid % kThreadsPerRow; c < kChunks; c += kThreadsPerRow) {
+        const Element* src = (c < kHeadDimV / 8 ? q_nope : q_pe) + c * 8;
         mla_common::cp_async_16(&sQ(r, c * 8), valid ? src : p.q_nope, valid);
       }
       mla_common::cp_async_wait_all();
@@ -134,127 +141,132 @@ __device__ void consume_kv_tiles(const DecodeParams& p, typename Traits::SharedS
       last_key[i] = p.causal ? min(seg.seqlen_k - seg.seqlen_q + t, seg.seqlen_k - 1)
                              : seg.seqlen_k - 1;
     }
-    float row_max[2] = {-INFINITY, -INFINITY};
-    float row_sum[2] = {0.f, 0.f};
+    float row_max[2] = {-INFINITY, -INFINITY};  // running max, log2 units; equal in both WGs
+    float row_sum[2] = {0.f, 0.f};              // this WG's share of the denominator
     clear(tOrO);
-
-    // S = Q K^T for this warpgroup's 32 keys of block `blk` (ring slot `it`), issued as each
-    // 64-column slab of the tile lands, so the MMAs overlap the rest of the copy.
-    auto issue_qk = [&](int blk, int it) {
-      const int stage = it % kStages;
-      const uint32_t phase = (it / kStages) & 1;
-      Tensor sK = make_tensor(make_smem_ptr(ss.k[stage]), typename Traits::SmemLayoutK{});
-      // Tail block: zero this warpgroup's key rows past the sequence end (never loaded, or
-      // holding slots past L) so that 0-probability keys cannot inject NaN/Inf through P V.
-      const int valid_keys = seg.seqlen_k - blk * kBlockN;
-      if (valid_keys < kBlockN) {
-        for (int slab = 0; slab < kSlabs; ++slab) {
-          cutlass::arch::ClusterBarrier::wait(&ss.kv_full[stage][slab], phase);
-        }
-        constexpr int kChunks = kHeadDimK / 8;
-        const int first = max(valid_keys, warpgroup * 32), last = warpgroup * 32 + 32;
-        for (int i = tid_in_wg; i < (last - first) * kChunks; i += 128) {
-          *reinterpret_cast<uint4*>(&sK(first + i / kChunks, i % kChunks * 8)) = make_uint4(0, 0, 0, 0);
-        }
-        cutlass::arch::fence_view_async_shared();
-        named_barrier_sync(128, int(DecodeBarrier::kTailZeroed0) + warpgroup);
-      }
-      // One WGMMA commit group per slab, each issued as soon as its slab has landed (a barrier
-      // wait inside a group would make the compiler serialize the MMAs around it).
-      constexpr int kStepsPerSlab = kTmaColumns / 16;
-      warpgroup_fence_operand(tSrS);
-      mma_qk.accumulate_ = GMMA::ScaleOut::Zero;
-#pragma unroll
-      for (int slab = 0; slab < kSlabs; ++slab) {
-        cutlass::arch::ClusterBarrier::wait(&ss.kv_full[stage][slab], phase);
-        // Descriptors are rebuilt per slab from opaque bases (cheap integer math): otherwise the
-        // compiler computes all 2 x 36 of them up front and holds them across the waits.
-        Tensor tSrQ = thr_qk.partition_fragment_A(
-            make_tensor(make_smem_ptr(mla_common::opaque(ss.q)), typename Traits::SmemLayoutQ{}));
-        Tensor tSrK = thr_qk.partition_fragment_B(
-            make_tensor(make_smem_ptr(mla_common::opaque(ss.k[stage])), typename Traits::SmemLayoutK{}));
-        warpgroup_arrive();
-#pragma unroll
-        for (int k = slab * kStepsPerSlab; k < (slab + 1) * kStepsPerSlab; ++k) {
-          cute::gemm(mma_qk, tSrQ(_, _, k), tSrK(_, _, k), tSrS);
-          mma_qk.accumulate_ = GMMA::ScaleOut::One;
-        }
-        warpgroup_commit_batch();
-      }
-    };
 
     for (int blk = seg.blk_lo; blk < seg.blk_hi; ++blk, ++iteration) {
       const int stage = iteration % kStages;
-      Tensor sVt = make_tensor(make_smem_ptr(ss.k[stage]), typename Traits::SmemLayoutVt{});
-      const int key0 = blk * kBlockN;
-      issue_qk(blk, iteration);
-      warpgroup_wait<0>();
-      warpgroup_fence_operand(tSrS);
+      const uint32_t phase = (iteration / kStages) & 1;
+      const int owner = (blk - seg.blk_lo) & 1;
+      float rescale[2];
+      if (owner == warpgroup) {
+        // -- Tail block: zero key rows past the sequence end (never loaded, or holding slots
+        // past L) so that 0-probability keys cannot inject NaN/Inf through P V.
+        Tensor sK = make_tensor(make_smem_ptr(ss.k[stage]), typename Traits::SmemLayoutK{});
+        const int valid_keys = max(seg.seqlen_k - blk * kBlockN, 0);
+        if (valid_keys < kBlockN) {
+          for (int slab = 0; slab < kSlabs; ++slab) cutlass::arch::ClusterBarrier::wait(&ss.kv_full[stage][slab], phase);
+          constexpr int kChunks = kHeadDimK / 8;
+          for (int i = tid_in_wg; i < (kBlockN - valid_keys) * kChunks; i += 128) {
+            *reinterpret_cast<uint4*>(&sK(valid_keys + i / kChunks, i % kChunks * 8)) = make_uint4(0, 0, 0, 0);
+          }
+          cutlass::arch::fence_view_async_shared();
+          named_barrier_sync(128, int(DecodeBarrier::kTailZeroed0) + warpgroup);
+        }
+        // -- S = Q K^T, one WGMMA commit group per slab, each issued as soon as its slab has
+        // landed (a barrier wait inside a group makes the compiler serialize the MMAs).
+        constexpr int kStepsPerSlab = kTmaColumns / 16;
+        warpgroup_fence_operand(tSrS);
+        mma_qk.accumulate_ = GMMA::ScaleOut::Zero;
+#pragma unroll
+        for (int slab = 0; slab < kSlabs; ++slab) {
+          cutlass::arch::ClusterBarrier::wait(&ss.kv_full[stage][slab], phase);
+          // Descriptors are rebuilt per slab from opaque bases (cheap integer math): otherwise
+          // the compiler computes all 2 x 36 of them up front and holds them across the waits.
+          Tensor tSrQ = thr_qk.partition_fragment_A(
+              make_tensor(make_smem_ptr(mla_common::opaque(ss.q)), typename Traits::SmemLayoutQ{}));
+          Tensor tSrK = thr_qk.partition_fragment_B(
+              make_tensor(make_smem_ptr(mla_common::opaque(ss.k[stage])), typename Traits::SmemLayoutK{}));
+          warpgroup_arrive();
+#pragma unroll
+          for (int k = slab * kStepsPerSlab; k < (slab + 1) * kStepsPerSlab; ++k) {
+            cute::gemm(mma_qk, tSrQ(_, _, k), tSrK(_, _, k), tSrS);
+            mma_qk.accumulate_ = GMMA::ScaleOut::One;
+          }
+          warpgroup_commit_batch();
+        }
+        warpgroup_wait<0>();  // S, and this WG's PV of the previous block
+        warpgroup_fence_operand(tSrS);
+        if (blk > seg.blk_lo && tid_in_wg == 0) {
+          cutlass::arch::ClusterBarrier::arrive(&ss.kv_empty[(iteration - 1) % kStages]);
+        }
 
-      // ---- Scale to log2 units, mask, partial row max over this warpgroup's keys.
-      float block_max[2] = {-INFINITY, -INFINITY};
+        // -- Online softmax in log2 units over the 64 keys of the block.
+        const int key0 = blk * kBlockN;
+        float block_max[2] = {-INFINITY, -INFINITY};
 #pragma unroll
-      for (int e = 0; e < size(tSrS); ++e) {
-        const int i = row_half(e);
-        const int key = key0 + get<1>(tScS(e));
-        const float s = key <= last_key[i] ? tSrS(e) * p.scale_log2 : -INFINITY;
-        tSrS(e) = s;
-        block_max[i] = fmaxf(block_max[i], s);
-      }
+        for (int e = 0; e < size(tSrS); ++e) {
+          const int i = row_half(e);
+          const float s = key0 + get<1>(tScS(e)) <= last_key[i] ? tSrS(e) * p.scale_log2 : -INFINITY;
+          tSrS(e) = s;
+          block_max[i] = fmaxf(block_max[i], s);
+        }
+        float base[2];
 #pragma unroll
-      for (int i = 0; i < 2; ++i) {
-        block_max[i] = fmaxf(block_max[i], __shfl_xor_sync(0xffffffff, block_max[i], 1));
-        block_max[i] = fmaxf(block_max[i], __shfl_xor_sync(0xffffffff, block_max[i], 2));
+        for (int i = 0; i < 2; ++i) {
+          block_max[i] = fmaxf(block_max[i], __shfl_xor_sync(0xffffffff, block_max[i], 1));
+          block_max[i] = fmaxf(block_max[i], __shfl_xor_sync(0xffffffff, block_max[i], 2));
+          const float new_max = fmaxf(row_max[i], block_max[i]);
+          base[i] = new_max == -INFINITY ? 0.f : new_max;  // fully masked row: keep exp2 finite
+          rescale[i] = exp2f(row_max[i] - base[i]);
+          row_max[i] = new_max;
+          row_sum[i] *= rescale[i];
+        }
+        // The other WG must be done reading the previous P before it is overwritten.
+        if (blk > seg.blk_lo) named_barrier_sync(256, int(DecodeBarrier::kPFree0) + warpgroup);
+#pragma unroll
+        for (int e = 0; e < size(tSrS); ++e) {
+          const float prob = exp2f(tSrS(e) - base[row_half(e)]);
+          row_sum[row_half(e)] += prob;
+          tSsP(e) = Element(prob);
+        }
+        if (tid_in_wg % 4 == 0) {
+          ss.row_max[r0] = row_max[0];
+          ss.row_max[r0 + 8] = row_max[1];
+        }
+        cutlass::arch::fence_view_async_shared();
+        named_barrier_arrive(256, int(DecodeBarrier::kPReady0) + warpgroup);
+      } else {
+        warpgroup_wait<0>();  // this WG's PV of the previous block: it no longer reads P
+        if (blk > seg.blk_lo) {
+          if (tid_in_wg == 0) cutlass::arch::ClusterBarrier::arrive(&ss.kv_empty[(iteration - 1) % kStages]);
+          named_barrier_arrive(256, int(DecodeBarrier::kPFree0) + owner);
+        }
+        // V of this block is observed through the owner's hand-off, and directly here.
+        for (int slab = 0; slab < kHeadDimV / kTmaColumns; ++slab) {
+          cutlass::arch::ClusterBarrier::wait(&ss.kv_full[stage][slab], phase);
+        }
+        named_barrier_sync(256, int(DecodeBarrier::kPReady0) + owner);
+#pragma unroll
+        for (int i = 0; i < 2; ++i) {
+          const float new_max = ss.row_max[r0 + 8 * i];
+          rescale[i] = exp2f(row_max[i] - (new_max == -INFINITY ? 0.f : new_max));
+          row_max[i] = new_max;
+          row_sum[i] *= rescale[i];
+        }
       }
-      if (tid % 4 == 0) {
-        ss.row_max[warpgroup][r0] = block_max[0];
-        ss.row_max[warpgroup][r0 + 8] = block_max[1];
-      }
-      named_barrier_sync(256, int(DecodeBarrier::kRowMax));
 
-      // ---- Online softmax: both warpgroups derive the same new max, so O and l stay consistent.
-      float rescale[2], base[2];
+      // ---- O[:, own 256 columns] = O * rescale + P V (no PV of this WG is in flight here).
 #pragma unroll
-      for (int i = 0; i < 2; ++i) {
-        const int r = r0 + 8 * i;
-        const float new_max =
-            fmaxf(row_max[i], fmaxf(ss.row_max[0][r], ss.row_max[1][r]));
-        base[i] = new_max == -INFINITY ? 0.f : new_max;  // fully masked row: keep exp2 finite
-        rescale[i] = exp2f(row_max[i] - base[i]);
-        row_max[i] = new_max;
-        row_sum[i] *= rescale[i];
-      }
-#pragma unroll
-      for (int e = 0; e < size(tSrS); ++e) {
-        const int i = row_half(e);
-        const float prob = exp2f(tSrS(e) - base[i]);
-        row_sum[i] += prob;
-        tSsP(e) = Element(prob);
-      }
-#pragma unroll
-      for (int e = 0; e < size(tOrO); ++e) {
-        tOrO(e) *= rescale[row_half(e)];
-      }
-      cutlass::arch::fence_view_async_shared();
-      named_barrier_sync(256, int(DecodeBarrier::kPReady));
-
-      // ---- O[:, own 256 columns] += P V.
+      for (int e = 0; e < size(tOrO); ++e) tOrO(e) *= rescale[row_half(e)];
       Tensor tOrP = thr_pv.partition_fragment_A(
           make_tensor(make_smem_ptr(mla_common::opaque(ss.p)), typename Traits::SmemLayoutP{}));
-      Tensor tOrV = thr_pv.partition_fragment_B(sVt);
+      Tensor tOrV = thr_pv.partition_fragment_B(
+          make_tensor(make_smem_ptr(ss.k[stage]), typename Traits::SmemLayoutVt{}));
       warpgroup_fence_operand(tOrO);
       warpgroup_arrive();
 #pragma unroll
-      for (int k = 0; k < size<2>(tOrP); ++k) {
-        cute::gemm(mma_pv, tOrP(_, _, k), tOrV(_, _, k), tOrO);
-      }
+      for (int k = 0; k < size<2>(tOrP); ++k) cute::gemm(mma_pv, tOrP(_, _, k), tOrV(_, _, k), tOrO);
       warpgroup_commit_batch();
-      warpgroup_wait<0>();
-      warpgroup_fence_operand(tOrO);
-      if (tid_in_wg == 0) cutlass::arch::ClusterBarrier::arrive(&ss.kv_empty[stage]);
+    }
+    warpgroup_wait<0>();
+    warpgroup_fence_operand(tOrO);
+    if (seg.blk_lo < seg.blk_hi && tid_in_wg == 0) {
+      cutlass::arch::ClusterBarrier::arrive(&ss.kv_empty[(iteration - 1) % kStages]);
     }
 
-    // ---- Epilogue: total denominator over both warpgroups' keys, then normalise and store.
+    // ---- Epilogue: total denominator over both warpgroups' blocks, then normalise and store.
 #pragma unroll
     for (int i = 0; i < 2; ++i) {
       row_sum[i] += __shfl_xor_sync(0xffffffff, row_sum[i], 1);
@@ -265,46 +277,45 @@ __device__ void consume_kv_tiles(const DecodeParams& p, typename Traits::SharedS
       ss.row_sum[warpgroup][r0 + 8] = row_sum[1];
     }
     named_barrier_sync(256, int(DecodeBarrier::kRowSum));
-    float inv_sum[2], lse[2];
-    const int num_splits = p.req_splits[2 * seg.b];
-    const bool is_partial = num_splits > 1;
+    const bool is_partial = p.req_splits[2 * seg.b] > 1;
+    const int slot = p.req_splits[2 * seg.b + 1] + seg.split;
+    float inv_sum[2];
+    float* partial_row[2];
+    Element* out_row[2];
+    bool row_valid[2];
 #pragma unroll
     for (int i = 0; i < 2; ++i) {
-      const int r = r0 + 8 * i;
+      const int r = r0 + 8 * i, row = row_base + r;
       const float total = ss.row_sum[0][r] + ss.row_sum[1][r];
       const bool empty = total == 0.f;  // no visible key in this split
       inv_sum[i] = empty ? 0.f : 1.f / total;
-      const float final_empty_lse = is_partial ? -INFINITY : INFINITY;
-      lse[i] = empty ? final_empty_lse : (row_max[i] + __log2f(total)) * float(M_LN2);
-    }
-    const int slot = p.req_splits[2 * seg.b + 1] + seg.split;
-#pragma unroll
-    for (int i = 0; i < 2; ++i) {
-      const int row = row_base + r0 + 8 * i;
-      if (row >= rows_in_request || warpgroup != 0 || tid % 4 != 0) continue;
-      if (is_partial) {
-        p.partial_lse[(int64_t(slot) * p.num_q_tiles + m_block) * kBlockM + r0 + 8 * i] = lse[i];
-      } else {
-        const int t = row / p.num_heads_q, h = row % p.num_heads_q;
-        p.lse[seg.b * p.lse_batch_stride + (seg.first_token + t) * p.lse_token_stride +
-              h * p.lse_head_stride] = lse[i];
+      const float lse = empty ? (is_partial ? -INFINITY : INFINITY)
+                              : (row_max[i] + __log2f(total)) * float(M_LN2);
+      row_valid[i] = row < rows_in_request;
+      const int t = row / p.num_heads_q, h = row % p.num_heads_q;
+      const int64_t partial_index = (int64_t(slot) * p.num_q_tiles + m_block) * kBlockM + r;
+      partial_row[i] = p.partial_out + partial_index * kHeadDimV;
+      out_row[i] = static_cast<Element*>(p.out) + seg.b * p.out_batch_stride +
+                   (seg.first_token + t) * p.out_token_stride + h * p.out_head_stride;
+      if (row_valid[i] && warpgroup == 0 && tid % 4 == 0) {
+        if (is_partial) {
+          p.partial_lse[partial_index] = lse;
+        } else {
+          p.lse[seg.b * p.lse_batch_stride + (seg.first_token + t) * p.lse_token_stride +
+                h * p.lse_head_stride] = lse;
+        }
       }
     }
 #pragma unroll
     for (int e = 0; e < size(tOrO); e += 2) {
       const int i = row_half(e);
-      const int row = row_base + r0 + 8 * i;
+      if (!row_valid[i]) continue;
       const int col = get<1>(tOcO(e));
-      if (row >= rows_in_request) continue;
       const float v0 = tOrO(e) * inv_sum[i], v1 = tOrO(e + 1) * inv_sum[i];
       if (is_partial) {
-        float* dst = p.partial_out +
-                     ((int64_t(slot) * p.num_q_tiles + m_block) * kBlockM + row - row_base) * kHeadDimV + col;
-        *reinterpret_cast<float2*>(dst) = make_float2(v0, v1);
+        *reinterpret_cast<float2*>(partial_row[i] + col) = make_float2(v0, v1);
       } else {
-        const int t = row / p.num_heads_q, h = row % p.num_heads_q;
-        Element* dst = static_cast<Element*>(p.out) + seg.b * p.out_batch_stride +
-                       (seg.first_token + t) * p.out_token_stride + h * p.out_head_stride + col;
+        Element* dst = out_row[i] + col;
         dst[0] = Element(v0);
         dst[1] = Element(v1);
       }

@@ -24,14 +24,13 @@ struct DecodeTraits {
   // MN-major (atoms of 64 dims x 8 keys, keys iterated first): V is never loaded twice.
   using SmemLayoutVt = decltype(tile_to_shape(GMMA::Layout_MN_SW128_Atom<Element>{},
                                               Shape<Int<kHeadDimV>, Int<kBlockN>>{}, Step<_2, _1>{}));
-  // P [64 rows, 64 keys]: written by both math warpgroups (32 keys each), read by both for PV.
+  // P [64 rows, 64 keys]: written by the block's owner warpgroup, read by both for PV.
   using SmemLayoutP = decltype(tile_to_shape(GMMA::Layout_K_SW128_Atom<Element>{},
                                              Shape<Int<kBlockM>, Int<kBlockN>>{}));
 
-  // S = Q K^T: warpgroup w computes the 64 x 32 scores of keys [32w, 32w + 32).
+  // S = Q K^T: the warpgroup that owns a KV block computes all 64 x 64 scores.
   using TiledMmaQK = decltype(make_tiled_mma(
-      GMMA::ss_op_selector<Element, Element, float, Shape<Int<kBlockM>, Int<kBlockN / 2>, _64>>(),
-      Layout<Shape<_1, Int<kNumMathWarpgroups>, _1>>{}));
+      GMMA::ss_op_selector<Element, Element, float, Shape<Int<kBlockM>, Int<kBlockN>, _64>>()));
   // O += P V: warpgroup w owns output columns [256w, 256w + 256).
   using TiledMmaPV = decltype(make_tiled_mma(
       GMMA::ss_op_selector<Element, Element, float, Shape<Int<kBlockM>, Int<kHeadDimV / 2>, _64>,
@@ -42,7 +41,7 @@ struct DecodeTraits {
     alignas(1024) Element q[cosize_v<SmemLayoutQ>];
     alignas(1024) Element k[kStages][cosize_v<SmemLayoutK>];
     alignas(1024) Element p[cosize_v<SmemLayoutP>];
-    float row_max[kNumMathWarpgroups][kBlockM];  // per-warpgroup partial row max of a block
+    float row_max[kBlockM];                      // running row max after the block in sP
     float row_sum[kNumMathWarpgroups][kBlockM];  // per-warpgroup softmax denominators (epilogue)
     uint64_t kv_full[kStages][kSlabs];           // TMA bytes of one 64-column slab have landed
     uint64_t kv_empty[kStages];                  // both math warpgroups are done with a K tile
@@ -52,13 +51,17 @@ struct DecodeTraits {
 };
 
 // Named barriers (id 0 is __syncthreads). Each guards one hand-off between the math warpgroups.
+// "0"/"1" variants belong to the warpgroup that owns the block (ids alternate with block parity, so a
+// warpgroup can never run one hand-off ahead into the previous instance of the same barrier).
 enum class DecodeBarrier : int {
-  kQReady = 1,   // Q tile written by plain stores, fenced for WGMMA
-  kRowMax = 2,   // both partial row maxima of the current block are in row_max
-  kPReady = 3,   // both halves of P are in shared memory
-  kRowSum = 4,   // both partial denominators are in row_sum
-  kTailZeroed0 = 5,  // warpgroup 0 zeroed its key rows past the sequence end
-  kTailZeroed1 = 6,
+  kQReady = 1,       // Q tile landed (cp.async) and is fenced for WGMMA
+  kPReady0 = 2,      // owner wrote P and row_max of its block
+  kPReady1 = 3,
+  kPFree0 = 4,       // the non-owner is done reading the previous P (its PV completed)
+  kPFree1 = 5,
+  kRowSum = 6,       // both partial denominators are in row_sum
+  kTailZeroed0 = 7,  // owner zeroed the key rows past the sequence end
+  kTailZeroed1 = 8,
 };
 
 }  // namespace mla_decode
