@@ -216,10 +216,12 @@ __device__ void consume_kv_tiles(const DecodeParams& p, typename Traits::SharedS
         // The other WG must be done reading the previous P before it is overwritten.
         if (blk > seg.blk_lo) named_barrier_sync(256, int(DecodeBarrier::kPFree0) + warpgroup);
 #pragma unroll
-        for (int e = 0; e < size(tSrS); ++e) {
-          const float prob = exp2f(tSrS(e) - base[row_half(e)]);
-          row_sum[row_half(e)] += prob;
-          tSsP(e) = Element(prob);
+        for (int e = 0; e < size(tSrS); e += 2) {  // elements e, e + 1: adjacent keys of one row
+          const int i = row_half(e);
+          const float p0 = exp2f(tSrS(e) - base[i]), p1 = exp2f(tSrS(e + 1) - base[i]);
+          row_sum[i] += p0 + p1;
+          const Element pair[2] = {Element(p0), Element(p1)};
+          *reinterpret_cast<uint32_t*>(&tSsP(e)) = *reinterpret_cast<const uint32_t*>(pair);
         }
         if (tid_in_wg % 4 == 0) {
           ss.row_max[r0] = row_max[0];
@@ -248,8 +250,11 @@ __device__ void consume_kv_tiles(const DecodeParams& p, typename Traits::SharedS
       }
 
       // ---- O[:, own 256 columns] = O * rescale + P V (no PV of this WG is in flight here).
+      // Once the running max settles the factors are exactly 1: skip the 128 multiplies then.
+      if (__any_sync(0xffffffff, rescale[0] != 1.f || rescale[1] != 1.f)) {
 #pragma unroll
-      for (int e = 0; e < size(tOrO); ++e) tOrO(e) *= rescale[row_half(e)];
+        for (int e = 0; e < size(tOrO); ++e) tOrO(e) *= rescale[row_half(e)];
+      }
       Tensor tOrP = thr_pv.partition_fragment_A(
           make_tensor(make_smem_ptr(mla_common::opaque(ss.p)), typename Traits::SmemLayoutP{}));
       Tensor tOrV = thr_pv.partition_fragment_B(
