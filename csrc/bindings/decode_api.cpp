@@ -17,11 +17,40 @@ int num_q_tiles(int64_t max_seqlen_q, int64_t num_heads_q) {
   return int((max_seqlen_q * num_heads_q + mla_decode::kBlockM - 1) / mla_decode::kBlockM);
 }
 
+// Dtypes can be compiled out (MLA_ATTN_DISABLE_BF16 / _FP16, see setup.py): then a clear error.
+cudaError_t run_bf16(const mla_decode::DecodeParams& p, const mla_decode::DecodeTma& tma, cudaStream_t s) {
+#ifdef MLA_ATTN_DISABLE_BF16
+  TORCH_CHECK(false, "mla_attn was built with MLA_ATTN_DISABLE_BF16=1: no bf16 decode kernel");
+  return cudaErrorNotSupported;
+#else
+  return mla_decode::run_mla_decode<cutlass::bfloat16_t>(p, tma, s);
+#endif
+}
+
+cudaError_t run_fp16(const mla_decode::DecodeParams& p, const mla_decode::DecodeTma& tma, cudaStream_t s) {
+#ifdef MLA_ATTN_DISABLE_FP16
+  TORCH_CHECK(false, "mla_attn was built with MLA_ATTN_DISABLE_FP16=1: no fp16 decode kernel");
+  return cudaErrorNotSupported;
+#else
+  return mla_decode::run_mla_decode<cutlass::half_t>(p, tma, s);
+#endif
+}
+
 void check_sm90(const Tensor& t) {
   const auto* prop = at::cuda::getDeviceProperties(t.device().index());
   TORCH_CHECK(prop->major == 9 && prop->minor == 0,
               "mla_attn: the decode kernel needs an sm_90 (Hopper) GPU; got sm_", prop->major,
               prop->minor, " (", prop->name, ")");
+}
+
+// 16-byte vector copies (cp.async, TMA) need 16-byte aligned rows: base and every outer stride.
+void check_aligned(const Tensor& t, const char* name, int64_t bytes) {
+  TORCH_CHECK(reinterpret_cast<uintptr_t>(t.data_ptr()) % bytes == 0, "mla_attn: ", name,
+              " must be ", bytes, "-byte aligned");
+  for (int64_t d = 0; d + 1 < t.dim(); ++d) {
+    TORCH_CHECK(t.size(d) == 1 || (t.stride(d) * t.element_size()) % bytes == 0, "mla_attn: ", name,
+                " stride(", d, ") must be a multiple of ", bytes, " bytes");
+  }
 }
 
 void check_i32(const Tensor& t, const char* name, const Tensor& like) {
@@ -52,6 +81,10 @@ void mla_decode_cuda_impl(const Tensor& q, const std::optional<Tensor>& q_pe, co
   const int64_t page_size = kv_cache.size(1);
   TORCH_CHECK(page_size % 16 == 0 && page_size >= 16 && page_size <= 256, "mla_attn: page_size must be a multiple of 16 in [16, 256]");
   TORCH_CHECK(q.stride(-1) == 1 && (!q_pe.has_value() || q_pe->stride(-1) == 1), "mla_attn: q and q_pe must be contiguous in the last dim");
+  check_aligned(q, "q", 16);
+  if (q_pe.has_value()) check_aligned(*q_pe, "q_pe", 16);
+  check_aligned(kv_cache, "kv_cache", 16);
+  check_aligned(out, "out", 4);
   for (const Tensor& t : {q, kv_cache, block_table, cache_seqlens, out, lse}) {
     TORCH_CHECK(t.device() == q.device(), "mla_attn: all tensors must be on ", q.device());
   }
@@ -133,9 +166,7 @@ void mla_decode_cuda_impl(const Tensor& q, const std::optional<Tensor>& q_pe, co
   DecodeTma tma;
   const char* tma_error = make_kv_tma(p, bf16, &tma);
   TORCH_CHECK(tma_error == nullptr, "mla_attn: ", tma_error ? tma_error : "");
-  const cudaError_t err = bf16 ? run_mla_decode<cutlass::bfloat16_t>(p, tma, stream)
-                               : run_mla_decode<cutlass::half_t>(p, tma, stream);
-  C10_CUDA_CHECK(err);
+  C10_CUDA_CHECK(bf16 ? run_bf16(p, tma, stream) : run_fp16(p, tma, stream));
 }
 
 std::tuple<Tensor, Tensor> mla_decode_cuda(const Tensor& q, const std::optional<Tensor>& q_pe,

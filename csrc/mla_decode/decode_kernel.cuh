@@ -103,35 +103,43 @@ __device__ void consume_kv_tiles(const DecodeParams& p, typename Traits::SharedS
   const int r0 = get<0>(tScS(0));
   auto row_half = [](int e) { return (e >> 1) & 1; };
 
+  // ---- Q tile: 16-byte cp.async copies into the swizzled layout, all in flight at once (rows
+  // past the request are zero-filled). Thread t copies chunks t % 4, t % 4 + 4, ... of row t / 4,
+  // so the row's address math is done once. Completion: cp_async_wait_all + kQReady.
+  auto issue_q_load = [&](const Segment& s) {
+    constexpr int kChunks = kHeadDimK / 8, kThreadsPerRow = 256 / kBlockM;
+    const int r = tid / kThreadsPerRow, row = m_block * kBlockM + r;
+    const bool valid = row < s.seqlen_q * p.num_heads_q;
+    const int t = valid ? row / p.num_heads_q : 0, h = valid ? row % p.num_heads_q : 0;
+    const int64_t token = s.first_token + t;
+    const Element* q_nope = static_cast<const Element*>(p.q_nope) + s.b * p.q_nope_batch_stride +
+                            token * p.q_nope_token_stride + h * p.q_nope_head_stride;
+    const Element* q_pe = static_cast<const Element*>(p.q_pe) + s.b * p.q_pe_batch_stride +
+                          token * p.q_pe_token_stride + h * p.q_pe_head_stride - kHeadDimV;
+#pragma unroll
+    for (int c = tid % kThreadsPerRow; c < kChunks; c += kThreadsPerRow) {
+      const Element* src = (c < kHeadDimV / 8 ? q_nope : q_pe) + c * 8;
+      mla_common::cp_async_16(&sQ(r, c * 8), valid ? src : p.q_nope, valid);
+    }
+  };
+  // The next request piece of this CTA's part that has rows in q-tile m_block.
+  auto next_segment = [&](int from_b, Segment& s) {
+    for (int b = from_b; b <= range.last_b; ++b) {
+      if (range.segment(p, b, m_block, s)) return true;
+    }
+    return false;
+  };
+
   int iteration = 0;
-  for (int b = range.begin_b; b <= range.last_b; ++b) {
-    Segment seg;
-    if (!range.segment(p, b, m_block, seg)) continue;
+  Segment seg;
+  bool have_segment = next_segment(range.begin_b, seg);
+  if (have_segment) issue_q_load(seg);
+  while (have_segment) {
     const int rows_in_request = seg.seqlen_q * p.num_heads_q;
     const int row_base = m_block * kBlockM;
-
-    // ---- Q tile: 16-byte cp.async copies into the swizzled layout, all in flight at once (rows
-    // past the request are zero-filled). Thread t copies chunks t % 4, t % 4 + 4, ... of row t / 4,
-    // so the row's address math is done once.
-    {
-      constexpr int kChunks = kHeadDimK / 8, kThreadsPerRow = 256 / kBlockM;
-      const int r = tid / kThreadsPerRow, row = row_base + r;
-      const bool valid = row < rows_in_request;
-      const int t = valid ? row / p.num_heads_q : 0, h = valid ? row % p.num_heads_q : 0;
-      const int64_t token = seg.first_token + t;
-      const Element* q_nope = static_cast<const Element*>(p.q_nope) + seg.b * p.q_nope_batch_stride +
-                              token * p.q_nope_token_stride + h * p.q_nope_head_stride;
-      const Element* q_pe = static_cast<const Element*>(p.q_pe) + seg.b * p.q_pe_batch_stride +
-                            token * p.q_pe_token_stride + h * p.q_pe_head_stride - kHeadDimV;
-#pragma unroll
-      for (int c = tid % kThreadsPerRow; c < kChunks; c += kThreadsPerRow) {
-        const Element* src = (c < kHeadDimV / 8 ? q_nope : q_pe) + c * 8;
-        mla_common::cp_async_16(&sQ(r, c * 8), valid ? src : p.q_nope, valid);
-      }
-      mla_common::cp_async_wait_all();
-      cutlass::arch::fence_view_async_shared();
-      named_barrier_sync(256, int(DecodeBarrier::kQReady));
-    }
+    mla_common::cp_async_wait_all();
+    cutlass::arch::fence_view_async_shared();
+    named_barrier_sync(256, int(DecodeBarrier::kQReady));
 
     // Last visible key (inclusive) of this thread's two rows: bottom-right causal alignment.
     int last_key[2];
@@ -271,6 +279,12 @@ __device__ void consume_kv_tiles(const DecodeParams& p, typename Traits::SharedS
       cutlass::arch::ClusterBarrier::arrive(&ss.kv_empty[(iteration - 1) % kStages]);
     }
 
+    // Every QK of this segment has completed (the other warpgroup's last PV needed the last S), so
+    // sQ is free: the next segment's Q load overlaps this epilogue.
+    Segment next;
+    const bool have_next = next_segment(seg.b + 1, next);
+    if (have_next) issue_q_load(next);
+
     // ---- Epilogue: total denominator over both warpgroups' blocks, then normalise and store.
 #pragma unroll
     for (int i = 0; i < 2; ++i) {
@@ -320,11 +334,12 @@ __device__ void consume_kv_tiles(const DecodeParams& p, typename Traits::SharedS
       if (is_partial) {
         *reinterpret_cast<float2*>(partial_row[i] + col) = make_float2(v0, v1);
       } else {
-        Element* dst = out_row[i] + col;
-        dst[0] = Element(v0);
-        dst[1] = Element(v1);
+        const Element pair[2] = {Element(v0), Element(v1)};  // 4-byte aligned: strides are 16-byte multiples
+        *reinterpret_cast<uint32_t*>(out_row[i] + col) = *reinterpret_cast<const uint32_t*>(pair);
       }
     }
+    seg = next;
+    have_segment = have_next;
   }
 }
 
