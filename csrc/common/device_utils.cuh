@@ -10,16 +10,19 @@ __device__ __forceinline__ void named_barrier_sync(int num_threads, int id) {
   asm volatile("bar.sync %0, %1;" ::"r"(id), "r"(num_threads) : "memory");
 }
 
-// Arrives on a named barrier without waiting (the producer side of a hand-off).
-__device__ __forceinline__ void named_barrier_arrive(int num_threads, int id) {
-  asm volatile("bar.arrive %0, %1;" ::"r"(id), "r"(num_threads) : "memory");
-}
-
 // Programmatic dependent launch: wait until the preceding kernel's memory is visible.
 __device__ __forceinline__ void grid_dependency_wait() {
 #if defined(__CUDA_ARCH__) && __CUDA_ARCH__ >= 900
   asm volatile("griddepcontrol.wait;" ::: "memory");
 #endif
+}
+
+// Zeroes 16 bytes through a generic pointer known to point into shared memory, as st.shared (CuTe's
+// swizzled smem pointers are computed with integer arithmetic, which makes plain stores generic).
+__device__ __forceinline__ void st_shared_zero16(void* smem) {
+  asm volatile("st.shared.v4.b32 [%0], {%1, %1, %1, %1};" ::"r"(static_cast<uint32_t>(__cvta_generic_to_shared(smem))),
+               "r"(0)
+               : "memory");
 }
 
 // 16-byte global -> shared copy that bypasses registers; src_bytes = 0 writes zeros instead.

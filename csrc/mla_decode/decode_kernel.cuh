@@ -28,7 +28,6 @@
 
 namespace mla_decode {
 using namespace cute;
-using mla_common::named_barrier_arrive;
 using mla_common::named_barrier_sync;
 
 // Issues all K-tile loads of this CTA's schedule. Runs on one thread.
@@ -108,7 +107,8 @@ __device__ void consume_kv_tiles(const DecodeParams& p, typename Traits::SharedS
   // so the row's address math is done once. Completion: cp_async_wait_all + kQReady.
   auto issue_q_load = [&](const Segment& s) {
     constexpr int kChunks = kHeadDimK / 8, kThreadsPerRow = 256 / kBlockM;
-    const int r = tid / kThreadsPerRow, row = m_block * kBlockM + r;
+    // Special registers re-read here rather than captured: keeps them out of the loop's live set.
+    const int thread = threadIdx.x, r = thread / kThreadsPerRow, row = int(blockIdx.x) * kBlockM + r;
     const bool valid = row < s.seqlen_q * p.num_heads_q;
     const int t = valid ? row / p.num_heads_q : 0, h = valid ? row % p.num_heads_q : 0;
     const int64_t token = s.first_token + t;
@@ -117,7 +117,7 @@ __device__ void consume_kv_tiles(const DecodeParams& p, typename Traits::SharedS
     const Element* q_pe = static_cast<const Element*>(p.q_pe) + s.b * p.q_pe_batch_stride +
                           token * p.q_pe_token_stride + h * p.q_pe_head_stride - kHeadDimV;
 #pragma unroll
-    for (int c = tid % kThreadsPerRow; c < kChunks; c += kThreadsPerRow) {
+    for (int c = thread % kThreadsPerRow; c < kChunks; c += kThreadsPerRow) {
       const Element* src = (c < kHeadDimV / 8 ? q_nope : q_pe) + c * 8;
       mla_common::cp_async_16(&sQ(r, c * 8), valid ? src : p.q_nope, valid);
     }
@@ -167,7 +167,7 @@ __device__ void consume_kv_tiles(const DecodeParams& p, typename Traits::SharedS
           for (int slab = 0; slab < kSlabs; ++slab) cutlass::arch::ClusterBarrier::wait(&ss.kv_full[stage][slab], phase);
           constexpr int kChunks = kHeadDimK / 8;
           for (int i = tid_in_wg; i < (kBlockN - valid_keys) * kChunks; i += 128) {
-            *reinterpret_cast<uint4*>(&sK(valid_keys + i / kChunks, i % kChunks * 8)) = make_uint4(0, 0, 0, 0);
+            mla_common::st_shared_zero16(&sK(valid_keys + i / kChunks, i % kChunks * 8));
           }
           cutlass::arch::fence_view_async_shared();
           named_barrier_sync(128, int(DecodeBarrier::kTailZeroed0) + warpgroup);
@@ -231,17 +231,18 @@ __device__ void consume_kv_tiles(const DecodeParams& p, typename Traits::SharedS
           const Element pair[2] = {Element(p0), Element(p1)};
           *reinterpret_cast<uint32_t*>(&tSsP(e)) = *reinterpret_cast<const uint32_t*>(pair);
         }
+        __syncwarp();  // the quad's other lanes read row_max as the previous block's non-owner
         if (tid_in_wg % 4 == 0) {
           ss.row_max[r0] = row_max[0];
           ss.row_max[r0 + 8] = row_max[1];
         }
         cutlass::arch::fence_view_async_shared();
-        named_barrier_arrive(256, int(DecodeBarrier::kPReady0) + warpgroup);
+        named_barrier_sync(256, int(DecodeBarrier::kPReady0) + warpgroup);
       } else {
         warpgroup_wait<0>();  // this WG's PV of the previous block: it no longer reads P
         if (blk > seg.blk_lo) {
           if (tid_in_wg == 0) cutlass::arch::ClusterBarrier::arrive(&ss.kv_empty[(iteration - 1) % kStages]);
-          named_barrier_arrive(256, int(DecodeBarrier::kPFree0) + owner);
+          named_barrier_sync(256, int(DecodeBarrier::kPFree0) + owner);
         }
         // V of this block is observed through the owner's hand-off, and directly here.
         for (int slab = 0; slab < kHeadDimV / kTmaColumns; ++slab) {
@@ -291,6 +292,7 @@ __device__ void consume_kv_tiles(const DecodeParams& p, typename Traits::SharedS
       row_sum[i] += __shfl_xor_sync(0xffffffff, row_sum[i], 1);
       row_sum[i] += __shfl_xor_sync(0xffffffff, row_sum[i], 2);
     }
+    __syncwarp();  // the quad's other lanes read row_sum in the previous epilogue
     if (tid % 4 == 0) {
       ss.row_sum[warpgroup][r0] = row_sum[0];
       ss.row_sum[warpgroup][r0 + 8] = row_sum[1];
@@ -349,7 +351,10 @@ __global__ void __launch_bounds__(kNumThreads, 1)
 #if defined(__CUDA_ARCH__) && __CUDA_ARCH__ == 900 && defined(__CUDA_ARCH_FEAT_SM90_ALL)
   extern __shared__ __align__(1024) char smem[];
   // The 128-byte swizzle pattern is anchored at 1024-byte boundaries; the launcher adds the slack.
-  char* smem_aligned = reinterpret_cast<char*>((reinterpret_cast<uintptr_t>(smem) + 1023) & ~uintptr_t(1023));
+  // Offsetting the array itself (not an integer-cast pointer) keeps accesses in the shared state
+  // space: LDS/STS instead of generic loads and stores.
+  const uint32_t smem_base = static_cast<uint32_t>(__cvta_generic_to_shared(smem));
+  char* smem_aligned = smem + (((smem_base + 1023) & ~1023u) - smem_base);
   auto& ss = *reinterpret_cast<typename Traits::SharedStorage*>(smem_aligned);
   const int warpgroup = __shfl_sync(0xffffffff, threadIdx.x / 128, 0);
   const int m_block = blockIdx.x;

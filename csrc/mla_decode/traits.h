@@ -51,11 +51,12 @@ struct DecodeTraits {
 };
 
 // Named barriers (id 0 is __syncthreads). Each guards one hand-off between the math warpgroups.
-// "0"/"1" variants belong to the warpgroup that owns the block (ids alternate with block parity, so a
-// warpgroup can never run one hand-off ahead into the previous instance of the same barrier).
+// Hand-offs between the math warpgroups are full bar.sync on both sides (a bar.arrive producer side
+// would save little: the other side is already waiting). "0"/"1" variants belong to the warpgroup
+// that owns the block.
 enum class DecodeBarrier : int {
   kQReady = 1,       // Q tile landed (cp.async) and is fenced for WGMMA
-  kPReady0 = 2,      // owner wrote P and row_max of its block
+  kPReady0 = 2,      // owner wrote P and row_max of its block (fenced for WGMMA)
   kPReady1 = 3,
   kPFree0 = 4,       // the non-owner is done reading the previous P (its PV completed)
   kPFree1 = 5,
