@@ -5,9 +5,19 @@
 
 namespace mla_common {
 
-// Named barrier over `num_threads` threads (a multiple of 32). Id 0 is __syncthreads.
-__device__ __forceinline__ void named_barrier_sync(int num_threads, int id) {
-  asm volatile("bar.sync %0, %1;" ::"r"(id), "r"(num_threads) : "memory");
+// Named barrier kId over kThreads threads (a multiple of 32); id 0 is __syncthreads. Id and count
+// are immediates, so every barrier instruction names its barrier statically.
+template <int kId, int kThreads>
+__device__ __forceinline__ void named_barrier_sync() {
+  static_assert(kId > 0 && kId < 16 && kThreads % 32 == 0);
+  asm volatile("bar.sync %0, %1;" ::"n"(kId), "n"(kThreads) : "memory");
+}
+
+// Barrier kId0 + which (which is 0 or 1, uniform across the warp).
+template <int kId0, int kThreads>
+__device__ __forceinline__ void named_barrier_sync(int which) {
+  if (which == 0) named_barrier_sync<kId0, kThreads>();
+  else named_barrier_sync<kId0 + 1, kThreads>();
 }
 
 // Programmatic dependent launch: wait until the preceding kernel's memory is visible.

@@ -139,7 +139,7 @@ __device__ void consume_kv_tiles(const DecodeParams& p, typename Traits::SharedS
     const int row_base = m_block * kBlockM;
     mla_common::cp_async_wait_all();
     cutlass::arch::fence_view_async_shared();
-    named_barrier_sync(256, int(DecodeBarrier::kQReady));
+    named_barrier_sync<int(DecodeBarrier::kQReady), 256>();
 
     // Last visible key (inclusive) of this thread's two rows: bottom-right causal alignment.
     int last_key[2];
@@ -170,7 +170,7 @@ __device__ void consume_kv_tiles(const DecodeParams& p, typename Traits::SharedS
             mla_common::st_shared_zero16(&sK(valid_keys + i / kChunks, i % kChunks * 8));
           }
           cutlass::arch::fence_view_async_shared();
-          named_barrier_sync(128, int(DecodeBarrier::kTailZeroed0) + warpgroup);
+          named_barrier_sync<int(DecodeBarrier::kTailZeroed0), 128>(warpgroup);
         }
         // -- S = Q K^T, one WGMMA commit group per slab, each issued as soon as its slab has
         // landed (a barrier wait inside a group makes the compiler serialize the MMAs).
@@ -222,7 +222,7 @@ __device__ void consume_kv_tiles(const DecodeParams& p, typename Traits::SharedS
           row_sum[i] *= rescale[i];
         }
         // The other WG must be done reading the previous P before it is overwritten.
-        if (blk > seg.blk_lo) named_barrier_sync(256, int(DecodeBarrier::kPFree0) + warpgroup);
+        if (blk > seg.blk_lo) named_barrier_sync<int(DecodeBarrier::kPFree0), 256>(warpgroup);
 #pragma unroll
         for (int e = 0; e < size(tSrS); e += 2) {  // elements e, e + 1: adjacent keys of one row
           const int i = row_half(e);
@@ -237,18 +237,18 @@ __device__ void consume_kv_tiles(const DecodeParams& p, typename Traits::SharedS
           ss.row_max[r0 + 8] = row_max[1];
         }
         cutlass::arch::fence_view_async_shared();
-        named_barrier_sync(256, int(DecodeBarrier::kPReady0) + warpgroup);
+        named_barrier_sync<int(DecodeBarrier::kPReady0), 256>(warpgroup);
       } else {
         warpgroup_wait<0>();  // this WG's PV of the previous block: it no longer reads P
         if (blk > seg.blk_lo) {
           if (tid_in_wg == 0) cutlass::arch::ClusterBarrier::arrive(&ss.kv_empty[(iteration - 1) % kStages]);
-          named_barrier_sync(256, int(DecodeBarrier::kPFree0) + owner);
+          named_barrier_sync<int(DecodeBarrier::kPFree0), 256>(owner);
         }
         // V of this block is observed through the owner's hand-off, and directly here.
         for (int slab = 0; slab < kHeadDimV / kTmaColumns; ++slab) {
           cutlass::arch::ClusterBarrier::wait(&ss.kv_full[stage][slab], phase);
         }
-        named_barrier_sync(256, int(DecodeBarrier::kPReady0) + owner);
+        named_barrier_sync<int(DecodeBarrier::kPReady0), 256>(owner);
 #pragma unroll
         for (int i = 0; i < 2; ++i) {
           const float new_max = ss.row_max[r0 + 8 * i];
@@ -297,7 +297,7 @@ __device__ void consume_kv_tiles(const DecodeParams& p, typename Traits::SharedS
       ss.row_sum[warpgroup][r0] = row_sum[0];
       ss.row_sum[warpgroup][r0 + 8] = row_sum[1];
     }
-    named_barrier_sync(256, int(DecodeBarrier::kRowSum));
+    named_barrier_sync<int(DecodeBarrier::kRowSum), 256>();
     const bool is_partial = p.req_splits[2 * seg.b] > 1;
     const int slot = p.req_splits[2 * seg.b + 1] + seg.split;
     float inv_sum[2];
