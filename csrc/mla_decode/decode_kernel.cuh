@@ -5,8 +5,9 @@
 // request are (token, head) pairs, token-major; all rows attend to the request's single KV head.
 //
 // Warpgroup roles (384 threads):
-//   WG 2  producer: one thread issues TMA copies of 64-key x 576-dim K tiles (9 swizzle slabs per
-//         page piece) into a 2-stage ring; one kv_full mbarrier per slab, one kv_empty per stage.
+//   WG 2  producer: one warp issues TMA copies of 64-key x 576-dim K tiles (9 swizzle slabs per
+//         page piece, one lane per piece) into a 2-stage ring; one kv_full mbarrier per slab,
+//         one kv_empty per stage.
 //   WG 0,1 math: KV blocks alternate between them. The owner of a block computes S = Q K^T for all
 //         64 keys, the online-softmax step and P = exp2(S - m), and hands P and the new row max to
 //         the other through shared memory; both then add P V to their half of O (256 columns),
@@ -31,12 +32,16 @@ using namespace cute;
 using mla_common::named_barrier_sync;
 
 // Issues all K-tile loads of this CTA's schedule. Runs on one thread.
+// Issues all K-tile loads of this CTA's schedule. Runs on one warp: lane c looks up the page of
+// copy c of a block (a block spans up to 64 / rows_per_copy pages) before the warp waits for a free
+// stage, so the dependent block-table read is off the critical path, then issues that copy's slabs.
 template <typename Traits>
 __device__ void produce_kv_tiles(const DecodeParams& p, const DecodeTma& tma,
                                  typename Traits::SharedStorage& ss, const PartRange& range,
                                  int m_block) {
   using Barrier = cutlass::arch::ClusterTransactionBarrier;
-  const int rows = tma.rows_per_copy;  // divides both page_size and kBlockN
+  const int lane = threadIdx.x % 32;
+  const int rows = tma.rows_per_copy;  // divides both page_size and kBlockN; >= 16, so <= 4 copies
   const uint32_t bytes_per_slab_row = kTmaColumns * sizeof(typename Traits::Element);
   int iteration = 0;
   for (int b = range.begin_b; b <= range.last_b; ++b) {
@@ -45,27 +50,30 @@ __device__ void produce_kv_tiles(const DecodeParams& p, const DecodeTma& tma,
     const int* pages = p.block_table + int64_t(b) * p.block_table_stride;
     for (int blk = seg.blk_lo; blk < seg.blk_hi; ++blk, ++iteration) {
       const int stage = iteration % kStages;
+      // Only copies that start before the sequence end are issued; the math warpgroups zero the
+      // rest of the tile, so no page past ceil(L / page_size) is ever dereferenced.
+      const int key0 = blk * kBlockN;
+      const int num_copies = mla_common::ceil_div(min(max(seg.seqlen_k - key0, 0), kBlockN), rows);
+      const int key = key0 + lane * rows;
+      const int page = lane < num_copies ? min(max(pages[key / p.page_size], 0), p.num_pages - 1) : 0;
       if (iteration >= kStages) {
         cutlass::arch::ClusterBarrier::wait(&ss.kv_empty[stage], ((iteration / kStages) - 1) & 1);
       }
-      // Only pieces that start before the sequence end are loaded; the math warpgroups zero the
-      // rest of the tile, so no page past ceil(L / page_size) is ever dereferenced. Each 64-column
-      // slab completes its own barrier, so QK can start on slab 0 while the others are in flight.
-      const int key0 = blk * kBlockN;
-      const int num_copies = mla_common::ceil_div(min(max(seg.seqlen_k - key0, 0), kBlockN), rows);
-      // Expected bytes first (a barrier's transaction count may dip below zero meanwhile).
+      // Each 64-column slab completes its own barrier, so QK can start on slab 0 while the others
+      // are in flight. Expected bytes may be posted after some copies land (the transaction count
+      // may dip below zero within a phase).
+      if (lane == 0) {
 #pragma unroll
-      for (int slab = 0; slab < kSlabs; ++slab) {
-        Barrier::arrive_and_expect_tx(&ss.kv_full[stage][slab], num_copies * rows * bytes_per_slab_row);
+        for (int slab = 0; slab < kSlabs; ++slab) {
+          Barrier::arrive_and_expect_tx(&ss.kv_full[stage][slab], num_copies * rows * bytes_per_slab_row);
+        }
       }
-      Tensor sK = make_tensor(make_smem_ptr(ss.k[stage]), typename Traits::SmemLayoutK{});
-      for (int c = 0; c < num_copies; ++c) {
-        const int key = key0 + c * rows;
-        const int page = min(max(pages[key / p.page_size], 0), p.num_pages - 1);
+      if (lane < num_copies) {
+        Tensor sK = make_tensor(make_smem_ptr(ss.k[stage]), typename Traits::SmemLayoutK{});
 #pragma unroll
         for (int slab = 0; slab < kSlabs; ++slab) {
           SM90_TMA_LOAD_3D::copy(&tma.kv, &ss.kv_full[stage][slab], uint64_t(TMA::CacheHintSm90::EVICT_FIRST),
-                                 &sK(c * rows, slab * kTmaColumns), slab * kTmaColumns, key % p.page_size, page);
+                                 &sK(lane * rows, slab * kTmaColumns), slab * kTmaColumns, key % p.page_size, page);
         }
       }
     }
@@ -376,8 +384,8 @@ __global__ void __launch_bounds__(kNumThreads, 1)
 
   if (warpgroup == kNumMathWarpgroups) {
     cutlass::arch::warpgroup_reg_dealloc<kProducerRegisters>();
-    if (threadIdx.x == kNumMathWarpgroups * 128) {
-      cute::prefetch_tma_descriptor(&tma.kv);
+    if (threadIdx.x / 32 == kNumMathWarpgroups * 4) {  // the first producer warp
+      if (threadIdx.x % 32 == 0) cute::prefetch_tma_descriptor(&tma.kv);
       produce_kv_tiles<Traits>(params, tma, ss, range, m_block);
     }
   } else {
