@@ -31,7 +31,6 @@ namespace mla_decode {
 using namespace cute;
 using mla_common::named_barrier_sync;
 
-// Issues all K-tile loads of this CTA's schedule. Runs on one thread.
 // Issues all K-tile loads of this CTA's schedule. Runs on one warp: lane c looks up the page of
 // copy c of a block (a block spans up to 64 / rows_per_copy pages) before the warp waits for a free
 // stage, so the dependent block-table read is off the critical path, then issues that copy's slabs.
@@ -83,7 +82,7 @@ __device__ void produce_kv_tiles(const DecodeParams& p, const DecodeTma& tma,
 // The math warpgroups. KV blocks of a segment alternate between them: the owner of a block
 // computes its full S = Q K^T (64 x 64), the online-softmax step and P, and publishes P and the new
 // row max in shared memory; both warpgroups then rescale their half of O and add P V for their 256
-// columns. While one warpgroup runs its softmax, the other's MMAs keep the tensor cores busy.
+// columns. (The softmax is not overlapped with MMAs yet: docs/decode.md, "Limits".)
 template <typename Traits>
 __device__ void consume_kv_tiles(const DecodeParams& p, typename Traits::SharedStorage& ss,
                                  const PartRange& range, int m_block) {
