@@ -165,20 +165,20 @@ __device__ void consume_kv_tiles(const DecodeParams& p, typename Traits::SharedS
       const uint32_t phase = (iteration / kStages) & 1;
       const int owner = (blk - seg.blk_lo) & 1;
       float rescale[2];
-      if (owner == warpgroup) {
-        // -- Tail block: zero key rows past the sequence end (never loaded, or holding slots
-        // past L) so that 0-probability keys cannot inject NaN/Inf through P V.
+      // -- Tail block: both warpgroups zero the key rows past the sequence end (never loaded, or
+      // holding slots past L) so that 0-probability keys cannot inject NaN/Inf through P V.
+      const int valid_keys = max(seg.seqlen_k - blk * kBlockN, 0);
+      if (valid_keys < kBlockN) {
         Tensor sK = make_tensor(make_smem_ptr(ss.k[stage]), typename Traits::SmemLayoutK{});
-        const int valid_keys = max(seg.seqlen_k - blk * kBlockN, 0);
-        if (valid_keys < kBlockN) {
-          for (int slab = 0; slab < kSlabs; ++slab) cutlass::arch::ClusterBarrier::wait(&ss.kv_full[stage][slab], phase);
-          constexpr int kChunks = kHeadDimK / 8;
-          for (int i = tid_in_wg; i < (kBlockN - valid_keys) * kChunks; i += 128) {
-            mla_common::st_shared_zero16(&sK(valid_keys + i / kChunks, i % kChunks * 8));
-          }
-          cutlass::arch::fence_view_async_shared();
-          named_barrier_sync<int(DecodeBarrier::kTailZeroed0), 128>(warpgroup);
+        for (int slab = 0; slab < kSlabs; ++slab) cutlass::arch::ClusterBarrier::wait(&ss.kv_full[stage][slab], phase);
+        constexpr int kChunks = kHeadDimK / 8;
+        for (int i = tid; i < (kBlockN - valid_keys) * kChunks; i += 256) {
+          mla_common::st_shared_zero16(&sK(valid_keys + i / kChunks, i % kChunks * 8));
         }
+        cutlass::arch::fence_view_async_shared();
+        named_barrier_sync<int(DecodeBarrier::kTailZeroed), 256>();
+      }
+      if (owner == warpgroup) {
         // -- S = Q K^T, one WGMMA commit group per slab, each issued as soon as its slab has
         // landed (a barrier wait inside a group makes the compiler serialize the MMAs).
         constexpr int kStepsPerSlab = kTmaColumns / 16;

@@ -61,8 +61,7 @@ enum class DecodeBarrier : int {
   kPFree0 = 4,       // the non-owner is done reading the previous P (its PV completed)
   kPFree1 = 5,
   kRowSum = 6,       // both partial denominators are in row_sum
-  kTailZeroed0 = 7,  // owner zeroed the key rows past the sequence end
-  kTailZeroed1 = 8,
+  kTailZeroed = 7,   // the key rows past the sequence end are zeroed and fenced for WGMMA
 };
 
 }  // namespace mla_decode
