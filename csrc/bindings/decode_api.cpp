@@ -18,22 +18,26 @@ int num_q_tiles(int64_t max_seqlen_q, int64_t num_heads_q) {
 }
 
 // Dtypes can be compiled out (MLA_ATTN_DISABLE_BF16 / _FP16, see setup.py): then a clear error.
-cudaError_t run_bf16(const mla_decode::DecodeParams& p, const mla_decode::DecodeTma& tma, cudaStream_t s) {
 #ifdef MLA_ATTN_DISABLE_BF16
-  TORCH_CHECK(false, "mla_attn was built with MLA_ATTN_DISABLE_BF16=1: no bf16 decode kernel");
-  return cudaErrorNotSupported;
+constexpr bool kHaveBf16 = false;
 #else
-  return mla_decode::run_mla_decode<cutlass::bfloat16_t>(p, tma, s);
+constexpr bool kHaveBf16 = true;
 #endif
-}
-
-cudaError_t run_fp16(const mla_decode::DecodeParams& p, const mla_decode::DecodeTma& tma, cudaStream_t s) {
 #ifdef MLA_ATTN_DISABLE_FP16
-  TORCH_CHECK(false, "mla_attn was built with MLA_ATTN_DISABLE_FP16=1: no fp16 decode kernel");
-  return cudaErrorNotSupported;
+constexpr bool kHaveFp16 = false;
 #else
-  return mla_decode::run_mla_decode<cutlass::half_t>(p, tma, s);
+constexpr bool kHaveFp16 = true;
 #endif
+
+template <typename Element, bool kCompiled>
+cudaError_t launch_decode(const mla_decode::DecodeParams& p, const mla_decode::DecodeTma& tma,
+                          cudaStream_t stream, const char* dtype) {
+  if constexpr (kCompiled) {
+    return mla_decode::run_mla_decode<Element>(p, tma, stream);
+  } else {
+    TORCH_CHECK(false, "mla_attn was built without the ", dtype, " decode kernel (MLA_ATTN_DISABLE_*)");
+    return cudaErrorNotSupported;
+  }
 }
 
 void check_sm90(const Tensor& t) {
@@ -166,7 +170,9 @@ void mla_decode_cuda_impl(const Tensor& q, const std::optional<Tensor>& q_pe, co
   DecodeTma tma;
   const char* tma_error = make_kv_tma(p, bf16, &tma);
   TORCH_CHECK(tma_error == nullptr, "mla_attn: ", tma_error ? tma_error : "");
-  C10_CUDA_CHECK(bf16 ? run_bf16(p, tma, stream) : run_fp16(p, tma, stream));
+  const cudaError_t err = bf16 ? launch_decode<cutlass::bfloat16_t, kHaveBf16>(p, tma, stream, "bf16")
+                               : launch_decode<cutlass::half_t, kHaveFp16>(p, tma, stream, "fp16");
+  C10_CUDA_CHECK(err);
 }
 
 std::tuple<Tensor, Tensor> mla_decode_cuda(const Tensor& q, const std::optional<Tensor>& q_pe,
