@@ -215,7 +215,9 @@ def test_out_and_n_errors():
 
 
 # ----------------------------------------------------------------------------------------------- GPU
-def _check_gpu(outs, lses, dtype):
+def _check_gpu(outs, lses, dtype, strided=False):
+    """The CUDA ops (functional, out= into a contiguous and a strided buffer; n-way on stacked inputs,
+    strided with the n dim innermost when `strided`) against the CPU reference."""
     want_out, want_lse = _ref([o.cpu() for o in outs], [l.cpu() for l in lses], dtype)
     if len(outs) == 2:
         got = [mla_attn.merge_attn_states(outs[0], lses[0], outs[1], lses[1])]
@@ -228,7 +230,11 @@ def _check_gpu(outs, lses, dtype):
         OPS.merge_attn_states_out(outs[0], lses[0], outs[1], lses[1], strided_buf, strided_lse)
         got.append((strided_buf, strided_lse))
     else:
-        got = [mla_attn.merge_attn_states_n(torch.stack(outs), torch.stack(lses))]
+        stacked_outs, stacked_lses = torch.stack(outs), torch.stack(lses)
+        if strided:
+            stacked_outs = _strided(stacked_outs, torch.Generator("cuda"))
+            stacked_lses = _strided_lse(stacked_lses)
+        got = [mla_attn.merge_attn_states_n(stacked_outs, stacked_lses)]
     for out, lse in got:
         assert out.dtype == dtype and not out.isnan().any() and not lse.isnan().any()
         torch.testing.assert_close(out.cpu(), want_out, **TOL[dtype])
@@ -244,7 +250,7 @@ def _check_gpu(outs, lses, dtype):
 @pytest.mark.parametrize("n", [1, 2, 5])
 def test_gpu_matches_ref(n, strided, d, dtype):
     outs, lses = make_parts(n, (37, 16), d, dtype, device="cuda", strided=strided, seed=n * 7 + d)
-    _check_gpu(outs, lses, dtype)
+    _check_gpu(outs, lses, dtype, strided)
 
 
 @pytest.mark.gpu
@@ -306,7 +312,10 @@ def test_gpu_errors():
     shifted = torch.empty(pair[0].numel() + 1, dtype=pair[0].dtype, device="cuda")[1:].view(pair[0].shape)
     with pytest.raises(RuntimeError, match="16-byte aligned"):
         OPS.merge_attn_states(shifted, pair[1], pair[2], pair[3])
-    with pytest.raises(RuntimeError, match="same device"):
+    with pytest.raises(RuntimeError, match="must be on"):
         OPS.merge_attn_states(pair[0], pair[1].cpu(), pair[2], pair[3])
     with pytest.raises(RuntimeError, match="float32"):
         OPS.merge_attn_states_n(outs, lses.double())
+    outs5, lses5 = make_parts(2, (2, 2, 2, 2, 3), 16, torch.bfloat16, device="cuda", strided=True)
+    with pytest.raises(RuntimeError, match="at most 4 leading dims"):
+        OPS.merge_attn_states(outs5[0], lses5[0], outs5[1], lses5[1])
