@@ -216,11 +216,13 @@ def test_out_and_n_errors():
 
 # ----------------------------------------------------------------------------------------------- GPU
 def _check_gpu(outs, lses, dtype, strided=False):
-    """The CUDA ops (functional, out= into a contiguous and a strided buffer; n-way on stacked inputs,
-    strided with the n dim innermost when `strided`) against the CPU reference."""
+    """The CUDA ops (for 2 inputs the pair form: functional, out= into a contiguous and a strided buffer;
+    always the n-way form on the stacked inputs, strided with the n dim innermost when `strided`)
+    against the CPU reference."""
     want_out, want_lse = _ref([o.cpu() for o in outs], [l.cpu() for l in lses], dtype)
+    got = []
     if len(outs) == 2:
-        got = [mla_attn.merge_attn_states(outs[0], lses[0], outs[1], lses[1])]
+        got.append(mla_attn.merge_attn_states(outs[0], lses[0], outs[1], lses[1]))
         buf = _poisoned(want_out.shape, dtype, "cuda")
         lse_buf = _poisoned(want_lse.shape, torch.float32, "cuda")
         OPS.merge_attn_states_out(outs[0], lses[0], outs[1], lses[1], buf, lse_buf)
@@ -229,12 +231,11 @@ def _check_gpu(outs, lses, dtype, strided=False):
         strided_lse = _strided_lse(_poisoned(want_lse.shape, torch.float32, "cuda"))
         OPS.merge_attn_states_out(outs[0], lses[0], outs[1], lses[1], strided_buf, strided_lse)
         got.append((strided_buf, strided_lse))
-    else:
-        stacked_outs, stacked_lses = torch.stack(outs), torch.stack(lses)
-        if strided:
-            stacked_outs = _strided(stacked_outs, torch.Generator("cuda"))
-            stacked_lses = _strided_lse(stacked_lses)
-        got = [mla_attn.merge_attn_states_n(stacked_outs, stacked_lses)]
+    stacked_outs, stacked_lses = torch.stack(outs), torch.stack(lses)
+    if strided:
+        stacked_outs = _strided(stacked_outs, torch.Generator("cuda"))
+        stacked_lses = _strided_lse(stacked_lses)
+    got.append(mla_attn.merge_attn_states_n(stacked_outs, stacked_lses))
     for out, lse in got:
         assert out.dtype == dtype and not out.isnan().any() and not lse.isnan().any()
         torch.testing.assert_close(out.cpu(), want_out, **TOL[dtype])
