@@ -29,7 +29,6 @@ import json
 import math
 import os
 import statistics
-import subprocess
 import sys
 import time
 import traceback
@@ -37,12 +36,12 @@ import zlib
 
 import torch
 
+from _timing import GraphTimer, capture, measure_ceilings, nvml_sample, smi
+
 D_QK, D_V = 576, 512
 DEV = "cuda"  # a CPU smoke test of the data/reference/report code may set this to "cpu"
 PAGE = 64
 SCALE = 1.0 / math.sqrt(192.0)
-FLUSH_BYTES = 512 * 1024 * 1024
-SPIN_CYCLES = 40000          # ~20 us at ~2 GHz
 REL_L2_TOL, LSE_TOL = 2e-2, 1e-2
 
 # Best anchor (fastest correct cold time, us) per config, copied from the static anchor tables:
@@ -214,68 +213,6 @@ def compare(out, lse, ref_out, ref_lse):
 
 
 # ----------------------------------------------------------------------------------------------
-# timing
-# ----------------------------------------------------------------------------------------------
-class GraphTimer:
-    def __init__(self):
-        self.buf = torch.ones(FLUSH_BYTES // 2, dtype=torch.bfloat16, device=DEV)
-        self.sink = torch.empty((), dtype=torch.float32, device=DEV)
-
-    def flush(self):
-        torch.sum(self.buf, 0, dtype=torch.float32, out=self.sink)
-
-    def estimate_ms(self, fn):
-        s, e = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
-        self.flush()
-        s.record()
-        fn()
-        e.record()
-        e.synchronize()
-        return s.elapsed_time(e)
-
-    def time(self, graph, rep_ms, min_reps=20, max_reps=600):
-        for _ in range(3):
-            graph.replay()
-        est = self.estimate_ms(graph.replay)
-        flush_ms = self.estimate_ms(self.flush)
-        n = int(max(min_reps, min(max_reps, rep_ms / (est + flush_ms + 0.01))))
-        res = dict(reps=n)
-        for mode in ("cold", "warm"):
-            ev = [(torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True))
-                  for _ in range(n)]
-            for s, e in ev:
-                if mode == "cold":
-                    self.flush()
-                else:
-                    torch.cuda._sleep(SPIN_CYCLES)
-                s.record()
-                graph.replay()
-                e.record()
-            torch.cuda.synchronize()
-            ts = sorted(s.elapsed_time(e) * 1e3 for s, e in ev)
-            res[f"{mode}_us"] = statistics.median(ts)
-            res[f"{mode}_p10_us"] = ts[len(ts) // 10]
-            res[f"{mode}_p90_us"] = ts[(9 * len(ts)) // 10]
-        return res
-
-
-def capture(fn):
-    """CUDA graph of fn() (warmed up on a side stream); returns (graph, outputs of the captured call)."""
-    side = torch.cuda.Stream()
-    side.wait_stream(torch.cuda.current_stream())
-    with torch.cuda.stream(side):
-        for _ in range(2):
-            fn()
-    torch.cuda.current_stream().wait_stream(side)
-    torch.cuda.synchronize()
-    g = torch.cuda.CUDAGraph()
-    with torch.cuda.graph(g):
-        outs = fn()
-    torch.cuda.synchronize()
-    return g, outs
-
-
-# ----------------------------------------------------------------------------------------------
 # kernels: prepare(p, c) -> dict(eager=fn() -> (out, lse) into poisoned outputs, graph_fn=fn() -> (out, lse))
 # out is [b, s_q, h_q, 512]; lse is [b, s_q, h_q]
 # ----------------------------------------------------------------------------------------------
@@ -359,101 +296,6 @@ class FlashInferFA3:
             lse.fill_(float("nan"))
             return run()
         return dict(eager=eager, graph_fn=run, info={}, keep=(w, kv_indices))
-
-
-# ----------------------------------------------------------------------------------------------
-# ceilings
-# ----------------------------------------------------------------------------------------------
-def _event_ms(fn, warmup, iters):
-    for _ in range(warmup):
-        fn()
-    ts = []
-    for _ in range(iters):
-        s, e = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
-        s.record()
-        fn()
-        e.record()
-        ts.append((s, e))
-    torch.cuda.synchronize()
-    return statistics.median(s.elapsed_time(e) for s, e in ts)
-
-
-def _make_stream_read():
-    import triton
-    import triton.language as tl
-
-    @triton.jit
-    def stream_read(src, dst, chunk, TILE: tl.constexpr):
-        # each program sums one contiguous chunk of `chunk` elements (a multiple of TILE)
-        row = tl.program_id(0).to(tl.int64) * chunk
-        acc = tl.zeros([TILE], dtype=tl.float32)
-        for off in tl.range(0, chunk, TILE, num_stages=3):
-            acc += tl.load(src + row + off + tl.arange(0, TILE)).to(tl.float32)
-        tl.store(dst + tl.program_id(0), tl.sum(acc, axis=0))
-    return stream_read
-
-
-def measure_ceilings():
-    res = {}
-    n = 1 << 31                                     # 4 GiB of bf16
-    x = torch.randn(n, dtype=torch.bfloat16, device=DEV)
-    sink = torch.empty((), dtype=torch.float32, device=DEV)
-    ms = _event_ms(lambda: torch.sum(x, 0, dtype=torch.float32, out=sink), 5, 20)
-    res["read_torch_sum_TBps"] = 2 * n / ms / 1e9
-    try:
-        kern = _make_stream_read()
-        sms = torch.cuda.get_device_properties(0).multi_processor_count
-        best = 0.0
-        for progs in (sms * 8, sms * 16, sms * 32):
-            for tile in (2048, 4096):
-                chunk = n // progs // tile * tile
-                dst = torch.empty(progs, dtype=torch.float32, device=DEV)
-                ms = _event_ms(lambda: kern[(progs,)](x, dst, chunk, TILE=tile, num_warps=8), 3, 15)
-                best = max(best, 2 * progs * chunk / ms / 1e9)
-        res["read_triton_TBps"] = best
-    except Exception as e:
-        res["read_triton_error"] = repr(e)[:300]
-    res["read_TBps"] = max(res.get("read_triton_TBps", 0.0), res["read_torch_sum_TBps"])
-    del x
-    torch.cuda.empty_cache()
-    a = torch.randn(8192, 8192, dtype=torch.bfloat16, device=DEV)
-    bm = torch.randn(8192, 8192, dtype=torch.bfloat16, device=DEV)
-    c = torch.empty(8192, 8192, dtype=torch.bfloat16, device=DEV)
-    t_end = time.time() + 0.5                       # ~0.5 s warm-up (clocks / power settle)
-    while time.time() < t_end:
-        torch.matmul(a, bm, out=c)
-        torch.cuda.synchronize()
-    ms = _event_ms(lambda: torch.matmul(a, bm, out=c), 2, 50)
-    res["mm8192_bf16_TFLOPs"] = 2 * 8192 ** 3 / ms / 1e9
-    res["nvml_after_mm"] = nvml_sample()
-    del a, bm, c
-    torch.cuda.empty_cache()
-    return res
-
-
-_NVML = []
-
-
-def nvml_sample():
-    try:
-        import pynvml
-        if not _NVML:
-            pynvml.nvmlInit()
-            _NVML.append(pynvml.nvmlDeviceGetHandleByIndex(torch.cuda.current_device()))
-        h = _NVML[0]
-        return dict(sm_MHz=pynvml.nvmlDeviceGetClockInfo(h, pynvml.NVML_CLOCK_SM),
-                    power_W=round(pynvml.nvmlDeviceGetPowerUsage(h) / 1000.0, 1))
-    except Exception:
-        return {}
-
-
-def smi():
-    try:
-        return subprocess.run(["nvidia-smi", "--query-gpu=name,driver_version,clocks.sm,clocks.max.sm,"
-                               "power.draw,power.limit,temperature.gpu", "--format=csv,noheader"],
-                              capture_output=True, text=True, timeout=20).stdout.strip()
-    except Exception as e:
-        return repr(e)
 
 
 # ----------------------------------------------------------------------------------------------

@@ -7,6 +7,8 @@
 
 #include <cstdint>
 
+#include "common/dtype.h"
+
 namespace mla_bindings {
 
 // Dtypes can be compiled out (MLA_ATTN_DISABLE_BF16 / _FP16, see setup.py): then a clear error.
@@ -64,6 +66,18 @@ cudaError_t dispatch_half_type(at::ScalarType dtype, const char* kernel, Launch&
   TORCH_CHECK(false, "mla_attn was built without the ", dtype, " ", kernel,
               " kernel (MLA_ATTN_DISABLE_BF16 / MLA_ATTN_DISABLE_FP16)");
   return cudaErrorNotSupported;
+}
+
+// Element type of the memory-bound kernels (merge, KV cache), or a clear error naming `what`.
+inline mla_common::Dtype kernel_dtype(at::ScalarType dtype, const char* what) {
+  switch (dtype) {
+    case at::kBFloat16: return mla_common::Dtype::kBf16;
+    case at::kHalf: return mla_common::Dtype::kFp16;
+    case at::kFloat: return mla_common::Dtype::kFp32;
+    case at::kFloat8_e4m3fn: return mla_common::Dtype::kFp8E4m3;
+    default: TORCH_CHECK(false, "mla_attn: unsupported dtype ", dtype, " for ", what);
+  }
+  return mla_common::Dtype::kFp32;
 }
 
 }  // namespace mla_bindings
