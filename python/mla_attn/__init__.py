@@ -6,8 +6,12 @@ from . import _ops  # noqa: F401  (fakes + CPU kernels)
 from . import reference
 from .decode import get_decode_metadata, mla_decode
 from .metadata import DecodeMetadata
+from .batch import MLABatch
+from .layer import MLAAttention, MLAConfig
+from .rotary import RotaryEmbedding, YarnScaling
 
 build_info = _C.build_info
 __version__ = "0.1.0"
 
-__all__ = ["mla_decode", "get_decode_metadata", "DecodeMetadata", "reference", "build_info", "__version__"]
+__all__ = ["mla_decode", "get_decode_metadata", "DecodeMetadata", "MLAAttention", "MLAConfig", "MLABatch",
+           "RotaryEmbedding", "YarnScaling", "reference", "build_info", "__version__"]
