@@ -26,6 +26,7 @@ def init_weights(layer, seed):
             else:
                 w = torch.randn(p.shape, generator=g) / math.sqrt(p.shape[1])
             p.copy_(w)
+    layer.requires_grad_(False)  # inference, as in serving: no autograd graph, compile traces forward only
 
 
 def _yarn_m(factor, k):
