@@ -55,3 +55,24 @@ class RecordOps(TorchDispatchMode):
             clone = lambda t: t.clone() if isinstance(t, torch.Tensor) else t  # noqa: E731
             self.calls[func] = (tree_map(clone, args), tree_map(clone, kwargs))
         return func(*args, **kwargs)
+
+
+def opcheck_all(calls):
+    """opcheck every recorded op, plus the ops a forward does not dispatch, with the same data: each
+    `_out` twin (writing into fresh outputs) and merge_attn_states_n (the two merge inputs stacked)."""
+    ops = torch.ops.mla_attn
+    checked = set()
+    for op, (args, kwargs) in calls.items():
+        torch.library.opcheck(op, args, kwargs)
+        name = op._schema.name.split("::")[1]
+        checked.add(name)
+        if hasattr(ops, name + "_out"):
+            outs = tuple(torch.empty_like(t) for t in op(*args, **kwargs))
+            torch.library.opcheck(getattr(ops, name + "_out").default, args + outs, kwargs)
+            checked.add(name + "_out")
+        if name == "merge_attn_states":
+            out_a, lse_a, out_b, lse_b = args
+            torch.library.opcheck(ops.merge_attn_states_n.default,
+                                  (torch.stack([out_a, out_b]), torch.stack([lse_a, lse_b])))
+            checked.add("merge_attn_states_n")
+    return checked

@@ -1,26 +1,26 @@
-"""Serving-engine integration on CPU (the ops' CPU implementations): opcheck of every op a layer
-forward dispatches, with the arguments of a real mixed batch, and torch.compile(fullgraph=True) over
+"""Serving-engine integration on CPU (the ops' CPU implementations): opcheck of every op, with the
+arguments a layer forward passes them on a real mixed batch, and torch.compile(fullgraph=True) over
 MLAAttention.forward with the decode/prefill split fixed by the host-side MLABatch."""
 import torch
-from serving_utils import RecordOps, hidden_states, make_batch, warm_layer
+from serving_utils import RecordOps, hidden_states, make_batch, opcheck_all, warm_layer
 
 # the op families a mixed step (decodes, a chunked prefill with context, a new prompt) must reach
 LAYER_OPS = {"get_decode_metadata", "mla_decode", "write_kv_cache", "mla_prefill", "gather_kv_cache",
              "merge_attn_states"}
+ALL_OPS = LAYER_OPS | {"mla_decode_out", "mla_prefill_out", "merge_attn_states_out", "merge_attn_states_n"}
 PROMPTS = {"a": 20, "b": 9, "c": 12}
 MIXED = [("a", 1), ("b", 3), ("c", 14), ("d", 10)]  # c: chunk 2 (context 12); d: new prompt
 DECODE = [("a", 1), ("b", 2), ("c", 1)]
 
 
-def test_opcheck_every_layer_op_cpu():
+def test_opcheck_every_op_cpu():
     layer, cache = warm_layer("cpu", heads=4, hidden=128, prompts=PROMPTS)
     batch = make_batch(cache, MIXED, "cpu")
     rec = RecordOps()
     with rec:
         layer(hidden_states(layer, batch.positions.shape[0], 1), cache.kv, batch)
     assert {op._schema.name.split("::")[1] for op in rec.calls} == LAYER_OPS
-    for op, (args, kwargs) in rec.calls.items():
-        torch.library.opcheck(op, args, kwargs)
+    assert opcheck_all(rec.calls) == ALL_OPS
 
 
 def _compiled_matches_eager(layer, cache, step, seed):
