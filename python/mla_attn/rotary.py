@@ -52,7 +52,11 @@ class YarnScaling:
 
 
 class RotaryEmbedding(nn.Module):
-    """cos/sin table for positions [0, max_position); forward(positions [T], x [T, n, dim])."""
+    """cos/sin table for positions [0, max_position); forward(positions [T], x [T, n, dim]).
+
+    The table is an fp32 buffer: create the layer with dtype= rather than casting it with
+    module.to(dtype), which would round the table too.
+    """
 
     def __init__(self, dim, max_position, base=10000.0, interleaved=True, scaling=None):
         super().__init__()
