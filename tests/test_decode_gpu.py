@@ -1,6 +1,8 @@
 """mla_decode on the GPU against the float32 reference, on adversarial inputs (tests/cases.py):
 NaN in every cache slot past each length and in unused pages, permuted block tables with huge and
 negative ids in unused tails, zero-length requests, odd head counts, varlen causal queries."""
+import itertools
+
 import pytest
 import torch
 
@@ -120,10 +122,11 @@ def test_out_given_and_strided_q():
 
 def test_metadata_matches_cpu_schedule():
     g = torch.Generator().manual_seed(0)
-    for batch, h_q, s_q in [(1, 128, 1), (37, 16, 2), (128, 128, 1), (5, 8, 64)]:
+    for (batch, h_q, s_q), det in itertools.product([(1, 128, 1), (37, 16, 2), (128, 128, 1), (5, 8, 64)],
+                                                   (False, True)):
         lens = torch.randint(0, 20000, (batch,), generator=g, dtype=torch.int32)
-        md = mla_attn.get_decode_metadata(lens.cuda(), h_q, s_q=s_q, causal=True)
-        tile_cpu, splits_cpu = schedule_cpu(lens, None, s_q, h_q, md.num_sm_parts, md.tile_sched.shape[0])
+        md = mla_attn.get_decode_metadata(lens.cuda(), h_q, s_q=s_q, causal=True, deterministic=det)
+        tile_cpu, splits_cpu = schedule_cpu(lens, None, s_q, h_q, md.num_sm_parts, md.tile_sched.shape[0], det)
         assert torch.equal(md.tile_sched.cpu(), tile_cpu)
         assert torch.equal(md.req_splits.cpu(), splits_cpu)
 

@@ -164,7 +164,8 @@ void mla_decode_out_cuda(const Tensor& q, const std::optional<Tensor>& q_pe, con
 std::tuple<Tensor, Tensor> get_decode_metadata_cuda(const Tensor& cache_seqlens,
                                                     const std::optional<Tensor>& cu_seqlens_q,
                                                     int64_t max_seqlen_q, int64_t num_heads_q,
-                                                    bool causal, int64_t num_sm_parts, int64_t num_sms) {
+                                                    bool causal, int64_t num_sm_parts, int64_t num_sms,
+                                                    bool deterministic) {
   (void)cu_seqlens_q; (void)max_seqlen_q; (void)num_heads_q; (void)causal;  // enter via num_sm_parts
   check_i32(cache_seqlens, "cache_seqlens", cache_seqlens);
   TORCH_CHECK(num_sm_parts >= 1 && num_sm_parts <= num_sms && num_sm_parts <= mla_decode::kMaxSmParts,
@@ -177,7 +178,8 @@ std::tuple<Tensor, Tensor> get_decode_metadata_cuda(const Tensor& cache_seqlens,
   Tensor req_splits = at::empty({batch, 2}, opts);
   C10_CUDA_CHECK(mla_decode::run_decode_metadata(
       cache_seqlens.data_ptr<int>(), int(batch), int(num_sm_parts), int(num_sms),
-      tile_sched.data_ptr<int>(), req_splits.data_ptr<int>(), at::cuda::getCurrentCUDAStream()));
+      deterministic, tile_sched.data_ptr<int>(), req_splits.data_ptr<int>(),
+      at::cuda::getCurrentCUDAStream()));
   return {tile_sched, req_splits};
 }
 

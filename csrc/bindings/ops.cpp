@@ -15,9 +15,12 @@ TORCH_LIBRARY(mla_attn, m) {
   //   cache_seqlens int32 [B]; cu_seqlens_q int32 [B+1] or None (then every request has max_seqlen_q
   //   tokens). Returns tile_sched int32 [num_sms, 8] (rows >= num_sm_parts unused) and
   //   req_splits int32 [B, 2] = (number of splits, first partial-workspace slot).
+  //   deterministic: parts end only at request boundaries (no request is split), so a request's
+  //   result does not depend on the rest of the batch.
   m.def(
       "get_decode_metadata(Tensor cache_seqlens, Tensor? cu_seqlens_q, int max_seqlen_q, "
-      "int num_heads_q, bool causal, int num_sm_parts, int num_sms) -> (Tensor, Tensor)");
+      "int num_heads_q, bool causal, int num_sm_parts, int num_sms, *, bool deterministic=False) "
+      "-> (Tensor, Tensor)");
 
   // Absorbed MLA decode over a paged latent cache.
   //   q        [B, s_q, h_q, 576|512] or varlen [T, h_q, 576|512] (with cu_seqlens_q)

@@ -11,9 +11,11 @@ constexpr int kMetadataThreads = 256;
 
 // One CTA: all threads stage the per-request block counts in shared memory and sum their cost;
 // thread 0 then walks the requests (inherently sequential) without touching global memory.
+// deterministic: a part never cuts a request; a part that is still empty takes its next request
+// whole, however long, so every request is summed by one CTA in key order, whatever the batch.
 __global__ void __launch_bounds__(kMetadataThreads)
     decode_metadata_kernel(const int* cache_seqlens, int batch, int num_sm_parts, int num_sms,
-                           int* tile_sched, int* req_splits) {
+                           bool deterministic, int* tile_sched, int* req_splits) {
   extern __shared__ int num_blocks[];  // [batch]
   __shared__ long long warp_totals[kMetadataThreads / 32];
   const int tid = threadIdx.x;
@@ -39,12 +41,14 @@ __global__ void __launch_bounds__(kMetadataThreads)
     int* row = tile_sched + part * 8;
     row[0] = b < batch ? b : 0; row[1] = b < batch ? blk : 0; row[4] = b < batch ? split : 0;
     row[5] = 0; row[6] = 0; row[7] = 0;
+    const int first_b = b;
     int last_b = b < batch ? b - 1 : -1, last_hi = 0;
     long long remain = payload;
     while (b < batch) {
       const int n = num_blocks[b];
       const int rest = n - blk;
-      if (rest + kFixedSplitCost <= remain || part == num_sm_parts - 1) {
+      if (rest + kFixedSplitCost <= remain || part == num_sm_parts - 1 ||
+          (deterministic && last_b < first_b)) {
         remain -= rest + kFixedSplitCost;
         const int num_splits = split + 1;
         req_splits[2 * b] = num_splits;
@@ -53,7 +57,7 @@ __global__ void __launch_bounds__(kMetadataThreads)
         last_b = b; last_hi = n;
         ++b; blk = 0; split = 0;
       } else {
-        const long long take = remain - kFixedSplitCost;
+        const long long take = deterministic ? 0 : remain - kFixedSplitCost;
         if (take > 0) { last_b = b; last_hi = blk + int(take); blk += int(take); ++split; }
         break;
       }
@@ -63,15 +67,16 @@ __global__ void __launch_bounds__(kMetadataThreads)
 }
 
 cudaError_t run_decode_metadata(const int* cache_seqlens, int batch, int num_sm_parts, int num_sms,
-                                int* tile_sched, int* req_splits, cudaStream_t stream) {
+                                bool deterministic, int* tile_sched, int* req_splits,
+                                cudaStream_t stream) {
   const int smem = batch * int(sizeof(int));
   if (smem > 48 * 1024) {
     const cudaError_t err = cudaFuncSetAttribute(decode_metadata_kernel,
                                                  cudaFuncAttributeMaxDynamicSharedMemorySize, smem);
     if (err != cudaSuccess) return err;
   }
-  decode_metadata_kernel<<<1, kMetadataThreads, smem, stream>>>(cache_seqlens, batch, num_sm_parts,
-                                                                num_sms, tile_sched, req_splits);
+  decode_metadata_kernel<<<1, kMetadataThreads, smem, stream>>>(
+      cache_seqlens, batch, num_sm_parts, num_sms, deterministic, tile_sched, req_splits);
   return cudaGetLastError();
 }
 

@@ -9,9 +9,13 @@ from .kv_cache import gather_kv_cache, write_kv_cache
 from .merge import merge_attn_states, merge_attn_states_n
 from .metadata import DecodeMetadata
 from .prefill import mla_prefill
+from .batch import MLABatch
+from .layer import MLAAttention, MLAConfig
+from .rotary import RotaryEmbedding, YarnScaling
 
 build_info = _C.build_info
 __version__ = "0.1.0"
 
 __all__ = ["mla_decode", "get_decode_metadata", "DecodeMetadata", "mla_prefill", "merge_attn_states",
-           "merge_attn_states_n", "write_kv_cache", "gather_kv_cache", "reference", "build_info", "__version__"]
+           "merge_attn_states_n", "write_kv_cache", "gather_kv_cache", "MLAAttention", "MLAConfig", "MLABatch",
+           "RotaryEmbedding", "YarnScaling", "reference", "build_info", "__version__"]

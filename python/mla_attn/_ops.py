@@ -17,7 +17,8 @@ def _out_shapes(q):
 
 # ---------------------------------------------------------------------------------------------- fakes
 @torch.library.register_fake("mla_attn::get_decode_metadata")
-def _(cache_seqlens, cu_seqlens_q, max_seqlen_q, num_heads_q, causal, num_sm_parts, num_sms):
+def _(cache_seqlens, cu_seqlens_q, max_seqlen_q, num_heads_q, causal, num_sm_parts, num_sms, *,
+      deterministic=False):
     sched_shape, splits_shape = metadata_shapes(cache_seqlens.shape[0], num_sms)
     return (cache_seqlens.new_empty(sched_shape, dtype=torch.int32),
             cache_seqlens.new_empty(splits_shape, dtype=torch.int32))
@@ -38,8 +39,10 @@ def _(q, q_pe, kv_cache, block_table, cache_seqlens, cu_seqlens_q, max_seqlen_q,
 
 # ----------------------------------------------------------------------------------------- CPU kernels
 @torch.library.register_kernel("mla_attn::get_decode_metadata", "cpu")
-def _(cache_seqlens, cu_seqlens_q, max_seqlen_q, num_heads_q, causal, num_sm_parts, num_sms):
-    return schedule_cpu(cache_seqlens, cu_seqlens_q, max_seqlen_q, num_heads_q, num_sm_parts, num_sms)
+def _(cache_seqlens, cu_seqlens_q, max_seqlen_q, num_heads_q, causal, num_sm_parts, num_sms, *,
+      deterministic=False):
+    return schedule_cpu(cache_seqlens, cu_seqlens_q, max_seqlen_q, num_heads_q, num_sm_parts, num_sms,
+                        deterministic)
 
 
 def _decode_cpu(q, q_pe, kv_cache, block_table, cache_seqlens, cu_seqlens_q, softmax_scale, causal,

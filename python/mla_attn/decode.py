@@ -108,10 +108,11 @@ def _check_static(q, q_pe, kv_cache, block_table, cache_seqlens, cu_seqlens_q, m
     return batch, max_seqlen_q
 
 
-def _check_metadata(md, batch, max_seqlen_q, h_q, causal, device):
+def _check_metadata(md, batch, max_seqlen_q, h_q, causal, deterministic, device):
     if not isinstance(md, DecodeMetadata):
         raise TypeError(f"metadata must be a DecodeMetadata from get_decode_metadata, got {type(md).__name__}")
-    for field, want in (("num_heads_q", h_q), ("max_seqlen_q", max_seqlen_q), ("causal", causal)):
+    for field, want in (("num_heads_q", h_q), ("max_seqlen_q", max_seqlen_q), ("causal", causal),
+                        ("deterministic", deterministic)):
         if getattr(md, field) != want:
             raise ValueError(f"metadata was computed for {field}={getattr(md, field)} but this call has {want}")
     if md.req_splits.shape[0] != batch:
@@ -163,11 +164,13 @@ def _check_values(kv_cache, block_table, cache_seqlens, cu_seqlens_q, max_seqlen
 
 
 def get_decode_metadata(cache_seqlens, num_heads_q, *, s_q=None, cu_seqlens_q=None, max_seqlen_q=None,
-                        causal=True):
+                        causal=True, deterministic=False):
     """Split-KV schedule for mla_decode; computed on cache_seqlens' device without a host sync.
 
     Uniform batches pass s_q (tokens per request); varlen batches pass cu_seqlens_q and max_seqlen_q.
     Reuse the result across layers/steps that share cache_seqlens, heads, query lengths and causal.
+    deterministic=True never splits a request across CTAs, so each row's result is bit-identical
+    whatever else is in the batch (batch invariance), at the cost of load balance for long requests.
     """
     if cu_seqlens_q is None:
         if s_q is None:
@@ -186,18 +189,22 @@ def get_decode_metadata(cache_seqlens, num_heads_q, *, s_q=None, cu_seqlens_q=No
     num_sms = device_num_sms(cache_seqlens.device)
     parts = num_sm_parts(num_sms, max_seqlen_q, num_heads_q)
     tile_sched, req_splits = torch.ops.mla_attn.get_decode_metadata(
-        cache_seqlens, cu_seqlens_q, max_seqlen_q, num_heads_q, causal, parts, num_sms)
-    return DecodeMetadata(tile_sched, req_splits, parts, max_seqlen_q, num_heads_q, causal)
+        cache_seqlens, cu_seqlens_q, max_seqlen_q, num_heads_q, causal, parts, num_sms,
+        deterministic=deterministic)
+    return DecodeMetadata(tile_sched, req_splits, parts, max_seqlen_q, num_heads_q, causal, deterministic)
 
 
 def mla_decode(q, kv_cache, block_table, cache_seqlens, *, cu_seqlens_q=None, max_seqlen_q=None, q_pe=None,
-               softmax_scale=None, causal=True, return_lse=False, metadata=None, out=None, validate=None):
+               softmax_scale=None, causal=True, return_lse=False, metadata=None, out=None, validate=None,
+               deterministic=False):
     """Absorbed MLA decode attention over a paged latent KV cache.
 
     q [B, s_q, h_q, 576] (or 512 + q_pe [.., 64]), or varlen [T, h_q, 576|512] with cu_seqlens_q [B+1] and
     max_seqlen_q. kv_cache [num_pages, page_size(, 1), 576]; block_table int32 [B, max_pages];
     cache_seqlens int32 [B]. Causal masking is bottom-right aligned.
     Returns out [.., h_q, 512] in q's dtype, plus lse fp32 [.., h_q] if return_lse.
+    deterministic=True: batch-invariant results (see get_decode_metadata); metadata, when given, must
+    have been computed with the same flag.
     """
     if softmax_scale is None:
         raise ValueError("softmax_scale is required (MLA absorbs the projection, so 1/sqrt(576) is not "
@@ -207,9 +214,9 @@ def mla_decode(q, kv_cache, block_table, cache_seqlens, *, cu_seqlens_q=None, ma
     h_q = q.shape[-2]
     if metadata is None:
         metadata = get_decode_metadata(cache_seqlens, h_q, cu_seqlens_q=cu_seqlens_q, max_seqlen_q=max_seqlen_q,
-                                       causal=causal)
+                                       causal=causal, deterministic=deterministic)
     else:
-        _check_metadata(metadata, batch, max_seqlen_q, h_q, causal, q.device)
+        _check_metadata(metadata, batch, max_seqlen_q, h_q, causal, deterministic, q.device)
     if _want_value_checks(validate, q.device):
         _check_values(kv_cache, block_table, cache_seqlens, cu_seqlens_q, max_seqlen_q, q.shape[0])
 

@@ -50,16 +50,21 @@ class DecodeMetadata(NamedTuple):
     max_seqlen_q: int
     num_heads_q: int
     causal: bool
+    deterministic: bool = False  # schedule never splits a request (batch-invariant results)
 
 
 _EMPTY_PART = (0, 0, -1, 0, 0, 0, 0, 0)
 
 
-def schedule_cpu(cache_seqlens, cu_seqlens_q, max_seqlen_q, num_heads_q, num_sm_parts, num_sms):
+def schedule_cpu(cache_seqlens, cu_seqlens_q, max_seqlen_q, num_heads_q, num_sm_parts, num_sms,
+                 deterministic=False):
     """The contract's sequential walk. Returns (tile_sched int32 [num_sms, 8], req_splits int32 [B, 2]).
 
     The partition depends only on KV lengths (every q tile of a request walks the same KV blocks),
     so cu_seqlens_q / max_seqlen_q / num_heads_q are accepted for signature parity but unused.
+    deterministic: a part never cuts a request (an empty part takes its next request whole, however
+    long), so each request is summed by one CTA in key order and its result does not depend on the
+    batch; the price is load balance when one request dominates.
     """
     if not 1 <= num_sm_parts <= num_sms:
         raise ValueError(f"num_sm_parts={num_sm_parts} must be in [1, num_sms={num_sms}]")
@@ -76,12 +81,12 @@ def schedule_cpu(cache_seqlens, cu_seqlens_q, max_seqlen_q, num_heads_q, num_sm_
         remain, last_b, last_hi = payload, b - 1, 0
         while b < B:
             rest = n[b] - blk
-            if rest + FIXED_COST <= remain or p == P - 1:
+            if rest + FIXED_COST <= remain or p == P - 1 or (deterministic and last_b < begin[0]):
                 remain -= rest + FIXED_COST
                 num_splits[b], last_b, last_hi = k + 1, b, n[b]
                 b, blk, k = b + 1, 0, 0
             else:
-                take = remain - FIXED_COST
+                take = 0 if deterministic else remain - FIXED_COST
                 if take > 0:
                     last_b, last_hi = b, blk + take
                     blk, k = blk + take, k + 1
