@@ -159,7 +159,8 @@ def rel(p: str) -> str:
     return os.path.relpath(p, ROOT)
 
 
-cuda_sources = sorted(glob.glob(str(ROOT / "csrc" / "mla_decode" / "**" / "*.cu"), recursive=True))
+KERNEL_DIRS = ["common", "mla_decode", "mla_prefill"]  # every .cu below these is compiled
+cuda_sources = sorted(s for d in KERNEL_DIRS for s in glob.glob(str(ROOT / "csrc" / d / "**" / "*.cu"), recursive=True))
 for d in ("bf16", "fp16"):
     if d not in DTYPES:  # instantiation files are named after their dtype (instantiations/fp16.cu)
         cuda_sources = [s for s in cuda_sources if d not in Path(s).stem]

@@ -6,61 +6,17 @@
 #include <c10/cuda/CUDAGuard.h>
 #include <torch/library.h>
 
+#include "bindings/checks.h"
 #include "mla_decode/config.h"
 #include "mla_decode/decode.h"
 
 namespace {
 using at::Tensor;
 using mla_decode::DecodeParams;
+using namespace mla_bindings;
 
 int num_q_tiles(int64_t max_seqlen_q, int64_t num_heads_q) {
   return int((max_seqlen_q * num_heads_q + mla_decode::kBlockM - 1) / mla_decode::kBlockM);
-}
-
-// Dtypes can be compiled out (MLA_ATTN_DISABLE_BF16 / _FP16, see setup.py): then a clear error.
-#ifdef MLA_ATTN_DISABLE_BF16
-constexpr bool kHaveBf16 = false;
-#else
-constexpr bool kHaveBf16 = true;
-#endif
-#ifdef MLA_ATTN_DISABLE_FP16
-constexpr bool kHaveFp16 = false;
-#else
-constexpr bool kHaveFp16 = true;
-#endif
-
-template <typename Element, bool kCompiled>
-cudaError_t launch_decode(const mla_decode::DecodeParams& p, const mla_decode::DecodeTma& tma,
-                          cudaStream_t stream, const char* dtype) {
-  if constexpr (kCompiled) {
-    return mla_decode::run_mla_decode<Element>(p, tma, stream);
-  } else {
-    TORCH_CHECK(false, "mla_attn was built without the ", dtype, " decode kernel (MLA_ATTN_DISABLE_*)");
-    return cudaErrorNotSupported;
-  }
-}
-
-void check_sm90(const Tensor& t) {
-  const auto* prop = at::cuda::getDeviceProperties(t.device().index());
-  TORCH_CHECK(prop->major == 9 && prop->minor == 0,
-              "mla_attn: the decode kernel needs an sm_90 (Hopper) GPU; got sm_", prop->major,
-              prop->minor, " (", prop->name, ")");
-}
-
-// 16-byte vector copies (cp.async, TMA) need 16-byte aligned rows: base and every outer stride.
-void check_aligned(const Tensor& t, const char* name, int64_t bytes) {
-  TORCH_CHECK(reinterpret_cast<uintptr_t>(t.data_ptr()) % bytes == 0, "mla_attn: ", name,
-              " must be ", bytes, "-byte aligned");
-  for (int64_t d = 0; d + 1 < t.dim(); ++d) {
-    TORCH_CHECK(t.size(d) == 1 || (t.stride(d) * t.element_size()) % bytes == 0, "mla_attn: ", name,
-                " stride(", d, ") must be a multiple of ", bytes, " bytes");
-  }
-}
-
-void check_i32(const Tensor& t, const char* name, const Tensor& like) {
-  TORCH_CHECK(t.scalar_type() == at::kInt, "mla_attn: ", name, " must be int32");
-  TORCH_CHECK(t.device() == like.device(), "mla_attn: ", name, " must be on ", like.device());
-  TORCH_CHECK(t.stride(-1) == 1, "mla_attn: ", name, " must be contiguous in its last dim");
 }
 
 void mla_decode_cuda_impl(const Tensor& q, const std::optional<Tensor>& q_pe, const Tensor& kv_cache,
@@ -71,7 +27,7 @@ void mla_decode_cuda_impl(const Tensor& q, const std::optional<Tensor>& q_pe, co
                           const std::optional<Tensor>& k_scale) {
   using namespace mla_decode;
   TORCH_CHECK(!k_scale.has_value(), "mla_attn: k_scale (FP8 KV cache) is not implemented yet");
-  check_sm90(q);
+  check_sm90(q, "decode");
   const bool varlen = cu_seqlens_q.has_value();
   TORCH_CHECK(q.dim() == (varlen ? 3 : 4), "mla_attn: q must be [B, s_q, h_q, D] or, with cu_seqlens_q, [T, h_q, D]");
   TORCH_CHECK(q.scalar_type() == at::kBFloat16 || q.scalar_type() == at::kHalf, "mla_attn: q must be bf16 or fp16");
@@ -170,8 +126,8 @@ void mla_decode_cuda_impl(const Tensor& q, const std::optional<Tensor>& q_pe, co
   DecodeTma tma;
   const char* tma_error = make_kv_tma(p, bf16, &tma);
   TORCH_CHECK(tma_error == nullptr, "mla_attn: ", tma_error ? tma_error : "");
-  const cudaError_t err = bf16 ? launch_decode<cutlass::bfloat16_t, kHaveBf16>(p, tma, stream, "bf16")
-                               : launch_decode<cutlass::half_t, kHaveFp16>(p, tma, stream, "fp16");
+  const cudaError_t err = dispatch_half_type<cutlass::bfloat16_t, cutlass::half_t>(
+      q.scalar_type(), "decode", [&]<typename Element>() { return run_mla_decode<Element>(p, tma, stream); });
   C10_CUDA_CHECK(err);
 }
 

@@ -1,4 +1,5 @@
-// Op schemas of the mla_attn library. The only place that defines them.
+// Op schemas of the mla_attn library (decode family). Other families add theirs with
+// TORCH_LIBRARY_FRAGMENT in ops_<family>.cpp.
 //
 // Every op has a functional form returning fresh tensors and an `_out` form that writes into
 // caller-provided tensors (mutable args, returns nothing), because custom ops may not return an

@@ -2,12 +2,14 @@
 import torch  # noqa: F401  (loads libc10/libtorch, which _C links against)
 
 from . import _C  # registers the TORCH_LIBRARY schemas (and CUDA kernels when built with them)
-from . import _ops  # noqa: F401  (fakes + CPU kernels)
+from . import _ops  # noqa: F401  (decode fakes + CPU kernels)
 from . import reference
 from .decode import get_decode_metadata, mla_decode
 from .metadata import DecodeMetadata
+from .prefill import mla_prefill
 
 build_info = _C.build_info
 __version__ = "0.1.0"
 
-__all__ = ["mla_decode", "get_decode_metadata", "DecodeMetadata", "reference", "build_info", "__version__"]
+__all__ = ["mla_decode", "get_decode_metadata", "DecodeMetadata", "mla_prefill", "reference", "build_info",
+           "__version__"]

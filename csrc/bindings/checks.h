@@ -1,0 +1,69 @@
+// Input checks and dtype dispatch shared by the binding TUs (the only files that include torch).
+// None of these syncs with the device: they read tensor metadata only.
+#pragma once
+#include <ATen/ATen.h>
+#include <ATen/cuda/CUDAContext.h>
+#include <c10/util/Exception.h>
+
+#include <cstdint>
+
+namespace mla_bindings {
+
+// Dtypes can be compiled out (MLA_ATTN_DISABLE_BF16 / _FP16, see setup.py): then a clear error.
+#ifdef MLA_ATTN_DISABLE_BF16
+constexpr bool kHaveBf16 = false;
+#else
+constexpr bool kHaveBf16 = true;
+#endif
+#ifdef MLA_ATTN_DISABLE_FP16
+constexpr bool kHaveFp16 = false;
+#else
+constexpr bool kHaveFp16 = true;
+#endif
+
+inline void check_sm90(const at::Tensor& t, const char* kernel) {
+  const auto* prop = at::cuda::getDeviceProperties(t.device().index());
+  TORCH_CHECK(prop->major == 9 && prop->minor == 0, "mla_attn: the ", kernel,
+              " kernel needs an sm_90 (Hopper) GPU; got sm_", prop->major, prop->minor, " (", prop->name, ")");
+}
+
+// 16-byte vector copies (cp.async, TMA) need 16-byte aligned rows: base and every outer stride.
+inline void check_aligned(const at::Tensor& t, const char* name, int64_t bytes) {
+  TORCH_CHECK(reinterpret_cast<uintptr_t>(t.data_ptr()) % bytes == 0, "mla_attn: ", name,
+              " must be ", bytes, "-byte aligned");
+  for (int64_t d = 0; d + 1 < t.dim(); ++d) {
+    TORCH_CHECK(t.size(d) == 1 || (t.stride(d) * t.element_size()) % bytes == 0, "mla_attn: ", name,
+                " stride(", d, ") must be a multiple of ", bytes, " bytes");
+  }
+}
+
+inline void check_i32(const at::Tensor& t, const char* name, const at::Tensor& like) {
+  TORCH_CHECK(t.scalar_type() == at::kInt, "mla_attn: ", name, " must be int32");
+  TORCH_CHECK(t.device() == like.device(), "mla_attn: ", name, " must be on ", like.device());
+  TORCH_CHECK(t.stride(-1) == 1, "mla_attn: ", name, " must be contiguous in its last dim");
+}
+
+inline void check_same_device(std::initializer_list<at::Tensor> tensors, const at::Tensor& like) {
+  for (const at::Tensor& t : tensors) {
+    TORCH_CHECK(t.device() == like.device(), "mla_attn: all tensors must be on ", like.device(),
+                ", got one on ", t.device());
+  }
+}
+
+// Calls launch.template operator()<Element>() for the element type of a bf16/fp16 tensor, or fails
+// clearly if that dtype was compiled out. `Bf16`/`Fp16` are the kernels' element types.
+template <typename Bf16, typename Fp16, typename Launch>
+cudaError_t dispatch_half_type(at::ScalarType dtype, const char* kernel, Launch&& launch) {
+  if (dtype == at::kBFloat16) {
+    if constexpr (kHaveBf16) return launch.template operator()<Bf16>();
+  } else if (dtype == at::kHalf) {
+    if constexpr (kHaveFp16) return launch.template operator()<Fp16>();
+  } else {
+    TORCH_CHECK(false, "mla_attn: ", kernel, " supports bfloat16 and float16, got ", dtype);
+  }
+  TORCH_CHECK(false, "mla_attn was built without the ", dtype, " ", kernel,
+              " kernel (MLA_ATTN_DISABLE_BF16 / MLA_ATTN_DISABLE_FP16)");
+  return cudaErrorNotSupported;
+}
+
+}  // namespace mla_bindings
