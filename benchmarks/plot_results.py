@@ -140,12 +140,20 @@ def plot_prefill(plt, res, out_dir):
     names = sorted({k for r in rows for k in kernels(r)}, key=lambda k: k != OURS)
     fig, axes = _panels(plt, heads, f"MLA prefill, {res.get('info', {}).get('gpu', '?')}")
     for h, ax in axes.items():
-        for k, style in zip(names, ("-",) + STYLES):
-            xy = sorted((_length(r), r["flops"] / r[k]["cold_us"] / 1e6) for r in rows
-                        if r.get("h_q", 0) == h and (r.get(k) or {}).get("cold_us"))
-            if xy:
-                ax.plot(*zip(*xy), style, marker="o", ms=3, label=label(k))
+        # a line per kernel and (batch, causal) where the sweep varies them
+        groups = sorted({(r.get("b"), r.get("causal")) for r in rows if r.get("h_q", 0) == h}, key=str)
+        colors = plt.cm.tab10(range(len(groups)))
+        for (b, causal), color in zip(groups, colors):
+            tag = " ".join(t for t in (f"b{b}" if b is not None else "",
+                                       {True: "causal", False: "full", None: ""}[causal]) if t)
+            for k, style in zip(names, ("-",) + STYLES):
+                xy = sorted((_length(r), r["flops"] / r[k]["cold_us"] / 1e6) for r in rows
+                            if (r.get("h_q", 0), r.get("b"), r.get("causal")) == (h, b, causal)
+                            and (r.get(k) or {}).get("cold_us"))
+                if xy:
+                    ax.plot(*zip(*xy), style, marker="o", ms=3, color=color, label=f"{label(k)} {tag}".strip())
         _log_axes(ax, plt, log_y=False)
+        ax.set_ylim(bottom=0)
         ax.set_title(f"h_q = {h}")
         ax.set_xlabel("sequence length")
         ax.set_ylabel("TFLOP/s")
