@@ -1,5 +1,7 @@
-"""Adversarial decode inputs shared by the tests: NaN in every cache slot past each length and in
-every unused page, permuted block tables with huge ids in the unused tails, random data."""
+"""Adversarial inputs shared by the tests. Decode: NaN in every cache slot past each length and in
+every unused page, permuted block tables with huge ids in the unused tails. Prefill: NaN in every
+packed row past the last request and in unused columns of strided views."""
+import itertools
 import math
 
 import torch
@@ -47,3 +49,33 @@ def make_decode_case(lens, s_q, h_q, page_size, *, varlen=False, split_pe=False,
     return dict(q=q, q_pe=q_pe, kv_cache=kv, block_table=block_table,
                 cache_seqlens=torch.tensor(lens, dtype=torch.int32), cu_seqlens_q=cu, max_seqlen_q=s_q,
                 softmax_scale=D_QK**-0.5)
+
+
+def make_prefill_case(lens_q, lens_k, h_q, *, h_k=None, split_pe=False, dtype=torch.bfloat16, seed=0,
+                      pad=37, scale=1.0):
+    """Packed varlen prefill inputs as an engine holds them: k_nope and v are views of one kv_b_proj
+    output [T_k, h_k, 256] (strided), q is a view of a wider buffer, and every row past the last
+    request and every unused column is NaN. lens_k[b] may be < lens_q[b] (causal: empty rows)."""
+    g = torch.Generator().manual_seed(seed)
+    h_k = h_q if h_k is None else h_k
+    cu_q = torch.tensor([0] + list(itertools.accumulate(lens_q)), dtype=torch.int32)
+    cu_k = torch.tensor([0] + list(itertools.accumulate(lens_k)), dtype=torch.int32)
+    t_q, t_k = int(cu_q[-1]), int(cu_k[-1])
+
+    def poisoned(rows, heads, width, used):
+        buf = torch.full((rows + pad, heads, width), float("nan"))
+        buf[:rows, :, :used] = torch.randn(rows, heads, used, generator=g) * scale
+        return buf.to(dtype)
+
+    q = poisoned(t_q, h_q, 256, 192)[..., :192]
+    kv = poisoned(t_k, h_k, 256, 256)
+    k_nope, v = kv[..., :128], kv[..., 128:]
+    k_pe = poisoned(t_k, 1, 64, 64)
+    if split_pe:
+        k = k_nope
+    else:
+        k = torch.cat([k_nope, k_pe.expand(-1, h_k, -1)], dim=-1)  # NaN pad rows stay NaN
+        k_pe = None
+    return dict(q=q, k=k, v=v, k_pe=k_pe, cu_seqlens_q=cu_q, cu_seqlens_k=cu_k,
+                max_seqlen_q=max(lens_q, default=0), max_seqlen_k=max(lens_k, default=0),
+                softmax_scale=192**-0.5)

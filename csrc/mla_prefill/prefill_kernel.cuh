@@ -86,7 +86,7 @@ __device__ void produce_tiles(const PrefillParams& p, const PrefillTma& tma, typ
       SM90_TMA_LOAD_3D::copy(&tma.k, &ss.k_full[stage], kHint, &sK(0, slab * kTmaColumns), slab * kTmaColumns,
                              row, t.head_k);
     }
-    SM90_TMA_LOAD_3D::copy(&tma.k_pe, &ss.k_full[stage], kHint, &sK(0, kHeadDimNope), tma.k_pe_column, row,
+    SM90_TMA_LOAD_3D::copy(&tma.k_pe, &ss.k_full[stage], kHint, &sK(0, int(kHeadDimNope)), tma.k_pe_column, row,
                            k_pe_head);
     if (i >= kStages) cutlass::arch::ClusterBarrier::wait(&ss.v_empty[stage], empty_phase);
     Barrier::arrive_and_expect_tx(&ss.v_full[stage], kBlockN * kHeadDimV * sizeof(Element));
