@@ -9,13 +9,15 @@ and writes PNGs into --out (default: the first file's folder):
   decode_us.png        cold us vs context, one panel per head count, a line per (batch, s_q), mla_attn
                        solid and every peer of the same run dashed / dotted;
   decode_roofline.png  % of roofline vs context, same layout;
-  prefill_tflops.png   TFLOP/s vs sequence length, one panel per head count, a line per kernel;
+  prefill_tflops.png   TFLOP/s vs tokens per request, one panel per head count, mla_attn solid and cuDNN
+                       SDPA dashed, a color per (causal, k layout);
   cp_decode.png        context-parallel speed-up over one GPU vs context, one panel per head count.
 % of roofline = max(bytes / time / HBM read ceiling, flops / time / bf16 matmul ceiling), the ceilings
 measured in the same run (bench_decode's "ceilings").
 
-Rows are read the way bench_decode writes them: {h_q, L, page?, s_q?, b?, bytes?, flops, <kernel>: {cold_us,
-ok}, ..} with "ours" = mla_attn; prefill rows may name the length "seqlen" instead of "L".
+Rows are read as the benchmarks write them: decode {h_q, s_q, b, L, page, bytes, flops, <kernel>: {cold_us,
+ok}} with "ours" = mla_attn (bench_decode.py); prefill {h, n, causal, k, tflops, cudnn_tflops}
+(bench_prefill.py); CP {h_q, b, L, speedup} (bench_cp_decode.py).
 """
 import argparse
 import json
@@ -60,8 +62,7 @@ def roofline_pct(row, kernel, ceilings):
 
 
 def _length(row):
-    n = row.get("L", row.get("seqlen"))
-    return n if isinstance(n, (int, float)) else None  # "rand" lengths have no x position
+    return row["L"] if isinstance(row["L"], int) else None  # "rand" lengths have no x position
 
 
 def _panels(plt, heads, title):
@@ -132,32 +133,30 @@ def plot_decode(plt, res, out_dir):
 
 
 def plot_prefill(plt, res, out_dir):
-    rows = [r for r in res["rows"] if _length(r) and r.get("flops") and kernels(r)]
-    if not rows:
-        print("prefill results hold no timed rows: prefill_tflops.png skipped")
-        return []
-    heads = sorted({r.get("h_q", 0) for r in rows})
-    names = sorted({k for r in rows for k in kernels(r)}, key=lambda k: k != OURS)
-    fig, axes = _panels(plt, heads, f"MLA prefill, {res.get('info', {}).get('gpu', '?')}")
+    """bench_prefill.py rows: {h, n (tokens per request), causal, k, tflops, cudnn_tflops?} (warm graphs)."""
+    rows = res["rows"]
+    ceil = (res.get("ceilings") or {}).get("mm8192_bf16_TFLOPs")
+    fig, axes = _panels(plt, sorted({r["h"] for r in rows}),
+                        f"MLA prefill, {res.get('device', '?')}, bf16, 16k tokens per batch"
+                        + (f"; bf16 matmul ceiling {ceil:.0f} TFLOP/s" if ceil else ""))
     for h, ax in axes.items():
-        # a line per kernel and (batch, causal) where the sweep varies them
-        groups = sorted({(r.get("b"), r.get("causal")) for r in rows if r.get("h_q", 0) == h}, key=str)
-        colors = plt.cm.tab10(range(len(groups)))
-        for (b, causal), color in zip(groups, colors):
-            tag = " ".join(t for t in (f"b{b}" if b is not None else "",
-                                       {True: "causal", False: "full", None: ""}[causal]) if t)
-            for k, style in zip(names, ("-",) + STYLES):
-                xy = sorted((_length(r), r["flops"] / r[k]["cold_us"] / 1e6) for r in rows
-                            if (r.get("h_q", 0), r.get("b"), r.get("causal")) == (h, b, causal)
-                            and (r.get(k) or {}).get("cold_us"))
+        # a color per (causal, k layout); mla_attn solid, cuDNN SDPA (k192 only) dashed
+        groups = sorted({(r["causal"], r["k"]) for r in rows if r["h"] == h})
+        for (causal, k), color in zip(groups, plt.cm.tab10(range(len(groups)))):
+            pts = sorted((r for r in rows if (r["h"], r["causal"], r["k"]) == (h, causal, k)), key=lambda r: r["n"])
+            tag = f"{'causal' if causal else 'full'} {k}"
+            for key, style, name in (("tflops", "-", "mla_attn"), ("cudnn_tflops", "--", "cuDNN")):
+                xy = [(r["n"], r[key]) for r in pts if r.get(key)]
                 if xy:
-                    ax.plot(*zip(*xy), style, marker="o", ms=3, color=color, label=f"{label(k)} {tag}".strip())
+                    ax.plot(*zip(*xy), style, marker="o", ms=3, color=color, label=f"{name} {tag}")
+        if ceil:
+            ax.axhline(ceil, color="gray", lw=0.8)
         _log_axes(ax, plt, log_y=False)
         ax.set_ylim(bottom=0)
-        ax.set_title(f"h_q = {h}")
-        ax.set_xlabel("sequence length")
+        ax.set_title(f"h = {h}")
+        ax.set_xlabel("tokens per request")
         ax.set_ylabel("TFLOP/s")
-        ax.legend(fontsize=8)
+        ax.legend(fontsize=7)
     return [_save(fig, out_dir, "prefill_tflops.png")]
 
 
