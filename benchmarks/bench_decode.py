@@ -427,9 +427,9 @@ def write_outputs(results, out_dir):
     return text
 
 
-def main():
+def add_args(ap):
+    """The sweep's options; run_all.py adds them to its own parser."""
     here = os.path.dirname(os.path.abspath(__file__))
-    ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     ap.add_argument("--configs", default="main", choices=("main", "ext", "all"))
     ap.add_argument("--quick", action="store_true", help="small fixed subset (%d configs)" % len(QUICK))
     ap.add_argument("--only", default="", help="comma list of config-name substrings")
@@ -440,7 +440,12 @@ def main():
     ap.add_argument("--time-budget-s", type=float, default=None,
                     help="whole-run budget (default 300 s for main/--quick, 340 s for ext/all): rep-ms is "
                          "scaled down when it runs short; configs still left at 1.5x the budget are skipped")
-    args = ap.parse_args()
+
+
+def run(args, extra_kernels=()):
+    """The whole sweep: writes <args.out>/bench_decode.{json,md} after every config and returns the
+    results dict. extra_kernels: more peers (objects with .name and .prepare(p, c)) timed like FlashInfer;
+    they appear in the JSON rows under their name, not in the markdown table."""
     if args.time_budget_s is None:
         args.time_budget_s = 300.0 if (args.quick or args.configs == "main") else 340.0
     t0 = time.time()
@@ -485,7 +490,7 @@ def main():
 
     timer = GraphTimer()
     cfgs = select_configs(args.configs, args.quick, args.only)
-    kerns = [ours] + ([fi] if fi else [])
+    kerns = [ours] + ([fi] if fi else []) + list(extra_kernels)
     log(f"{len(cfgs)} configs, kernels: {[k.name for k in kerns]}")
     for ci, c in enumerate(cfgs):
         elapsed = time.time() - t0
@@ -544,6 +549,13 @@ def main():
     text = write_outputs(results, args.out)
     log(f"\nwrote {args.out}/bench_decode.json and bench_decode.md in {info['elapsed_s']:.0f}s\n")
     log(text)
+    return results
+
+
+def main():
+    ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    add_args(ap)
+    results = run(ap.parse_args())
     n_fail = sum(1 for r in results["rows"] if not r.get("ours", {}).get("ok"))
     sys.exit(1 if n_fail else 0)
 

@@ -5,6 +5,7 @@ from . import _C  # registers the TORCH_LIBRARY schemas (and CUDA kernels when b
 from . import _ops  # noqa: F401  (decode fakes + CPU kernels)
 from . import reference
 from .decode import get_decode_metadata, mla_decode
+from .distributed import CPSlice, cp_mla_decode, cp_slice, cp_token_slot
 from .kv_cache import gather_kv_cache, write_kv_cache
 from .merge import merge_attn_states, merge_attn_states_n
 from .metadata import DecodeMetadata
@@ -18,4 +19,5 @@ __version__ = "0.1.0"
 
 __all__ = ["mla_decode", "get_decode_metadata", "DecodeMetadata", "mla_prefill", "merge_attn_states",
            "merge_attn_states_n", "write_kv_cache", "gather_kv_cache", "MLAAttention", "MLAConfig", "MLABatch",
-           "RotaryEmbedding", "YarnScaling", "reference", "build_info", "__version__"]
+           "RotaryEmbedding", "YarnScaling", "cp_mla_decode", "cp_slice", "cp_token_slot", "CPSlice", "reference",
+           "build_info", "__version__"]
