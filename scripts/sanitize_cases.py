@@ -1,0 +1,93 @@
+"""A small subset of calls for compute-sanitizer (scripts/sanitize.sh), small enough to run under
+memcheck and racecheck in seconds. Decode: split and unsplit requests, tail blocks, empty requests,
+varlen causal, page sizes 16 and 64, q_pe split. Prefill: partial and causal-diagonal blocks, empty
+rows, k_pe split. Then an LSE merge and a KV-cache write + gather round trip."""
+import os
+import sys
+
+import torch
+
+sys.path.insert(0, os.path.join(os.path.dirname(__file__), "..", "tests"))
+import mla_attn  # noqa: E402
+from cases import make_decode_case, make_prefill_case  # noqa: E402
+from mla_attn.prefill import _prefill_cpu  # noqa: E402
+from mla_attn.reference import mla_decode_ref  # noqa: E402
+
+CASES = [
+    # (lens, s_q, h_q, page_size, varlen, split_pe)
+    ([700], 1, 16, 64, False, False),          # one request split over many CTAs -> combine
+    ([113, 0, 1023], 2, 8, 16, False, True),   # empty request, tail blocks, page 16, q_pe split
+    ([300, 65], 7, 32, 32, True, False),        # varlen causal
+    ([200], 1, 128, 64, False, False),         # two q tiles
+]
+
+
+PREFILL_CASES = [
+    # (lens_q, lens_k, h_q, split_pe, causal)
+    ([200, 5, 64], [300, 0, 64], 2, True, True),
+    ([130], [130], 1, False, False),
+]
+
+
+def cuda(case):
+    return {k: (v.cuda() if isinstance(v, torch.Tensor) else v) for k, v in case.items()}
+
+
+def check_prefill():
+    for lens_q, lens_k, h, split_pe, causal in PREFILL_CASES:
+        c = cuda(make_prefill_case(lens_q, lens_k, h, split_pe=split_pe))
+        out = mla_attn.mla_prefill(c["q"], c["k"], c["v"], c["cu_seqlens_q"], c["cu_seqlens_k"], c["max_seqlen_q"],
+                                   c["max_seqlen_k"], softmax_scale=c["softmax_scale"], causal=causal,
+                                   k_pe=c["k_pe"])
+        q, k, v, k_pe = (None if t is None else t.float() for t in (c["q"], c["k"], c["v"], c["k_pe"]))
+        ref, _ = _prefill_cpu(q, k, v, c["cu_seqlens_q"], c["cu_seqlens_k"], c["softmax_scale"], causal, k_pe)
+        t_q = int(c["cu_seqlens_q"][-1])
+        err = (out[:t_q].float() - ref[:t_q]).abs().max().item()
+        print(f"prefill lens_q={lens_q} lens_k={lens_k}: max |err| {err:.2e}", flush=True)
+        assert err < 3e-2, err
+
+
+def check_merge_and_cache():
+    outs = torch.randn(3, 50, 4, 128, device="cuda", dtype=torch.bfloat16)
+    lses = torch.randn(3, 50, 4, device="cuda")
+    lses[0, :7] = float("inf")
+    out, lse = mla_attn.merge_attn_states_n(outs, lses)
+    ref, _ = mla_attn.reference.merge_attn_states_ref(outs.float(), lses)
+    assert (out.float() - ref).abs().max().item() < 2e-2
+    kv_cache = torch.full((6, 16, 576), float("nan"), device="cuda", dtype=torch.bfloat16)
+    kv_c = torch.randn(20, 512, device="cuda", dtype=torch.bfloat16)
+    k_pe = torch.randn(20, 64, device="cuda", dtype=torch.bfloat16)
+    slots = torch.randperm(6 * 16, device="cuda")[:20]
+    slots[3] = -1  # padding token: skipped
+    mla_attn.write_kv_cache(kv_c, k_pe, kv_cache, slots)
+    pages = (slots[slots >= 0] // 16).unique()
+    assert torch.isfinite(kv_cache[slots[slots >= 0] // 16, slots[slots >= 0] % 16]).all() and len(pages) > 0
+    block_table = torch.arange(6, device="cuda", dtype=torch.int32)[None]
+    cu = torch.tensor([0, 96], device="cuda", dtype=torch.int32)
+    got = mla_attn.gather_kv_cache(kv_cache, block_table, cu, 100)
+    assert got.shape == (100, 576) and not got[96:].any()
+    print("merge, write_kv_cache, gather_kv_cache: ok", flush=True)
+
+
+def main():
+    check_prefill()
+    check_merge_and_cache()
+    worst = 0.0
+    for lens, s_q, h_q, page, varlen, split_pe in CASES:
+        c = make_decode_case(lens, s_q, h_q, page, varlen=varlen, split_pe=split_pe)
+        c = {k: (v.cuda() if isinstance(v, torch.Tensor) else v) for k, v in c.items()}
+        kw = dict(max_seqlen_q=c["max_seqlen_q"]) if varlen else {}
+        out, lse = mla_attn.mla_decode(c["q"], c["kv_cache"], c["block_table"], c["cache_seqlens"],
+                                       cu_seqlens_q=c["cu_seqlens_q"], q_pe=c["q_pe"],
+                                       softmax_scale=c["softmax_scale"], causal=True, return_lse=True, **kw)
+        ref, _ = mla_decode_ref(c["q"], c["kv_cache"], c["block_table"], c["cache_seqlens"],
+                                cu_seqlens_q=c["cu_seqlens_q"], q_pe=c["q_pe"],
+                                softmax_scale=c["softmax_scale"], causal=True)
+        err = (out.float() - ref).abs().max().item()
+        worst = max(worst, err)
+        print(f"lens={lens} s_q={s_q} h_q={h_q} page={page}: max |err| {err:.2e}", flush=True)
+    assert worst < 3e-2, worst
+
+
+if __name__ == "__main__":
+    main()
