@@ -69,6 +69,7 @@ def runner(fn, eager):
     if eager:
         return fn, fn()
     g, outs = bd.capture(fn)
+    g.replay()  # the captured call only recorded the work: outs hold results after a replay
     return g.replay, outs
 
 

@@ -42,7 +42,7 @@ inline void check_aligned(const at::Tensor& t, const char* name, int64_t bytes) 
 inline void check_i32(const at::Tensor& t, const char* name, const at::Tensor& like) {
   TORCH_CHECK(t.scalar_type() == at::kInt, "mla_attn: ", name, " must be int32");
   TORCH_CHECK(t.device() == like.device(), "mla_attn: ", name, " must be on ", like.device());
-  TORCH_CHECK(t.stride(-1) == 1, "mla_attn: ", name, " must be contiguous in its last dim");
+  TORCH_CHECK(t.size(-1) <= 1 || t.stride(-1) == 1, "mla_attn: ", name, " must be contiguous in its last dim");
 }
 
 inline void check_same_device(std::initializer_list<at::Tensor> tensors, const at::Tensor& like) {

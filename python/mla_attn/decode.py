@@ -37,7 +37,7 @@ def _check_int32(name, t, dim):
         raise TypeError(f"{name} must be int32, got {t.dtype}")
     if t.dim() != dim:
         raise ValueError(f"{name} must be {dim}-D, got shape {tuple(t.shape)}")
-    if t.numel() > 1 and t.stride(-1) != 1:
+    if t.shape[-1] > 1 and t.stride(-1) != 1:
         raise ValueError(f"{name}: last dim must be contiguous, got strides {t.stride()}")
 
 
