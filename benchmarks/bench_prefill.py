@@ -7,7 +7,7 @@ k_nope [T, h, 128] + shared k_pe [T, 1, 64] ("k_pe"). bf16.
   TFLOP/s = 2 * h * sum_requests(visible (q, k) pairs) * (192 + 128) / time
             (causal: n (n + 1) / 2 pairs per request of n tokens, non-causal n^2).
 Timing: the op as a CUDA graph, median over replays (cold = after a 512 MB L2 flush, warm = after a
-spin), as in bench_decode.py. Ceiling of the same run: bf16 8192^3 matmul (and HBM read).
+spin), as in bench_decode.py (benchmarks/_timing.py). Ceiling of the same run: bf16 8192^3 matmul (and HBM read).
 Peer: torch SDPA with the cuDNN backend (q/k 192, v 128, [B, h, n, d]) when it runs, same TFLOP formula.
 Correctness: out and LSE of two heads against the float32 reference before timing.
 
@@ -21,7 +21,7 @@ import sys
 import torch
 
 sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
-from bench_decode import GraphTimer, capture, log, measure_ceilings  # noqa: E402
+from _timing import GraphTimer, capture, measure_ceilings  # noqa: E402
 
 import mla_attn  # noqa: E402
 from mla_attn.prefill import _prefill_cpu  # noqa: E402
@@ -83,7 +83,7 @@ def main():
     dev = torch.cuda.get_device_name()
     ceilings = {} if args.no_ceilings else measure_ceilings()
     gemm = ceilings.get("mm8192_bf16_TFLOPs")
-    log(f"device {dev}; ceilings {ceilings}")
+    print(f"device {dev}; ceilings {ceilings}", flush=True)
     timer = GraphTimer()
     rows = []
     for h in (int(x) for x in args.heads.split(",")):
@@ -109,7 +109,7 @@ def main():
                             row["cudnn_tflops"] = fl / row["cudnn_us"] / 1e6
                         except Exception as e:  # noqa: BLE001  (peer not available for this shape)
                             row["cudnn_error"] = repr(e)[:120]
-                    log(row)
+                    print(row, flush=True)
                     rows.append(row)
                     del p
                     torch.cuda.empty_cache()

@@ -61,4 +61,15 @@ __device__ __forceinline__ void launch_dependents() {
 
 __device__ __forceinline__ int ceil_div(int a, int b) { return (a + b - 1) / b; }
 
+// The kernel's shared-memory map, placed at the first 1024-byte boundary of the dynamic shared memory:
+// the 128-byte swizzle pattern is anchored there (launchers request 1024 bytes of slack). Offsetting
+// the array itself (not an integer-cast pointer) keeps accesses in the shared state space: LDS/STS
+// instead of generic loads and stores.
+template <typename Storage>
+__device__ __forceinline__ Storage& shared_storage_1024() {
+  extern __shared__ __align__(1024) char smem[];
+  const uint32_t base = static_cast<uint32_t>(__cvta_generic_to_shared(smem));
+  return *reinterpret_cast<Storage*>(smem + (((base + 1023) & ~1023u) - base));
+}
+
 }  // namespace mla_common

@@ -356,13 +356,7 @@ template <typename Traits>
 __global__ void __launch_bounds__(kNumThreads, 1)
     mla_decode_kernel(__grid_constant__ const DecodeParams params, __grid_constant__ const DecodeTma tma) {
 #if defined(__CUDA_ARCH__) && __CUDA_ARCH__ == 900 && defined(__CUDA_ARCH_FEAT_SM90_ALL)
-  extern __shared__ __align__(1024) char smem[];
-  // The 128-byte swizzle pattern is anchored at 1024-byte boundaries; the launcher adds the slack.
-  // Offsetting the array itself (not an integer-cast pointer) keeps accesses in the shared state
-  // space: LDS/STS instead of generic loads and stores.
-  const uint32_t smem_base = static_cast<uint32_t>(__cvta_generic_to_shared(smem));
-  char* smem_aligned = smem + (((smem_base + 1023) & ~1023u) - smem_base);
-  auto& ss = *reinterpret_cast<typename Traits::SharedStorage*>(smem_aligned);
+  auto& ss = mla_common::shared_storage_1024<typename Traits::SharedStorage>();
   const int warpgroup = __shfl_sync(0xffffffff, threadIdx.x / 128, 0);
   const int m_block = blockIdx.x;
   const PartRange range = PartRange::load(params, blockIdx.y);

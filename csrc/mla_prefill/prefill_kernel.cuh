@@ -283,11 +283,7 @@ template <typename Traits>
 __global__ void __launch_bounds__(kNumThreads, 1)
     mla_prefill_kernel(__grid_constant__ const PrefillParams params, __grid_constant__ const PrefillTma tma) {
 #if defined(__CUDA_ARCH__) && __CUDA_ARCH__ == 900 && defined(__CUDA_ARCH_FEAT_SM90_ALL)
-  extern __shared__ __align__(1024) char smem[];
-  // The 128-byte swizzle pattern is anchored at 1024-byte boundaries; the launcher adds the slack.
-  const uint32_t smem_base = static_cast<uint32_t>(__cvta_generic_to_shared(smem));
-  char* smem_aligned = smem + (((smem_base + 1023) & ~1023u) - smem_base);
-  auto& ss = *reinterpret_cast<typename Traits::SharedStorage*>(smem_aligned);
+  auto& ss = mla_common::shared_storage_1024<typename Traits::SharedStorage>();
   Tile tile;
   if (!Tile::load(params, tile)) return;  // the whole CTA: the tile is past the request's end
 
