@@ -36,7 +36,7 @@ def cp_slice(block_table, cache_seqlens, page_size, world_size, rank):
     """
     if not 0 <= rank < world_size:
         raise ValueError(f"rank {rank} is not in [0, world_size={world_size})")
-    pages = block_table[:, rank::world_size].clone(memory_format=torch.contiguous_format)  # unit stride even if 1 column
+    pages = block_table[:, rank::world_size].contiguous()
     first_key = (rank + world_size * torch.arange(pages.shape[1], device=block_table.device)) * page_size
     keys = (cache_seqlens[:, None] - first_key).clamp(0, page_size)  # keys in each local page
     return CPSlice(pages, keys.sum(1, dtype=torch.int32))
