@@ -162,7 +162,7 @@ def rel(p: str) -> str:
 KERNEL_DIRS = ["common", "mla_decode", "mla_prefill", "merge", "kv_cache"]  # every .cu below these is compiled
 cuda_sources = sorted(s for d in KERNEL_DIRS for s in glob.glob(str(ROOT / "csrc" / d / "**" / "*.cu"), recursive=True))
 for d in ("bf16", "fp16"):
-    if d not in DTYPES:  # instantiation files are named after their dtype (instantiations/fp16.cu)
+    if d not in DTYPES:  # instantiation files are named after their dtype (instantiations/fp16.cu, fp16_fp8kv.cu)
         cuda_sources = [s for s in cuda_sources if d not in Path(s).stem]
 sources = sorted(glob.glob(str(ROOT / "csrc" / "bindings" / "*.cpp"))) + cuda_sources
 sources = [rel(s) for s in sources]

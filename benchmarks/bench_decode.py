@@ -43,6 +43,7 @@ DEV = "cuda"  # a CPU smoke test of the data/reference/report code may set this 
 PAGE = 64
 SCALE = 1.0 / math.sqrt(192.0)
 REL_L2_TOL, LSE_TOL = 2e-2, 1e-2
+FP8_K_SCALE = 0.02  # --kv-dtype fp8: randn data / 0.02 spans about +-200 of e4m3's +-448
 
 # Best anchor (fastest correct cold time, us) per config, copied from the static anchor tables:
 #   main grid: shared/anchors/RESULTS.md, table "Best anchor per config (cold, correct results only)";
@@ -153,7 +154,7 @@ def select_configs(which, quick, only):
 # ----------------------------------------------------------------------------------------------
 # data and float32 reference
 # ----------------------------------------------------------------------------------------------
-def make_problem(c, seed):
+def make_problem(c, seed, kv_dtype="bf16"):
     gen = torch.Generator().manual_seed(seed)
     b, s_q, h_q, page = c["b"], c["s_q"], c["h_q"], c["page"]
     if c["L"] == "rand":
@@ -171,8 +172,13 @@ def make_problem(c, seed):
     dgen = torch.Generator(device=DEV).manual_seed(seed)
     kv = torch.randn(total, page, 1, D_QK, dtype=torch.bfloat16, device=DEV, generator=dgen)
     q = torch.randn(b, s_q, h_q, D_QK, dtype=torch.bfloat16, device=DEV, generator=dgen)
-    return dict(q=q, kv=kv, table=table.to(DEV), lens=lens.to(DEV), table_cpu=table, lens_cpu=lens,
-                npages_cpu=npages, page=page)
+    p = dict(q=q, kv=kv, table=table.to(DEV), lens=lens.to(DEV), table_cpu=table, lens_cpu=lens,
+             npages_cpu=npages, page=page, k_scale=None)
+    if kv_dtype == "fp8":  # the cache as write_kv_cache stores it; the reference reads stored * k_scale
+        from mla_attn.kv_cache import quantize_fp8
+        p["k_scale"] = torch.tensor([FP8_K_SCALE], dtype=torch.float32, device=DEV)
+        p["kv"] = quantize_fp8(kv, p["k_scale"])
+    return p
 
 
 @torch.no_grad()
@@ -187,6 +193,8 @@ def reference_fp32(p, causal):
         L = int(p["lens_cpu"][i])
         ids = p["table_cpu"][i, :int(p["npages_cpu"][i])].to(DEV).long()
         k = pages.index_select(0, ids).reshape(-1, D_QK)[:L].float()              # [L, 576]
+        if p["k_scale"] is not None:
+            k = k * p["k_scale"]
         logits = (q[i].float().reshape(s_q * h_q, D_QK) @ k.t()) * SCALE           # [(t,h), L]
         if causal and s_q > 1:
             last = L - s_q + torch.arange(s_q, device=DEV)                      # last visible key
@@ -233,7 +241,7 @@ class Ours:
     def prepare(self, p, c):
         causal = c["s_q"] > 1
         md = self.metadata(p, c)
-        q, kv, table, lens = p["q"], p["kv"], p["table"], p["lens"]
+        q, kv, table, lens, k_scale = p["q"], p["kv"], p["table"], p["lens"], p["k_scale"]
         dec = self.m.mla_decode
         buf = torch.empty(q.shape[:-1] + (D_V,), dtype=q.dtype, device=q.device)
 
@@ -243,11 +251,11 @@ class Ours:
             junk = torch.full(q.shape[:-1], float("nan"), dtype=torch.float32, device=q.device)
             del junk
             return dec(q, kv, table, lens, softmax_scale=SCALE, causal=causal, return_lse=True,
-                       metadata=md, out=buf)
+                       metadata=md, out=buf, k_scale=k_scale)
 
         def graph_fn():
             return dec(q, kv, table, lens, softmax_scale=SCALE, causal=causal, return_lse=True,
-                       metadata=md)
+                       metadata=md, k_scale=k_scale)
 
         info = dict(num_sm_parts=int(md.num_sm_parts))
         try:
@@ -358,15 +366,19 @@ def fmt(v, f="{:.1f}", none="-"):
     return none if v is None else f.format(v)
 
 
+def _stem(results):
+    return "bench_decode_fp8" if results["info"]["args"].get("kv_dtype") == "fp8" else "bench_decode"
+
+
 def write_outputs(results, out_dir):
     os.makedirs(out_dir, exist_ok=True)
-    with open(os.path.join(out_dir, "bench_decode.json"), "w") as f:
+    with open(os.path.join(out_dir, _stem(results) + ".json"), "w") as f:
         json.dump(results, f, indent=1, default=str)
     ce = results.get("ceilings") or {}
     lines = []
     info = results["info"]
     lines.append(f"# mla_attn decode benchmark ({info.get('gpu')}, torch {info.get('torch')}, "
-                 f"FlashInfer {info.get('flashinfer', 'n/a')})")
+                 f"FlashInfer {info.get('flashinfer', 'n/a')}, KV cache {info['args'].get('kv_dtype', 'bf16')})")
     lines.append("")
     if ce:
         lines.append(f"Ceilings (this run): HBM read {ce.get('read_TBps', 0):.2f} TB/s "
@@ -422,7 +434,7 @@ def write_outputs(results, out_dir):
         lines.append("Errors: " + "; ".join(f"{k}: {str(v).strip().splitlines()[-1][:160]}"
                                              for k, v in results["errors"]))
     text = "\n".join(lines) + "\n"
-    with open(os.path.join(out_dir, "bench_decode.md"), "w") as f:
+    with open(os.path.join(out_dir, _stem(results) + ".md"), "w") as f:
         f.write(text)
     return text
 
@@ -435,6 +447,9 @@ def add_args(ap):
     ap.add_argument("--only", default="", help="comma list of config-name substrings")
     ap.add_argument("--out", default=os.path.join(here, "results"))
     ap.add_argument("--no-flashinfer", action="store_true")
+    ap.add_argument("--kv-dtype", default="bf16", choices=("bf16", "fp8"),
+                    help="fp8: float8_e4m3fn cache with k_scale (FlashInfer is not run); TB/s counts 1 byte "
+                         "per cached value")
     ap.add_argument("--no-ceilings", action="store_true")
     ap.add_argument("--rep-ms", type=float, default=100.0, help="timing budget per mode per kernel (ms)")
     ap.add_argument("--time-budget-s", type=float, default=None,
@@ -471,7 +486,7 @@ def run(args, extra_kernels=()):
     except Exception:
         sys.exit("cannot import mla_attn:\n" + traceback.format_exc())
     fi = None
-    if not args.no_flashinfer:
+    if not args.no_flashinfer and args.kv_dtype == "bf16":
         try:
             fi = FlashInferFA3()
             info["flashinfer"] = fi.version
@@ -507,7 +522,7 @@ def run(args, extra_kernels=()):
                    page=c["page"], causal=causal, rep_ms=rep_ms)
         try:
             ts = time.time()
-            p = make_problem(c, seed=zlib.crc32(c["name"].encode()) & 0x7FFFFFFF)
+            p = make_problem(c, seed=zlib.crc32(c["name"].encode()) & 0x7FFFFFFF, kv_dtype=args.kv_dtype)
             ref = reference_fp32(p, causal)
             torch.cuda.synchronize()
             t_ref = time.time() - ts
@@ -518,9 +533,10 @@ def run(args, extra_kernels=()):
             continue
         sum_L = int(p["lens_cpu"].sum())
         b, s_q, h_q = c["b"], c["s_q"], c["h_q"]
-        row.update(sum_L=sum_L, bytes=sum_L * D_QK * 2 + b * s_q * h_q * (D_QK + D_V) * 2,
+        kv_bytes = 1 if args.kv_dtype == "fp8" else 2
+        row.update(sum_L=sum_L, bytes=sum_L * D_QK * kv_bytes + b * s_q * h_q * (D_QK + D_V) * 2,
                    flops=2 * s_q * h_q * sum_L * (D_QK + D_V))
-        log(f"[{ci + 1}/{len(cfgs)}] {c['name']} sum_L={sum_L} KV {sum_L * D_QK * 2 / 1e6:.0f} MB "
+        log(f"[{ci + 1}/{len(cfgs)}] {c['name']} sum_L={sum_L} KV {sum_L * D_QK * kv_bytes / 1e6:.0f} MB "
             f"data+ref {t_ref:.1f}s rep_ms {rep_ms:.0f} t+{time.time() - t0:.0f}s")
         try:
             row.update(time_metadata(ours, p, c))

@@ -1,6 +1,7 @@
 """A small subset of calls for compute-sanitizer (scripts/sanitize.sh), small enough to run under
 memcheck and racecheck in seconds. Decode: split and unsplit requests, tail blocks, empty requests,
-varlen causal, page sizes 16 and 64, q_pe split. Prefill: partial and causal-diagonal blocks, empty
+varlen causal, page sizes 16 and 64, q_pe split, each with a 16-bit and an FP8 cache (in-place
+dequantisation by the converter warps). Prefill: partial and causal-diagonal blocks, empty
 rows, k_pe split. Then an LSE merge and a KV-cache write + gather round trip."""
 import os
 import sys
@@ -10,6 +11,7 @@ import torch
 sys.path.insert(0, os.path.join(os.path.dirname(__file__), "..", "tests"))
 import mla_attn  # noqa: E402
 from cases import make_decode_case, make_prefill_case  # noqa: E402
+from fp8_cases import dequantized, to_fp8_case  # noqa: E402
 from mla_attn.prefill import _prefill_cpu  # noqa: E402
 from mla_attn.reference import mla_decode_ref  # noqa: E402
 
@@ -73,19 +75,21 @@ def main():
     check_prefill()
     check_merge_and_cache()
     worst = 0.0
-    for lens, s_q, h_q, page, varlen, split_pe in CASES:
+    for (lens, s_q, h_q, page, varlen, split_pe), fp8 in [(c, f) for c in CASES for f in (False, True)]:
         c = make_decode_case(lens, s_q, h_q, page, varlen=varlen, split_pe=split_pe)
         c = {k: (v.cuda() if isinstance(v, torch.Tensor) else v) for k, v in c.items()}
+        c = to_fp8_case(c) if fp8 else {**c, "k_scale": None}
         kw = dict(max_seqlen_q=c["max_seqlen_q"]) if varlen else {}
         out, lse = mla_attn.mla_decode(c["q"], c["kv_cache"], c["block_table"], c["cache_seqlens"],
-                                       cu_seqlens_q=c["cu_seqlens_q"], q_pe=c["q_pe"],
+                                       cu_seqlens_q=c["cu_seqlens_q"], q_pe=c["q_pe"], k_scale=c["k_scale"],
                                        softmax_scale=c["softmax_scale"], causal=True, return_lse=True, **kw)
-        ref, _ = mla_decode_ref(c["q"], c["kv_cache"], c["block_table"], c["cache_seqlens"],
-                                cu_seqlens_q=c["cu_seqlens_q"], q_pe=c["q_pe"],
-                                softmax_scale=c["softmax_scale"], causal=True)
+        r = dequantized(c) if fp8 else c
+        ref, _ = mla_decode_ref(r["q"], r["kv_cache"], r["block_table"], r["cache_seqlens"],
+                                cu_seqlens_q=r["cu_seqlens_q"], q_pe=r["q_pe"],
+                                softmax_scale=r["softmax_scale"], causal=True)
         err = (out.float() - ref).abs().max().item()
         worst = max(worst, err)
-        print(f"lens={lens} s_q={s_q} h_q={h_q} page={page}: max |err| {err:.2e}", flush=True)
+        print(f"lens={lens} s_q={s_q} h_q={h_q} page={page} fp8={fp8}: max |err| {err:.2e}", flush=True)
     assert worst < 3e-2, worst
 
 

@@ -107,6 +107,35 @@ def test_call_level_errors():
         call(C, out=torch.empty(want, dtype=torch.bfloat16, device="meta"))
 
 
+def test_fp8_cache_errors():
+    fp8 = KV.to(torch.float8_e4m3fn)
+    scale = torch.tensor([0.5])
+    with pytest.raises(ValueError, match="float8_e4m3fn kv_cache needs k_scale"):
+        call(_with(C, kv_cache=fp8))
+    with pytest.raises(ValueError, match="k_scale is only valid with a float8_e4m3fn kv_cache"):
+        call(C, k_scale=scale)
+    for bad in (0.5, scale.double(), scale.expand(2)):
+        with pytest.raises(ValueError, match=r"k_scale must be a float32 tensor of shape \[1\]"):
+            call(_with(C, kv_cache=fp8), k_scale=bad)
+    with pytest.raises(ValueError, match="k_scale is on meta"):
+        call(_with(C, kv_cache=fp8), k_scale=scale.to("meta"))
+
+
+def test_fp8_cache_on_cpu_is_the_dequantized_reference():
+    """The CPU op reads stored * k_scale (plumbing of k_scale through the op; the GPU kernel is
+    tested against the same reference in test_decode_fp8_gpu.py)."""
+    from fp8_cases import dequantized, to_fp8_case
+    from mla_attn.reference import mla_decode_ref
+    c = to_fp8_case(C, k_scale=0.05)
+    out, lse = call(_with(c), k_scale=c["k_scale"], return_lse=True)
+    d = dequantized(c)
+    ref_out, ref_lse = mla_decode_ref(d["q"], d["kv_cache"], d["block_table"], d["cache_seqlens"],
+                                      softmax_scale=d["softmax_scale"], causal=True)
+    assert torch.equal(out, ref_out.to(out.dtype)) and torch.equal(lse, ref_lse)
+    out2 = call(_with(c), k_scale=c["k_scale"] * 2)
+    assert not torch.equal(out2, out), "k_scale must change the result"
+
+
 def test_metadata_mismatch():
     md = mla_attn.get_decode_metadata(C["cache_seqlens"], 4, s_q=2)
     call(C, metadata=md)

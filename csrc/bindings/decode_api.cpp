@@ -26,12 +26,18 @@ void mla_decode_cuda_impl(const Tensor& q, const std::optional<Tensor>& q_pe, co
                           const Tensor& req_splits, int64_t num_sm_parts, Tensor& out, Tensor& lse,
                           const std::optional<Tensor>& k_scale) {
   using namespace mla_decode;
-  TORCH_CHECK(!k_scale.has_value(), "mla_attn: k_scale (FP8 KV cache) is not implemented yet");
   check_sm90(q, "decode");
+  const bool fp8_kv = kv_cache.scalar_type() == at::kFloat8_e4m3fn;
   const bool varlen = cu_seqlens_q.has_value();
   TORCH_CHECK(q.dim() == (varlen ? 3 : 4), "mla_attn: q must be [B, s_q, h_q, D] or, with cu_seqlens_q, [T, h_q, D]");
   TORCH_CHECK(q.scalar_type() == at::kBFloat16 || q.scalar_type() == at::kHalf, "mla_attn: q must be bf16 or fp16");
-  TORCH_CHECK(kv_cache.scalar_type() == q.scalar_type(), "mla_attn: kv_cache dtype must equal q dtype");
+  TORCH_CHECK(fp8_kv || kv_cache.scalar_type() == q.scalar_type(),
+              "mla_attn: kv_cache dtype must equal q dtype, or be float8_e4m3fn (with k_scale)");
+  TORCH_CHECK(fp8_kv == k_scale.has_value(), "mla_attn: k_scale is required with, and only valid with, a float8_e4m3fn kv_cache");
+  if (fp8_kv) {
+    TORCH_CHECK(k_scale->scalar_type() == at::kFloat && k_scale->numel() == 1 && k_scale->device() == q.device(),
+                "mla_attn: k_scale must be a float32 tensor of shape [1] on q's device");
+  }
   const int64_t q_dim = q.size(-1);
   TORCH_CHECK(q_pe.has_value() ? q_dim == kHeadDimV : q_dim == kHeadDimK,
               "mla_attn: q last dim must be 576, or 512 with q_pe given");
@@ -98,6 +104,7 @@ void mla_decode_cuda_impl(const Tensor& q, const std::optional<Tensor>& q_pe, co
   p.cache_seqlens = cache_seqlens.data_ptr<int>();
   p.cu_seqlens_q = varlen ? cu_seqlens_q->data_ptr<int>() : nullptr;
   p.kv = kv_cache.data_ptr();
+  p.k_scale = fp8_kv ? k_scale->data_ptr<float>() : nullptr;
   p.kv_page_stride = kv_cache.stride(0);
   p.kv_token_stride = kv_cache.stride(1);
   p.num_pages = int(kv_cache.size(0));
@@ -123,11 +130,14 @@ void mla_decode_cuda_impl(const Tensor& q, const std::optional<Tensor>& q_pe, co
   if (batch == 0) return;
 
   const bool bf16 = q.scalar_type() == at::kBFloat16;
+  using mla_common::TmaElement;
   DecodeTma tma;
-  const char* tma_error = make_kv_tma(p, bf16, &tma);
+  const char* tma_error = make_kv_tma(p, fp8_kv ? TmaElement::kFp8 : bf16 ? TmaElement::kBf16 : TmaElement::kFp16, &tma);
   TORCH_CHECK(tma_error == nullptr, "mla_attn: ", tma_error ? tma_error : "");
   const cudaError_t err = dispatch_half_type<cutlass::bfloat16_t, cutlass::half_t>(
-      q.scalar_type(), "decode", [&]<typename Element>() { return run_mla_decode<Element>(p, tma, stream); });
+      q.scalar_type(), "decode", [&]<typename Element>() {
+        return fp8_kv ? run_mla_decode<Element, true>(p, tma, stream) : run_mla_decode<Element, false>(p, tma, stream);
+      });
   C10_CUDA_CHECK(err);
 }
 

@@ -22,7 +22,8 @@ void encode_3d(CUtensorMap* map, const Tensor& t, int64_t dim, bool bf16, const 
   const uint64_t strides[2] = {uint64_t(t.stride(0) * t.element_size()), uint64_t(head_stride * t.element_size())};
   const uint32_t box[3] = {uint32_t(kTmaColumns), uint32_t(kBlockM), 1};
   static_assert(kBlockM == kBlockN, "one box shape serves Q, K and V");
-  const char* err = mla_common::encode_tma_16bit(map, bf16, 3, t.data_ptr(), dims, strides, box);
+  const char* err = mla_common::encode_tma(map, bf16 ? mla_common::TmaElement::kBf16 : mla_common::TmaElement::kFp16, 3,
+                                           t.data_ptr(), dims, strides, box);
   TORCH_CHECK(err == nullptr, "mla_attn: ", name, ": ", err ? err : "");
 }
 

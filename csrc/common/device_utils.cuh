@@ -35,6 +35,13 @@ __device__ __forceinline__ void st_shared_zero16(void* smem) {
                : "memory");
 }
 
+// Stores 16 bytes through a generic pointer known to point into shared memory, as st.shared.
+__device__ __forceinline__ void st_shared_16(void* smem, uint4 v) {
+  asm volatile("st.shared.v4.b32 [%0], {%1, %2, %3, %4};" ::"r"(static_cast<uint32_t>(__cvta_generic_to_shared(smem))),
+               "r"(v.x), "r"(v.y), "r"(v.z), "r"(v.w)
+               : "memory");
+}
+
 // 16-byte global -> shared copy that bypasses registers; src_bytes = 0 writes zeros instead.
 __device__ __forceinline__ void cp_async_16(void* smem, const void* gmem, bool valid) {
   const uint32_t dst = static_cast<uint32_t>(__cvta_generic_to_shared(smem));
@@ -50,6 +57,12 @@ __device__ __forceinline__ T* opaque(T* ptr) {
   uint64_t v = reinterpret_cast<uint64_t>(ptr);
   asm volatile("mov.b64 %0, %0;" : "+l"(v));
   return reinterpret_cast<T*>(v);
+}
+
+// The same for an integer: what derives from it is recomputed at each use, not hoisted.
+__device__ __forceinline__ int opaque(int v) {
+  asm volatile("mov.b32 %0, %0;" : "+r"(v));
+  return v;
 }
 
 // Programmatic dependent launch: lets the next kernel in the stream start its prologue now.

@@ -24,8 +24,8 @@ EncodeTiledFn encode_tiled() {
 }
 }  // namespace
 
-const char* encode_tma_16bit(CUtensorMap* map, bool is_bf16, int rank, const void* base, const uint64_t* dims,
-                             const uint64_t* strides_bytes, const uint32_t* box) {
+const char* encode_tma(CUtensorMap* map, TmaElement element, int rank, const void* base, const uint64_t* dims,
+                       const uint64_t* strides_bytes, const uint32_t* box) {
   EncodeTiledFn encode = encode_tiled();
   if (encode == nullptr) return "cuTensorMapEncodeTiled is not available from the CUDA driver";
   cuuint64_t d[5], s[4];
@@ -36,9 +36,12 @@ const char* encode_tma_16bit(CUtensorMap* map, bool is_bf16, int rank, const voi
     elem_strides[i] = 1;
     if (i + 1 < rank) s[i] = strides_bytes[i];
   }
-  const CUresult r = encode(map, is_bf16 ? CU_TENSOR_MAP_DATA_TYPE_BFLOAT16 : CU_TENSOR_MAP_DATA_TYPE_FLOAT16,
-                            cuuint32_t(rank), const_cast<void*>(base), d, s, b, elem_strides,
-                            CU_TENSOR_MAP_INTERLEAVE_NONE, CU_TENSOR_MAP_SWIZZLE_128B,
+  const bool fp8 = element == TmaElement::kFp8;
+  const CUtensorMapDataType type = fp8 ? CU_TENSOR_MAP_DATA_TYPE_UINT8
+                                   : element == TmaElement::kBf16 ? CU_TENSOR_MAP_DATA_TYPE_BFLOAT16
+                                                                  : CU_TENSOR_MAP_DATA_TYPE_FLOAT16;
+  const CUresult r = encode(map, type, cuuint32_t(rank), const_cast<void*>(base), d, s, b, elem_strides,
+                            CU_TENSOR_MAP_INTERLEAVE_NONE, fp8 ? CU_TENSOR_MAP_SWIZZLE_NONE : CU_TENSOR_MAP_SWIZZLE_128B,
                             CU_TENSOR_MAP_L2_PROMOTION_L2_256B, CU_TENSOR_MAP_FLOAT_OOB_FILL_NONE);
   return r == CUDA_SUCCESS ? nullptr : "cuTensorMapEncodeTiled rejected the tensor layout (strides/alignment)";
 }

@@ -6,9 +6,12 @@
 
 namespace mla_common {
 
-// Encodes a tiled, 128-byte-swizzled map of 16-bit elements (bf16 or fp16). dims/box are innermost
-// first; strides_bytes holds the rank - 1 outer strides. Returns an error message or nullptr.
-const char* encode_tma_16bit(CUtensorMap* map, bool is_bf16, int rank, const void* base, const uint64_t* dims,
-                             const uint64_t* strides_bytes, const uint32_t* box);
+enum class TmaElement { kBf16, kFp16, kFp8 };
+
+// Encodes a tiled map. 16-bit elements are 128-byte swizzled (the WGMMA operand layout); fp8 bytes
+// are not swizzled (they are staged, then converted). dims/box are innermost first; strides_bytes
+// holds the rank - 1 outer strides. Returns an error message or nullptr.
+const char* encode_tma(CUtensorMap* map, TmaElement element, int rank, const void* base, const uint64_t* dims,
+                       const uint64_t* strides_bytes, const uint32_t* box);
 
 }  // namespace mla_common

@@ -10,8 +10,8 @@ constexpr int kBlockN = 64;          // keys per KV block
 constexpr int kStages = 2;           // KV blocks in flight (2 x 72 KB + 72 KB of Q fill shared memory)
 constexpr int kNumMathWarpgroups = 2;
 constexpr int kNumThreads = (kNumMathWarpgroups + 1) * 128;  // + one producer warpgroup
-constexpr int kMathRegisters = 240;  // 2 x 128 x 240 + 128 x 24 <= 64K registers
-constexpr int kProducerRegisters = 24;
+constexpr int kMathRegisters = 232;  // 2 x 128 x 232 + 128 x 40 <= 64K registers
+constexpr int kProducerRegisters = 40;
 constexpr int kTmaColumns = 64;      // one 128-byte swizzle atom of bf16/fp16
 constexpr int kSlabs = kHeadDimK / kTmaColumns;  // a K tile arrives as 9 slabs, each with a barrier
 constexpr int kMaxSmParts = 1024;    // bound on num_sm_parts (split count of a request)

@@ -1,6 +1,7 @@
 // Launchers of the decode kernels (declarations only: the bindings never parse CuTe).
 #pragma once
 #include <cuda_runtime.h>
+#include "common/tma_desc.h"
 #include "mla_decode/params.h"
 
 namespace cutlass {  // element types of the instantiations, declared so the bindings need no CUTLASS
@@ -10,11 +11,13 @@ struct half_t;
 
 namespace mla_decode {
 
-// Builds the TMA descriptor for the paged cache; returns an error message or nullptr.
-const char* make_kv_tma(const DecodeParams& params, bool is_bf16, DecodeTma* tma);
+// Builds the TMA descriptor for the paged cache (element: the cache's type); returns an error
+// message or nullptr.
+const char* make_kv_tma(const DecodeParams& params, mla_common::TmaElement element, DecodeTma* tma);
 
-// Split kernel + (when any request is split) the combine kernel, chained with PDL.
-template <typename Element>
+// Split kernel + (when any request is split) the combine kernel, chained with PDL. Element is q's
+// (and out's) type; kFp8Kv: the cache is float8_e4m3fn (dequantized in shared memory, p.k_scale).
+template <typename Element, bool kFp8Kv>
 cudaError_t run_mla_decode(const DecodeParams& params, const DecodeTma& tma, cudaStream_t stream);
 
 // One-warp scheduler kernel: fills tile_sched [num_sms, 8] and req_splits [batch, 2]. The partition

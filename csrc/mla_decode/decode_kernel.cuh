@@ -7,7 +7,8 @@
 // Warpgroup roles (384 threads):
 //   WG 2  producer: one warp issues TMA copies of 64-key x 576-dim K tiles (9 swizzle slabs per
 //         page piece, one lane per piece) into a 2-stage ring; one kv_full mbarrier per slab,
-//         one kv_empty per stage.
+//         one kv_empty per stage. FP8 cache: the slabs land as bytes in the upper half of the
+//         stage and warps 1-3 convert them in place to 16 bit (kv_ready per slab).
 //   WG 0,1 math: KV blocks alternate between them. The owner of a block computes S = Q K^T for all
 //         64 keys, the online-softmax step and P = exp2(S - m), and hands P and the new row max to
 //         the other through shared memory; both then add P V to their half of O (256 columns),
@@ -20,6 +21,9 @@
 #include <cutlass/arch/barrier.h>
 #include <cutlass/arch/reg_reconfig.h>
 #include <cutlass/numeric_types.h>
+#include <cuda_bf16.h>
+#include <cuda_fp16.h>
+#include <type_traits>
 
 #include "common/device_utils.cuh"
 #include "mla_decode/config.h"
@@ -41,7 +45,7 @@ __device__ void produce_kv_tiles(const DecodeParams& p, const DecodeTma& tma,
   using Barrier = cutlass::arch::ClusterTransactionBarrier;
   const int lane = threadIdx.x % 32;
   const int rows = tma.rows_per_copy;  // divides both page_size and kBlockN; >= 16, so <= 4 copies
-  const uint32_t bytes_per_slab_row = kTmaColumns * sizeof(typename Traits::Element);
+  const uint32_t bytes_per_slab_row = Traits::kFp8Kv ? kTmaColumns : kTmaColumns * sizeof(typename Traits::Element);
   int iteration = 0;
   for (int b = range.begin_b; b <= range.last_b; ++b) {
     Segment seg;
@@ -69,12 +73,120 @@ __device__ void produce_kv_tiles(const DecodeParams& p, const DecodeTma& tma,
       }
       if (lane < num_copies) {
         Tensor sK = make_tensor(make_smem_ptr(ss.k[stage]), typename Traits::SmemLayoutK{});
+        char* staging = reinterpret_cast<char*>(ss.k[stage]) + Traits::kFp8StagingOffset;
 #pragma unroll
         for (int slab = 0; slab < kSlabs; ++slab) {
+          void* dst = Traits::kFp8Kv ? static_cast<void*>(staging + slab * Traits::kFp8SlabBytes + lane * rows * kTmaColumns)
+                                     : static_cast<void*>(&sK(lane * rows, slab * kTmaColumns));
           SM90_TMA_LOAD_3D::copy(&tma.kv, &ss.kv_full[stage][slab], uint64_t(TMA::CacheHintSm90::EVICT_FIRST),
-                                 &sK(lane * rows, slab * kTmaColumns), slab * kTmaColumns, key % p.page_size, page);
+                                 dst, slab * kTmaColumns, key % p.page_size, page);
         }
       }
+    }
+  }
+}
+
+// fp8 cache: converts each staged K tile to the 16-bit tile the WGMMAs read, on kConverterThreads
+// threads (producer warps 1-3), and signals each slab (kv_ready) once converted. Thread i converts
+// 16-byte chunks i, i + 96, ... of a slab (chunk c: row c / 4, columns 16 (c % 4) ... + 15). e4m3
+// values are exact in fp16 and bf16; the scale is applied by the math warpgroups.
+//
+// In place: 16-bit slab s overwrites the staged bytes of slabs 2s - 9 and 2s - 8 (if >= 0), so
+// slabs 0-3 overwrite nothing staged; 4 overwrites staged 0, 5: 1-2, 6: 3-4, 7: 5-6, 8: 7-8. The
+// slabs are converted in that order, streamed (read, convert, write chunk by chunk), with a barrier
+// wherever a slab overwrites bytes other threads may not have read yet: 0-3 | 4-5 | 6 | 7, then 8
+// is read | barrier | written.
+constexpr int kConverterThreads = 96;
+
+__device__ __forceinline__ uint32_t e4m3x2_to_f16x2(uint32_t two_bytes) {
+  uint32_t r;
+  asm("{\n.reg .b16 lo;\ncvt.u16.u32 lo, %1;\ncvt.rn.f16x2.e4m3x2 %0, lo;\n}" : "=r"(r) : "r"(two_bytes));
+  return r;
+}
+
+template <typename Element>
+__device__ __forceinline__ uint32_t f16x2_to(uint32_t h2) {
+  if constexpr (std::is_same_v<Element, cutlass::half_t>) {
+    return h2;
+  } else {
+    const float2 f = __half22float2(*reinterpret_cast<const __half2*>(&h2));
+    const __nv_bfloat162 b = __float22bfloat162_rn(f);
+    return *reinterpret_cast<const uint32_t*>(&b);
+  }
+}
+
+template <typename Traits>
+__device__ __forceinline__ void convert_fp8_tiles(const DecodeParams& p, typename Traits::SharedStorage& ss,
+                                                  const PartRange& range, int m_block) {
+  using Element = typename Traits::Element;
+  constexpr int kChunksPerSlab = Traits::kFp8SlabBytes / 16;
+  constexpr int kChunksPerThread = (kChunksPerSlab + kConverterThreads - 1) / kConverterThreads;
+  int num_blocks = 0;  // the converter needs only the count of this CTA's blocks, not their ids
+  for (int b = range.begin_b; b <= range.last_b; ++b) {
+    Segment seg;
+    if (range.segment(p, b, m_block, seg)) num_blocks += max(seg.blk_hi - seg.blk_lo, 0);
+  }
+  auto sync = [] { named_barrier_sync<int(DecodeBarrier::kFp8Staged), kConverterThreads>(); };
+  for (int iteration = 0; iteration < num_blocks; ++iteration) {
+    const int stage = iteration % kStages;
+    const uint32_t phase = (iteration / kStages) & 1;
+    // Warps 1-3 of the producer warpgroup. Re-derived per tile through an opaque move: otherwise the
+    // compiler hoists every swizzled address of the tile, which 40 registers cannot hold.
+    const int tid = mla_common::opaque(int(threadIdx.x % 128)) - 32;
+    Tensor sK = make_tensor(make_smem_ptr(ss.k[stage]), typename Traits::SmemLayoutK{});
+    const char* staging = reinterpret_cast<const char*>(ss.k[stage]) + Traits::kFp8StagingOffset;
+    auto load = [&](int slab, int c) {
+      return *reinterpret_cast<const uint4*>(staging + slab * Traits::kFp8SlabBytes + 16 * c);
+    };
+    auto store = [&](int slab, int c, uint4 in) {
+      const uint32_t words[4] = {in.x, in.y, in.z, in.w};
+      uint32_t out[8];
+#pragma unroll
+      for (int w = 0; w < 4; ++w) {
+        out[2 * w] = f16x2_to<Element>(e4m3x2_to_f16x2(words[w] & 0xffff));
+        out[2 * w + 1] = f16x2_to<Element>(e4m3x2_to_f16x2(words[w] >> 16));
+      }
+      const int row = c / 4, col = slab * kTmaColumns + (c % 4) * 16;
+      mla_common::st_shared_16(&sK(row, col), make_uint4(out[0], out[1], out[2], out[3]));
+      mla_common::st_shared_16(&sK(row, col + 8), make_uint4(out[4], out[5], out[6], out[7]));
+    };
+    auto ready = [&](int slab) {  // this thread's 16-bit writes of the slab -> WGMMA reads
+      cutlass::arch::fence_view_async_shared();
+      cutlass::arch::ClusterBarrier::arrive(&ss.kv_ready[stage][slab]);
+    };
+    auto stream = [&](int slab) {
+      cutlass::arch::ClusterBarrier::wait(&ss.kv_full[stage][slab], phase);
+#pragma unroll
+      for (int i = 0; i < kChunksPerThread; ++i) {
+        const int c = tid + i * kConverterThreads;
+        if (c < kChunksPerSlab) store(slab, c, load(slab, c));
+      }
+      ready(slab);
+    };
+#pragma unroll 1
+    for (int slab = 0; slab < 4; ++slab) stream(slab);
+    sync();
+    stream(4);
+    stream(5);
+    sync();
+    stream(6);
+    sync();
+    stream(7);
+    {  // slab 8 overwrites its own staged bytes
+      uint4 in[kChunksPerThread];
+      cutlass::arch::ClusterBarrier::wait(&ss.kv_full[stage][8], phase);
+#pragma unroll
+      for (int i = 0; i < kChunksPerThread; ++i) {
+        const int c = tid + i * kConverterThreads;
+        if (c < kChunksPerSlab) in[i] = load(8, c);
+      }
+      sync();
+#pragma unroll
+      for (int i = 0; i < kChunksPerThread; ++i) {
+        const int c = tid + i * kConverterThreads;
+        if (c < kChunksPerSlab) store(8, c, in[i]);
+      }
+      ready(8);
     }
   }
 }
@@ -108,6 +220,13 @@ __device__ void consume_kv_tiles(const DecodeParams& p, typename Traits::SharedS
   // accumulator ((2 columns, 2 row halves, N/8), ...) belongs to row r0 + 8 * row_half(e).
   const int r0 = get<0>(tScS(0));
   auto row_half = [](int e) { return (e >> 1) & 1; };
+  // A slab of the K tile is readable once it has landed (16-bit cache) or been converted (fp8).
+  auto slab_ready = [&](int stage, int slab) {
+    return Traits::kFp8Kv ? &ss.kv_ready[stage][slab] : &ss.kv_full[stage][slab];
+  };
+  // fp8: the scale multiplies every score and every output value (the tile holds stored values).
+  const float k_scale = Traits::kFp8Kv ? *p.k_scale : 1.f;
+  const float scale_log2 = p.scale_log2 * k_scale;
 
   // ---- Q tile: 16-byte cp.async copies into the swizzled layout, all in flight at once (rows
   // past the request are zero-filled). Thread t copies chunks t % 4, t % 4 + 4, ... of row t / 4,
@@ -170,7 +289,7 @@ __device__ void consume_kv_tiles(const DecodeParams& p, typename Traits::SharedS
       const int valid_keys = max(seg.seqlen_k - blk * kBlockN, 0);
       if (valid_keys < kBlockN) {
         Tensor sK = make_tensor(make_smem_ptr(ss.k[stage]), typename Traits::SmemLayoutK{});
-        for (int slab = 0; slab < kSlabs; ++slab) cutlass::arch::ClusterBarrier::wait(&ss.kv_full[stage][slab], phase);
+        for (int slab = 0; slab < kSlabs; ++slab) cutlass::arch::ClusterBarrier::wait(slab_ready(stage, slab), phase);
         constexpr int kChunks = kHeadDimK / 8;
         for (int i = tid; i < (kBlockN - valid_keys) * kChunks; i += 256) {
           mla_common::st_shared_zero16(&sK(valid_keys + i / kChunks, i % kChunks * 8));
@@ -186,7 +305,7 @@ __device__ void consume_kv_tiles(const DecodeParams& p, typename Traits::SharedS
         mma_qk.accumulate_ = GMMA::ScaleOut::Zero;
 #pragma unroll
         for (int slab = 0; slab < kSlabs; ++slab) {
-          cutlass::arch::ClusterBarrier::wait(&ss.kv_full[stage][slab], phase);
+          cutlass::arch::ClusterBarrier::wait(slab_ready(stage, slab), phase);
           // Descriptors are rebuilt per slab from opaque bases (cheap integer math): otherwise
           // the compiler computes all 2 x 36 of them up front and holds them across the waits.
           Tensor tSrQ = thr_qk.partition_fragment_A(
@@ -213,7 +332,7 @@ __device__ void consume_kv_tiles(const DecodeParams& p, typename Traits::SharedS
 #pragma unroll
         for (int e = 0; e < size(tSrS); ++e) {
           const int i = row_half(e);
-          const float s = key0 + get<1>(tScS(e)) <= last_key[i] ? tSrS(e) * p.scale_log2 : -INFINITY;
+          const float s = key0 + get<1>(tScS(e)) <= last_key[i] ? tSrS(e) * scale_log2 : -INFINITY;
           tSrS(e) = s;
           block_max[i] = fmaxf(block_max[i], s);
         }
@@ -253,7 +372,7 @@ __device__ void consume_kv_tiles(const DecodeParams& p, typename Traits::SharedS
         }
         // V of this block is observed through the owner's hand-off, and directly here.
         for (int slab = 0; slab < kHeadDimV / kTmaColumns; ++slab) {
-          cutlass::arch::ClusterBarrier::wait(&ss.kv_full[stage][slab], phase);
+          cutlass::arch::ClusterBarrier::wait(slab_ready(stage, slab), phase);
         }
         named_barrier_sync<int(DecodeBarrier::kPReady0), 256>(owner);
 #pragma unroll
@@ -316,7 +435,7 @@ __device__ void consume_kv_tiles(const DecodeParams& p, typename Traits::SharedS
       const int r = r0 + 8 * i, row = row_base + r;
       const float total = ss.row_sum[0][r] + ss.row_sum[1][r];
       const bool empty = total == 0.f;  // no visible key in this split
-      inv_sum[i] = empty ? 0.f : 1.f / total;
+      inv_sum[i] = empty ? 0.f : k_scale / total;
       const float lse = empty ? (is_partial ? -INFINITY : INFINITY)
                               : (row_max[i] + __log2f(total)) * float(M_LN2);
       row_valid[i] = row < rows_in_request;
@@ -370,6 +489,9 @@ __global__ void __launch_bounds__(kNumThreads, 1)
         cutlass::arch::ClusterTransactionBarrier::init(&ss.kv_full[s][slab], 1);
       }
       cutlass::arch::ClusterBarrier::init(&ss.kv_empty[s], kNumMathWarpgroups);
+      if constexpr (Traits::kFp8Kv) {
+        for (int slab = 0; slab < kSlabs; ++slab) cutlass::arch::ClusterBarrier::init(&ss.kv_ready[s][slab], kConverterThreads);
+      }
     }
     cutlass::arch::fence_barrier_init();
   }
@@ -380,6 +502,8 @@ __global__ void __launch_bounds__(kNumThreads, 1)
     if (threadIdx.x / 32 == kNumMathWarpgroups * 4) {  // the first producer warp
       if (threadIdx.x % 32 == 0) cute::prefetch_tma_descriptor(&tma.kv);
       produce_kv_tiles<Traits>(params, tma, ss, range, m_block);
+    } else if constexpr (Traits::kFp8Kv) {
+      convert_fp8_tiles<Traits>(params, ss, range, m_block);
     }
   } else {
     cutlass::arch::warpgroup_reg_alloc<kMathRegisters>();

@@ -9,9 +9,9 @@
 
 namespace mla_decode {
 
-template <typename Element>
+template <typename Element, bool kFp8Kv>
 cudaError_t run_mla_decode(const DecodeParams& params, const DecodeTma& tma, cudaStream_t stream) {
-  using Traits = DecodeTraits<Element>;
+  using Traits = DecodeTraits<Element, kFp8Kv>;
   auto kernel = mla_decode_kernel<Traits>;
   constexpr int smem = Traits::kSmemBytes + 1024;  // + slack to align the map to 1024 bytes
   const cudaError_t attr =

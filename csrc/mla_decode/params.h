@@ -25,8 +25,10 @@ struct DecodeParams {
   const int* cache_seqlens;  // [batch]
   const int* cu_seqlens_q;   // [batch + 1] or nullptr (uniform: every request has max_seqlen_q tokens)
 
-  // Paged cache [num_pages, page_size, 576]; read through `kv_tma` only.
+  // Paged cache [num_pages, page_size, 576]; read through `kv_tma` only. An fp8 (e4m3) cache holds
+  // stored values; the real value is stored * k_scale[0] (k_scale is nullptr for a 16-bit cache).
   const void* kv;
+  const float* k_scale;
   int64_t kv_page_stride, kv_token_stride;
   int num_pages, page_size, max_pages;
 

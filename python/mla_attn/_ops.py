@@ -47,8 +47,8 @@ def _(cache_seqlens, cu_seqlens_q, max_seqlen_q, num_heads_q, causal, num_sm_par
 
 def _decode_cpu(q, q_pe, kv_cache, block_table, cache_seqlens, cu_seqlens_q, softmax_scale, causal,
                 k_scale):
-    if k_scale is not None:
-        raise NotImplementedError("mla_attn: k_scale (FP8 KV cache) is not supported on CPU")
+    if k_scale is not None:  # FP8 cache: the reference runs on the dequantized values
+        kv_cache = kv_cache.float() * k_scale.float()
     # The reference needs no schedule: the split-KV partition only changes the summation order.
     return mla_decode_ref(q, kv_cache, block_table, cache_seqlens, cu_seqlens_q=cu_seqlens_q, q_pe=q_pe,
                           softmax_scale=softmax_scale, causal=causal)

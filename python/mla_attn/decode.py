@@ -20,6 +20,7 @@ MAX_SEQLEN_Q = 512
 PAGE_SIZE_MIN, PAGE_SIZE_MAX, PAGE_SIZE_ALIGN = 16, 256, 16
 ALIGN_BYTES = 16  # TMA: every non-unit stride must be a multiple of 16 bytes
 _FLOATS = (torch.bfloat16, torch.float16)
+FP8 = torch.float8_e4m3fn  # the FP8 cache format (e4m3, per-tensor k_scale)
 
 
 def _check_layout(name, t):
@@ -41,12 +42,27 @@ def _check_int32(name, t, dim):
         raise ValueError(f"{name}: last dim must be contiguous, got strides {t.stride()}")
 
 
+def check_k_scale(kv_cache, k_scale):
+    """k_scale: required with (and only valid with) a float8_e4m3fn cache; float32 [1] on its device."""
+    if kv_cache.dtype == FP8:
+        if k_scale is None:
+            raise ValueError("a float8_e4m3fn kv_cache needs k_scale (float32 tensor of shape [1])")
+        if not isinstance(k_scale, torch.Tensor) or k_scale.dtype != torch.float32 or k_scale.shape != (1,):
+            got = f"{k_scale.dtype} {tuple(k_scale.shape)}" if isinstance(k_scale, torch.Tensor) else type(k_scale).__name__
+            raise ValueError(f"k_scale must be a float32 tensor of shape [1] (a tensor keeps CUDA graphs and "
+                             f"torch.compile working), got {got}")
+        if k_scale.device != kv_cache.device:
+            raise ValueError(f"k_scale is on {k_scale.device} but kv_cache is on {kv_cache.device}")
+    elif k_scale is not None:
+        raise ValueError(f"k_scale is only valid with a float8_e4m3fn kv_cache, got {kv_cache.dtype}")
+
+
 def _check_static(q, q_pe, kv_cache, block_table, cache_seqlens, cu_seqlens_q, max_seqlen_q, out):
     """Metadata-only checks. Returns (batch, max_seqlen_q)."""
     if q.dtype not in _FLOATS:
         raise TypeError(f"q must be bfloat16 or float16, got {q.dtype}")
-    if kv_cache.dtype != q.dtype:
-        raise TypeError(f"kv_cache dtype {kv_cache.dtype} must match q dtype {q.dtype}")
+    if kv_cache.dtype not in (q.dtype, FP8):
+        raise TypeError(f"kv_cache dtype {kv_cache.dtype} must match q dtype {q.dtype} or be float8_e4m3fn")
     want_q = D_QK if q_pe is None else D_V
     if q.dim() not in (3, 4) or q.shape[-1] != want_q:
         raise ValueError(f"q must be [B, s_q, h_q, {want_q}] or varlen [T, h_q, {want_q}]"
@@ -196,12 +212,13 @@ def get_decode_metadata(cache_seqlens, num_heads_q, *, s_q=None, cu_seqlens_q=No
 
 def mla_decode(q, kv_cache, block_table, cache_seqlens, *, cu_seqlens_q=None, max_seqlen_q=None, q_pe=None,
                softmax_scale=None, causal=True, return_lse=False, metadata=None, out=None, validate=None,
-               deterministic=False):
+               deterministic=False, k_scale=None):
     """Absorbed MLA decode attention over a paged latent KV cache.
 
     q [B, s_q, h_q, 576] (or 512 + q_pe [.., 64]), or varlen [T, h_q, 576|512] with cu_seqlens_q [B+1] and
-    max_seqlen_q. kv_cache [num_pages, page_size(, 1), 576]; block_table int32 [B, max_pages];
-    cache_seqlens int32 [B]. Causal masking is bottom-right aligned.
+    max_seqlen_q. kv_cache [num_pages, page_size(, 1), 576] in q's dtype, or float8_e4m3fn with k_scale
+    (float32 tensor [1]: value = stored * k_scale, as mla_attn.write_kv_cache stores it); block_table int32
+    [B, max_pages]; cache_seqlens int32 [B]. Causal masking is bottom-right aligned.
     Returns out [.., h_q, 512] in q's dtype, plus lse fp32 [.., h_q] if return_lse.
     deterministic=True: batch-invariant results (see get_decode_metadata); metadata, when given, must
     have been computed with the same flag.
@@ -211,6 +228,7 @@ def mla_decode(q, kv_cache, block_table, cache_seqlens, *, cu_seqlens_q=None, ma
                          "the right default)")
     batch, max_seqlen_q = _check_static(q, q_pe, kv_cache, block_table, cache_seqlens, cu_seqlens_q,
                                         max_seqlen_q, out)
+    check_k_scale(kv_cache, k_scale)
     h_q = q.shape[-2]
     if metadata is None:
         metadata = get_decode_metadata(cache_seqlens, h_q, cu_seqlens_q=cu_seqlens_q, max_seqlen_q=max_seqlen_q,
@@ -223,8 +241,8 @@ def mla_decode(q, kv_cache, block_table, cache_seqlens, *, cu_seqlens_q=None, ma
     args = (q, q_pe, kv_cache, block_table, cache_seqlens, cu_seqlens_q, max_seqlen_q, float(softmax_scale),
             causal, metadata.tile_sched, metadata.req_splits, metadata.num_sm_parts)
     if out is None:
-        out, lse = torch.ops.mla_attn.mla_decode(*args)
+        out, lse = torch.ops.mla_attn.mla_decode(*args, k_scale=k_scale)
     else:
         lse = torch.empty(q.shape[:-1], dtype=torch.float32, device=q.device)
-        torch.ops.mla_attn.mla_decode_out(*args, out, lse)
+        torch.ops.mla_attn.mla_decode_out(*args, out, lse, k_scale=k_scale)
     return (out, lse) if return_lse else out

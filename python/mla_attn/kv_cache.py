@@ -12,10 +12,9 @@ validate=True or MLA_ATTN_VALIDATE=1 (they sync).
 import torch
 
 from . import _C  # noqa: F401  (registers the schemas)
-from .decode import D_PE, _check_int32, _check_layout, _want_value_checks
+from .decode import D_PE, FP8, _check_int32, _check_layout, _want_value_checks, check_k_scale
 from .reference import D_QK, D_V
 
-FP8 = torch.float8_e4m3fn
 FP8_MAX = 448.0  # largest finite e4m3 value: quantisation saturates here
 _FLOATS = (torch.bfloat16, torch.float16)
 _OUT_DTYPES = (torch.bfloat16, torch.float16, torch.float32)
@@ -91,16 +90,8 @@ def _check_cache(kv_cache, k_scale, device):
     if kv_cache.device != device:
         raise ValueError(f"kv_cache is on {kv_cache.device} but the other inputs are on {device}")
     _check_layout("kv_cache", kv_cache)
-    if kv_cache.dtype == FP8:
-        if k_scale is None:
-            raise ValueError("a float8_e4m3fn kv_cache needs k_scale (float32 tensor of shape [1])")
-        if k_scale.dtype != torch.float32 or k_scale.shape != (1,):
-            raise ValueError(f"k_scale must be a float32 tensor of shape [1], got {k_scale.dtype} "
-                             f"{tuple(k_scale.shape)}")
-        if k_scale.device != device:
-            raise ValueError(f"k_scale is on {k_scale.device} but kv_cache is on {device}")
-    elif k_scale is not None:
-        raise ValueError(f"k_scale is only valid with a float8_e4m3fn kv_cache, got {kv_cache.dtype}")
+    check_k_scale(kv_cache, k_scale)
+
 
 
 def _check_write(kv_c, k_pe, kv_cache, slot_mapping, k_scale):

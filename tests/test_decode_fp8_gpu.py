@@ -1,0 +1,98 @@
+"""mla_decode over a float8_e4m3fn cache on the GPU, against the float32 reference run on the
+dequantized cache (stored * k_scale), on the adversarial inputs of tests/cases.py: NaN in every slot
+past each length and in unused pages (NaN survives quantisation), permuted block tables, zero-length
+requests, odd head counts, varlen causal queries, page sizes 16...256.
+
+Tolerance as for a 16-bit cache (2x the error of the same computation in q's dtype, + 1e-3): the
+kernel converts e4m3 to bf16/fp16 exactly and applies k_scale in fp32, so the only extra rounding of
+the low-precision reference (k_scale * stored rounded to q's dtype) makes its bound looser, not ours."""
+import pytest
+import torch
+
+import mla_attn
+
+from cases import make_decode_case
+from fp8_cases import dequantized, to_fp8_case
+from test_decode_gpu import check_unit_scale, to_cuda
+
+pytestmark = pytest.mark.gpu
+
+
+def run(case, causal, **kw):
+    c = case
+    if c["cu_seqlens_q"] is not None:
+        kw["max_seqlen_q"] = c["max_seqlen_q"]
+    return mla_attn.mla_decode(c["q"], c["kv_cache"], c["block_table"], c["cache_seqlens"],
+                               cu_seqlens_q=c["cu_seqlens_q"], q_pe=c["q_pe"], k_scale=c["k_scale"],
+                               softmax_scale=c["softmax_scale"], causal=causal, return_lse=True, **kw)
+
+
+CASES = [
+    # (lens, s_q, h_q, page_size, varlen, split_pe)
+    ([1023], 1, 128, 64, False, False),
+    ([4099, 1], 1, 16, 16, False, False),
+    ([113, 0, 15, 1023], 2, 8, 32, False, True),
+    ([0], 1, 1, 64, False, False),
+    ([1023, 4099, 7], 7, 9, 16, False, False),
+    ([300, 64, 65], 1, 63, 64, False, True),
+    ([2000], 1, 126, 48, False, False),
+    ([513, 1000], 64, 16, 64, False, False),
+    ([4099, 113, 1, 0, 1023], 7, 32, 16, True, False),
+    ([700, 10], 512, 8, 256, True, False),
+    ([40000], 1, 16, 64, False, False),
+]
+
+
+@pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float16])
+@pytest.mark.parametrize("causal", [True, False])
+@pytest.mark.parametrize("lens,s_q,h_q,page_size,varlen,split_pe", CASES)
+def test_fp8_decode_matches_reference(lens, s_q, h_q, page_size, varlen, split_pe, causal, dtype):
+    case = to_cuda(to_fp8_case(make_decode_case(lens, s_q, h_q, page_size, varlen=varlen, split_pe=split_pe,
+                                                dtype=dtype, seed=len(lens) * 1000 + s_q * 10 + h_q)))
+    out, lse = run(case, causal)
+    check_unit_scale(dequantized(case), causal, out, lse)
+
+
+def test_fp8_ragged_batch_and_scale_from_device():
+    """64 ragged requests; k_scale is read on the device (a new value needs no recapture)."""
+    g = torch.Generator().manual_seed(3)
+    lens = torch.randint(0, 3000, (64,), generator=g).tolist()
+    case = to_cuda(to_fp8_case(make_decode_case(lens, 1, 16, 64, seed=11)))
+    for scale in (0.02, 0.05):
+        case["k_scale"].fill_(scale)
+        out, lse = run(case, True)
+        check_unit_scale(dequantized(case), True, out, lse)
+
+
+def test_fp8_cuda_graph_replay_with_new_lengths_and_two_runs_identical():
+    case = to_cuda(to_fp8_case(make_decode_case([3000, 2000, 1000, 100], 2, 16, 64, seed=5)))
+    lens = case["cache_seqlens"]
+    out = torch.empty(4, 2, 16, 512, device="cuda", dtype=torch.bfloat16)
+
+    def step():
+        md = mla_attn.get_decode_metadata(lens, 16, s_q=2, causal=True)
+        return run(case, True, metadata=md, out=out)
+
+    first = step()[0].clone()
+    assert torch.equal(step()[0], first), "two runs must be bit-identical"
+    torch.cuda.synchronize()
+    graph = torch.cuda.CUDAGraph()
+    with torch.cuda.graph(graph):
+        _, lse = step()
+    for new in ([100, 2000, 999, 1], [0, 64, 65, 99]):
+        lens.copy_(torch.tensor(new, dtype=torch.int32))
+        out.fill_(float("nan"))
+        graph.replay()
+        torch.cuda.synchronize()
+        check_unit_scale(dequantized(case), True, out, lse)
+
+
+def test_fp8_opcheck():
+    case = to_cuda(to_fp8_case(make_decode_case([300, 70], 2, 16, 64, seed=7)))
+    c = case
+    md = mla_attn.get_decode_metadata(c["cache_seqlens"], 16, s_q=2, causal=True)
+    args = (c["q"], None, c["kv_cache"], c["block_table"], c["cache_seqlens"], None, 2, c["softmax_scale"], True,
+            md.tile_sched, md.req_splits, md.num_sm_parts)
+    # test_schema is left out: it compares inputs before/after with arithmetic torch lacks for fp8.
+    utils = ("test_autograd_registration", "test_faketensor", "test_aot_dispatch_dynamic")
+    torch.library.opcheck(torch.ops.mla_attn.mla_decode.default, args, dict(k_scale=c["k_scale"]), test_utils=utils)
