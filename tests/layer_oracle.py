@@ -11,6 +11,7 @@ import random
 import torch
 
 import mla_attn
+from mla_attn.kv_cache import quantize_fp8
 
 D_CACHE = 576
 
@@ -73,11 +74,13 @@ class Oracle:
         z = torch.complex(x[..., :half].double(), x[..., half:].double()) * rot
         return torch.cat([z.real, z.imag], -1).to(x.dtype)
 
-    def step(self, requests):
-        """requests: [(name, hidden [n_new, hidden])] in batch order. Returns the output [T, hidden]."""
+    def step(self, requests, cached=None, k_scale=None):
+        """requests: [(name, hidden [n_new, hidden])] in batch order. Returns the output [T, hidden].
+        cached (FP8 cache): per request, how many leading tokens the layer reads back from the cache;
+        their latent and roped k_pe go through the cache's e4m3 encoding (k_scale) first."""
         c, h = self.cfg, self.cfg.num_heads
         outs = []
-        for name, x_new in requests:
+        for r, (name, x_new) in enumerate(requests):
             x_new = x_new.to(self.dtype)
             x = torch.cat([self.history.get(name, x_new[:0]), x_new])
             self.history[name] = x
@@ -92,6 +95,11 @@ class Oracle:
             kv_a = self._lin("kv_a_proj_with_mqa", x)
             latent = self._norm("kv_a_layernorm", kv_a[:, : c.kv_lora_rank])
             k_pe = self._rope(kv_a[:, None, c.kv_lora_rank:], pos_all)
+            if cached is not None and cached[r]:
+                m = cached[r]
+                latent, k_pe = latent.clone(), k_pe.clone()
+                latent[:m] = (quantize_fp8(latent[:m], k_scale).double() * k_scale).to(self.dtype)
+                k_pe[:m] = (quantize_fp8(k_pe[:m], k_scale).double() * k_scale).to(self.dtype)
             kv = self._lin("kv_b_proj", latent).view(N, h, -1)
             k = torch.cat([kv[..., : c.qk_nope_head_dim], k_pe.expand(N, h, -1)], -1)
             v = kv[..., c.qk_nope_head_dim:]
@@ -123,11 +131,13 @@ class PagedCache:
 
 
 def run_scenario(layer, steps, *, page_size, num_pages, device, decode_threshold, hidden_seed=0, check=None,
-                 **build_kw):
+                 k_scale=None, **build_kw):
     """Runs `steps` (lists of (request, new tokens), decodes listed first) through `layer` and the
-    oracles; calls check(step, got, want_fp64, want_lowp) after each step."""
+    oracles; calls check(step, got, want_fp64, want_lowp) after each step. k_scale (fp32 [1]): the
+    cache is float8_e4m3fn, and the oracles see the cached tokens through its encoding."""
     cfg, dtype = layer.config, next(layer.parameters()).dtype
-    cache = PagedCache(num_pages, page_size, dtype, device, seed=hidden_seed)
+    cache_dtype = dtype if k_scale is None else torch.float8_e4m3fn
+    cache = PagedCache(num_pages, page_size, cache_dtype, device, seed=hidden_seed)
     exact, lowp = Oracle(layer, torch.float64), Oracle(layer, dtype)
     g = torch.Generator().manual_seed(hidden_seed)
     for i, step in enumerate(steps):
@@ -135,7 +145,11 @@ def run_scenario(layer, steps, *, page_size, num_pages, device, decode_threshold
         ctx = [cache.reserve(name, n) for name, n in step]
         batch = mla_attn.MLABatch.build([n for _, n in step], ctx, [cache.pages[name] for name, _ in step],
                                         page_size, device, decode_threshold, **build_kw)
-        got = layer(torch.cat(xs), cache.kv, batch)
+        got = layer(torch.cat(xs), cache.kv, batch, k_scale=k_scale)
         reqs = [(name, x) for (name, _), x in zip(step, xs)]
-        check(i, batch, got, exact.step(reqs), lowp.step(reqs))
+        cached = None
+        if k_scale is not None:  # decodes read all their keys from the cache, prefills only the context
+            cached = [c + n if r < batch.num_decodes else c for r, ((_, n), c) in enumerate(zip(step, ctx))]
+        want = exact.step(reqs, cached, k_scale)
+        check(i, batch, got, want, lowp.step(reqs, cached, k_scale))
     return cache

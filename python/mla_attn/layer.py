@@ -98,10 +98,10 @@ class MLAAttention(nn.Module):
         kv = self.kv_b_proj(latent).view(-1, c.num_heads, c.qk_nope_head_dim + c.v_head_dim)
         return kv.split([c.qk_nope_head_dim, c.v_head_dim], dim=-1)
 
-    def forward(self, hidden_states, kv_cache, batch):
+    def forward(self, hidden_states, kv_cache, batch, *, k_scale=None):
         """hidden_states [T, hidden] in batch order (decode tokens first); kv_cache [num_pages,
-        page_size, 576] in the layer's dtype, written in place; batch: this step's MLABatch.
-        Returns [T, hidden]."""
+        page_size, 576] in the layer's dtype, or float8_e4m3fn with k_scale (fp32 [1]), written in
+        place; batch: this step's MLABatch. Returns [T, hidden]."""
         c = self.config
         T, h = hidden_states.shape[0], c.num_heads
         if c.q_lora_rank is None:
@@ -113,29 +113,29 @@ class MLAAttention(nn.Module):
         latent = self.kv_a_layernorm(latent)
         q_pe = self.rotary_emb(batch.positions, q_pe)                 # [T, h, 64]
         k_pe = self.rotary_emb(batch.positions, k_pe.unsqueeze(1))    # [T, 1, 64]
-        ops.write_kv_cache(latent, k_pe.squeeze(1), kv_cache, batch.slot_mapping)
+        ops.write_kv_cache(latent, k_pe.squeeze(1), kv_cache, batch.slot_mapping, k_scale=k_scale)
 
         n_d = batch.num_decode_tokens
         parts = []
         if n_d:
-            parts.append(self._decode(q_nope[:n_d], q_pe[:n_d], kv_cache, batch))
+            parts.append(self._decode(q_nope[:n_d], q_pe[:n_d], kv_cache, batch, k_scale))
         if batch.num_prefill_tokens:
-            parts.append(self._prefill(q_nope[n_d:], q_pe[n_d:], latent[n_d:], k_pe[n_d:], kv_cache, batch))
+            parts.append(self._prefill(q_nope[n_d:], q_pe[n_d:], latent[n_d:], k_pe[n_d:], kv_cache, batch, k_scale))
         if not parts:
             return self.o_proj(q.new_zeros(T, h * c.v_head_dim))
         attn = parts[0] if len(parts) == 1 else torch.cat(parts)
         return self.o_proj(attn.reshape(T, h * c.v_head_dim))
 
-    def _decode(self, q_nope, q_pe, kv_cache, batch):
+    def _decode(self, q_nope, q_pe, kv_cache, batch, k_scale):
         """Absorbed: scores q_nope.(W_UK c) = (q_nope W_UK).c, so attend in the 512-dim latent space."""
         q_latent = torch.einsum("thd,hdc->thc", q_nope, self.w_uk)
         out = ops.mla_decode(q_latent, kv_cache, batch.decode_block_table, batch.decode_seq_lens,
                              cu_seqlens_q=batch.decode_cu_seqlens_q, max_seqlen_q=batch.max_decode_query_len,
                              q_pe=q_pe, softmax_scale=self.softmax_scale, causal=True,
-                             metadata=batch.decode_metadata, deterministic=batch.deterministic)
+                             metadata=batch.decode_metadata, deterministic=batch.deterministic, k_scale=k_scale)
         return torch.einsum("thc,hcv->thv", out, self.w_uv)
 
-    def _prefill(self, q_nope, q_pe, latent, k_pe, kv_cache, batch):
+    def _prefill(self, q_nope, q_pe, latent, k_pe, kv_cache, batch, k_scale):
         """Causal over the chunk's own tokens; for chunks with cached context, non-causal over the
         context (gathered from the cache and up-projected), merged by LSE."""
         q = torch.cat([q_nope, q_pe], dim=-1)
@@ -147,7 +147,7 @@ class MLAAttention(nn.Module):
         if not with_context:
             return new
         ctx = ops.gather_kv_cache(kv_cache, batch.prefill_block_table, batch.prefill_cu_context_lens,
-                                  batch.num_context_tokens)
+                                  batch.num_context_tokens, k_scale=k_scale, out_dtype=q.dtype)
         ctx_latent, ctx_pe = ctx.split([self.config.kv_lora_rank, self.config.qk_rope_head_dim], dim=-1)
         ctx_nope, ctx_v = self._up_project(ctx_latent)
         old = ops.mla_prefill(q, ctx_nope, ctx_v, cu_q, batch.prefill_cu_context_lens, max_q,
