@@ -5,8 +5,8 @@
 // request are (token, head) pairs, token-major; all rows attend to the request's single KV head.
 //
 // Warpgroup roles (384 threads):
-//   WG 2  producer: one warp issues TMA copies of 64-key x 576-dim K tiles (9 swizzle slabs per
-//         page piece, one lane per piece) into a 2-stage ring; one kv_full mbarrier per slab,
+//   WG 2  producer: its warps issue TMA copies of 64-key x 576-dim K tiles (9 swizzle slabs per
+//         page piece, one lane per piece, warp w slabs w, w + 4, w + 8) into a 2-stage ring; one kv_full mbarrier per slab,
 //         one kv_empty per stage. FP8 cache: the slabs land as bytes in the upper half of the
 //         stage and warps 1-3 convert them in place to 16 bit (kv_ready per slab).
 //   WG 0,1 math: KV blocks alternate between them. The owner of a block computes S = Q K^T for all
@@ -35,13 +35,15 @@ namespace mla_decode {
 using namespace cute;
 using mla_common::named_barrier_sync;
 
-// Issues all K-tile loads of this CTA's schedule. Runs on one warp: lane c looks up the page of
-// copy c of a block (a block spans up to 64 / rows_per_copy pages) before the warp waits for a free
-// stage, so the dependent block-table read is off the critical path, then issues that copy's slabs.
+// Issues the K-tile loads of this CTA's schedule for slabs first_slab, first_slab + slab_step, ...
+// Runs on one warp (several warps split the slabs: TMA issue from one thread is serial, and page 16
+// needs 4 copies x 9 slabs per tile): lane c looks up the page of copy c of a block (a block spans
+// up to 64 / rows_per_copy pages) before the warp waits for a free stage, so the dependent
+// block-table read is off the critical path, then issues that copy's slabs.
 template <typename Traits>
 __device__ void produce_kv_tiles(const DecodeParams& p, const DecodeTma& tma,
                                  typename Traits::SharedStorage& ss, const PartRange& range,
-                                 int m_block) {
+                                 int m_block, int first_slab, int slab_step) {
   using Barrier = cutlass::arch::ClusterTransactionBarrier;
   const int lane = threadIdx.x % 32;
   const int rows = tma.rows_per_copy;  // divides both page_size and kBlockN; >= 16, so <= 4 copies
@@ -66,16 +68,14 @@ __device__ void produce_kv_tiles(const DecodeParams& p, const DecodeTma& tma,
       // are in flight. Expected bytes may be posted after some copies land (the transaction count
       // may dip below zero within a phase).
       if (lane == 0) {
-#pragma unroll
-        for (int slab = 0; slab < kSlabs; ++slab) {
+        for (int slab = first_slab; slab < kSlabs; slab += slab_step) {
           Barrier::arrive_and_expect_tx(&ss.kv_full[stage][slab], num_copies * rows * bytes_per_slab_row);
         }
       }
       if (lane < num_copies) {
         Tensor sK = make_tensor(make_smem_ptr(ss.k[stage]), typename Traits::SmemLayoutK{});
         char* staging = reinterpret_cast<char*>(ss.k[stage]) + Traits::kFp8StagingOffset;
-#pragma unroll
-        for (int slab = 0; slab < kSlabs; ++slab) {
+        for (int slab = first_slab; slab < kSlabs; slab += slab_step) {
           void* dst = Traits::kFp8Kv ? static_cast<void*>(staging + slab * Traits::kFp8SlabBytes + lane * rows * kTmaColumns)
                                      : static_cast<void*>(&sK(lane * rows, slab * kTmaColumns));
           SM90_TMA_LOAD_3D::copy(&tma.kv, &ss.kv_full[stage][slab], uint64_t(TMA::CacheHintSm90::EVICT_FIRST),
@@ -499,11 +499,17 @@ __global__ void __launch_bounds__(kNumThreads, 1)
 
   if (warpgroup == kNumMathWarpgroups) {
     cutlass::arch::warpgroup_reg_dealloc<kProducerRegisters>();
-    if (threadIdx.x / 32 == kNumMathWarpgroups * 4) {  // the first producer warp
+    const int warp = threadIdx.x / 32 - kNumMathWarpgroups * 4;
+    if constexpr (Traits::kFp8Kv) {  // warp 0 issues every slab, warps 1-3 convert
+      if (warp == 0) {
+        if (threadIdx.x % 32 == 0) cute::prefetch_tma_descriptor(&tma.kv);
+        produce_kv_tiles<Traits>(params, tma, ss, range, m_block, 0, 1);
+      } else {
+        convert_fp8_tiles<Traits>(params, ss, range, m_block);
+      }
+    } else {  // the four warps issue slabs w, w + 4, w + 8
       if (threadIdx.x % 32 == 0) cute::prefetch_tma_descriptor(&tma.kv);
-      produce_kv_tiles<Traits>(params, tma, ss, range, m_block);
-    } else if constexpr (Traits::kFp8Kv) {
-      convert_fp8_tiles<Traits>(params, ss, range, m_block);
+      produce_kv_tiles<Traits>(params, tma, ss, range, m_block, warp, 4);
     }
   } else {
     cutlass::arch::warpgroup_reg_alloc<kMathRegisters>();
