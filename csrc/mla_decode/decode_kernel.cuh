@@ -7,8 +7,9 @@
 // Warpgroup roles (384 threads):
 //   WG 2  producer: its warps issue TMA copies of 64-key x 576-dim K tiles (9 swizzle slabs per
 //         page piece, one lane per piece, warp w slabs w, w + 4, w + 8) into a 2-stage ring; one
-//         kv_full mbarrier per slab, one kv_empty per stage. FP8 cache: the slabs land as bytes in the upper half of the
-//         stage and warps 1-3 convert them in place to 16 bit (kv_ready per slab).
+//         kv_full mbarrier per slab, one kv_empty per stage. FP8 cache: warp 0 issues every slab,
+//         the slabs land as bytes in the upper half of the stage, and warps 1-3 convert them in
+//         place to 16 bit (kv_ready per slab).
 //   WG 0,1 math: KV blocks alternate between them. The owner of a block computes S = Q K^T for all
 //         64 keys, the online-softmax step and P = exp2(S - m), and hands P and the new row max to
 //         the other through shared memory; both then add P V to their half of O (256 columns),
