@@ -21,6 +21,7 @@ CASES = [
     ([113, 0, 1023], 2, 8, 16, False, True),   # empty request, tail blocks, page 16, q_pe split
     ([300, 65], 7, 32, 32, True, False),        # varlen causal
     ([200], 1, 128, 64, False, False),         # two q tiles
+    ([500, 70], 2, 16, 32, False, False),       # 32 rows: the fp8 narrow kernel with N = 32
 ]
 
 

@@ -40,6 +40,11 @@ CASES = [
     ([4099, 113, 1, 0, 1023], 7, 32, 16, True, False),
     ([700, 10], 512, 8, 256, True, False),
     ([40000], 1, 16, 64, False, False),
+    # <= 32 query rows per request: the narrow kernel (N = 16 or 32)
+    ([4099, 1023, 0, 1], 2, 16, 128, False, True),
+    ([2000, 300], 1, 32, 32, False, False),
+    ([113, 4099, 1, 0], 4, 8, 16, True, False),
+    ([33000], 7, 3, 64, False, False),
 ]
 
 
@@ -51,6 +56,18 @@ def test_fp8_decode_matches_reference(lens, s_q, h_q, page_size, varlen, split_p
                                                 dtype=dtype, seed=len(lens) * 1000 + s_q * 10 + h_q)))
     out, lse = run(case, causal)
     check_unit_scale(dequantized(case), causal, out, lse)
+
+
+@pytest.mark.parametrize("h_q,s_q", [(16, 1), (16, 2), (128, 1)])
+def test_fp8_subnormal_values(h_q, s_q):
+    """Stored values that are e4m3 subnormals (|x| < 2^-6) reach the MMAs exactly (the narrow kernel
+    unpacks them into 16-bit subnormals): k_scale = 256 puts most unit-scale values there."""
+    case = to_cuda(to_fp8_case(make_decode_case([700, 64], s_q, h_q, 64, seed=21), k_scale=256.0))
+    stored = case["kv_cache"].float()
+    finite = stored[torch.isfinite(stored)]
+    assert (finite.abs() < 2.0 ** -6).float().mean() > 0.9
+    out, lse = run(case, True)
+    check_unit_scale(dequantized(case), True, out, lse)
 
 
 def test_fp8_ragged_batch_and_scale_from_device():

@@ -136,7 +136,12 @@ void mla_decode_cuda_impl(const Tensor& q, const std::optional<Tensor>& q_pe, co
   TORCH_CHECK(tma_error == nullptr, "mla_attn: ", tma_error ? tma_error : "");
   const cudaError_t err = dispatch_half_type<cutlass::bfloat16_t, cutlass::half_t>(
       q.scalar_type(), "decode", [&]<typename Element>() {
-        return fp8_kv ? run_mla_decode<Element, true>(p, tma, stream) : run_mla_decode<Element, false>(p, tma, stream);
+        if (!fp8_kv) return run_mla_decode<Element, false>(p, tma, stream);
+        // fp8 and few query rows: the transposed kernel converts in registers and has N = rows.
+        const int rows = p.max_seqlen_q * p.num_heads_q;
+        if (rows <= 16) return run_mla_decode_narrow<Element, 16>(p, tma, stream);
+        if (rows <= kNarrowMaxRows) return run_mla_decode_narrow<Element, kNarrowMaxRows>(p, tma, stream);
+        return run_mla_decode<Element, true>(p, tma, stream);
       });
   C10_CUDA_CHECK(err);
 }

@@ -20,6 +20,11 @@ const char* make_kv_tma(const DecodeParams& params, mla_common::TmaElement eleme
 template <typename Element, bool kFp8Kv>
 cudaError_t run_mla_decode(const DecodeParams& params, const DecodeTma& tma, cudaStream_t stream);
 
+// The same for an fp8 cache and at most kRows (16 or 32) query rows per request (max_seqlen_q x
+// heads): the narrow kernel, whose MMAs have N = kRows (narrow_kernel.cuh).
+template <typename Element, int kRows>
+cudaError_t run_mla_decode_narrow(const DecodeParams& params, const DecodeTma& tma, cudaStream_t stream);
+
 // One-warp scheduler kernel: fills tile_sched [num_sms, 8] and req_splits [batch, 2]. The partition
 // depends on the KV lengths only; query lengths and heads enter through num_sm_parts. With
 // `deterministic`, parts end only at request boundaries (no request is split).

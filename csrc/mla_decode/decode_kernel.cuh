@@ -28,6 +28,8 @@
 
 #include "common/device_utils.cuh"
 #include "mla_decode/config.h"
+#include "mla_decode/fp8_tile.cuh"
+#include "mla_decode/kv_producer.cuh"
 #include "mla_decode/params.h"
 #include "mla_decode/schedule.cuh"
 #include "mla_decode/traits.h"
@@ -35,57 +37,6 @@
 namespace mla_decode {
 using namespace cute;
 using mla_common::named_barrier_sync;
-
-// Issues the K-tile loads of this CTA's schedule for slabs first_slab, first_slab + slab_step, ...
-// Runs on one warp (several warps split the slabs: TMA issue from one thread is serial, and page 16
-// needs 4 copies x 9 slabs per tile): lane c looks up the page of copy c of a block (a block spans
-// up to 64 / rows_per_copy pages) before the warp waits for a free stage, so the dependent
-// block-table read is off the critical path, then issues that copy's slabs.
-template <typename Traits>
-__device__ void produce_kv_tiles(const DecodeParams& p, const DecodeTma& tma,
-                                 typename Traits::SharedStorage& ss, const PartRange& range,
-                                 int m_block, int first_slab, int slab_step) {
-  using Barrier = cutlass::arch::ClusterTransactionBarrier;
-  const int lane = threadIdx.x % 32;
-  const int rows = tma.rows_per_copy;  // divides both page_size and kBlockN; >= 16, so <= 4 copies
-  const uint32_t bytes_per_slab_row = Traits::kFp8Kv ? kTmaColumns : kTmaColumns * sizeof(typename Traits::Element);
-  int iteration = 0;
-  for (int b = range.begin_b; b <= range.last_b; ++b) {
-    Segment seg;
-    if (!range.segment(p, b, m_block, seg)) continue;
-    const int* pages = p.block_table + int64_t(b) * p.block_table_stride;
-    for (int blk = seg.blk_lo; blk < seg.blk_hi; ++blk, ++iteration) {
-      const int stage = iteration % kStages;
-      // Only copies that start before the sequence end are issued; the math warpgroups zero the
-      // rest of the tile, so no page past ceil(L / page_size) is ever dereferenced.
-      const int key0 = blk * kBlockN;
-      const int num_copies = mla_common::ceil_div(min(max(seg.seqlen_k - key0, 0), kBlockN), rows);
-      const int key = key0 + lane * rows;
-      const int page = lane < num_copies ? min(max(pages[key / p.page_size], 0), p.num_pages - 1) : 0;
-      if (iteration >= kStages) {
-        cutlass::arch::ClusterBarrier::wait(&ss.kv_empty[stage], ((iteration / kStages) - 1) & 1);
-      }
-      // Each 64-column slab completes its own barrier, so QK can start on slab 0 while the others
-      // are in flight. Expected bytes may be posted after some copies land (the transaction count
-      // may dip below zero within a phase).
-      if (lane == 0) {
-        for (int slab = first_slab; slab < kSlabs; slab += slab_step) {
-          Barrier::arrive_and_expect_tx(&ss.kv_full[stage][slab], num_copies * rows * bytes_per_slab_row);
-        }
-      }
-      if (lane < num_copies) {
-        Tensor sK = make_tensor(make_smem_ptr(ss.k[stage]), typename Traits::SmemLayoutK{});
-        char* staging = reinterpret_cast<char*>(ss.k[stage]) + Traits::kFp8StagingOffset;
-        for (int slab = first_slab; slab < kSlabs; slab += slab_step) {
-          void* dst = Traits::kFp8Kv ? static_cast<void*>(staging + slab * Traits::kFp8SlabBytes + lane * rows * kTmaColumns)
-                                     : static_cast<void*>(&sK(lane * rows, slab * kTmaColumns));
-          SM90_TMA_LOAD_3D::copy(&tma.kv, &ss.kv_full[stage][slab], uint64_t(TMA::CacheHintSm90::EVICT_FIRST),
-                                 dst, slab * kTmaColumns, key % p.page_size, page);
-        }
-      }
-    }
-  }
-}
 
 // fp8 cache: converts each staged K tile to the 16-bit tile the WGMMAs read, on kConverterThreads
 // threads (producer warps 1-3), and signals each slab (kv_ready) once converted. Thread i converts
@@ -99,28 +50,11 @@ __device__ void produce_kv_tiles(const DecodeParams& p, const DecodeTma& tma,
 // is read | barrier | written.
 constexpr int kConverterThreads = 96;
 
-__device__ __forceinline__ uint32_t e4m3x2_to_f16x2(uint32_t two_bytes) {
-  uint32_t r;
-  asm("{\n.reg .b16 lo;\ncvt.u16.u32 lo, %1;\ncvt.rn.f16x2.e4m3x2 %0, lo;\n}" : "=r"(r) : "r"(two_bytes));
-  return r;
-}
-
-template <typename Element>
-__device__ __forceinline__ uint32_t f16x2_to(uint32_t h2) {
-  if constexpr (std::is_same_v<Element, cutlass::half_t>) {
-    return h2;
-  } else {
-    const float2 f = __half22float2(*reinterpret_cast<const __half2*>(&h2));
-    const __nv_bfloat162 b = __float22bfloat162_rn(f);
-    return *reinterpret_cast<const uint32_t*>(&b);
-  }
-}
-
 template <typename Traits>
 __device__ __forceinline__ void convert_fp8_tiles(const DecodeParams& p, typename Traits::SharedStorage& ss,
                                                   const PartRange& range, int m_block) {
   using Element = typename Traits::Element;
-  constexpr int kChunksPerSlab = Traits::kFp8SlabBytes / 16;
+  constexpr int kChunksPerSlab = kFp8SlabBytes / 16;
   constexpr int kChunksPerThread = (kChunksPerSlab + kConverterThreads - 1) / kConverterThreads;
   int num_blocks = 0;  // the converter needs only the count of this CTA's blocks, not their ids
   for (int b = range.begin_b; b <= range.last_b; ++b) {
@@ -137,15 +71,15 @@ __device__ __forceinline__ void convert_fp8_tiles(const DecodeParams& p, typenam
     Tensor sK = make_tensor(make_smem_ptr(ss.k[stage]), typename Traits::SmemLayoutK{});
     const char* staging = reinterpret_cast<const char*>(ss.k[stage]) + Traits::kFp8StagingOffset;
     auto load = [&](int slab, int c) {
-      return *reinterpret_cast<const uint4*>(staging + slab * Traits::kFp8SlabBytes + 16 * c);
+      return *reinterpret_cast<const uint4*>(staging + slab * kFp8SlabBytes + fp8_slab_offset(c / 4, c % 4));
     };
     auto store = [&](int slab, int c, uint4 in) {
       const uint32_t words[4] = {in.x, in.y, in.z, in.w};
       uint32_t out[8];
 #pragma unroll
       for (int w = 0; w < 4; ++w) {
-        out[2 * w] = f16x2_to<Element>(e4m3x2_to_f16x2(words[w] & 0xffff));
-        out[2 * w + 1] = f16x2_to<Element>(e4m3x2_to_f16x2(words[w] >> 16));
+        out[2 * w] = e4m3x2_to<Element>(words[w] & 0xffff);
+        out[2 * w + 1] = e4m3x2_to<Element>(words[w] >> 16);
       }
       const int row = c / 4, col = slab * kTmaColumns + (c % 4) * 16;
       mla_common::st_shared_16(&sK(row, col), make_uint4(out[0], out[1], out[2], out[3]));

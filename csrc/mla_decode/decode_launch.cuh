@@ -1,18 +1,20 @@
-// Host launcher of the split kernel and the combine kernel (templated on the element type; explicit
-// instantiations live in instantiations/).
+// Host launchers of the split kernels and the combine kernel (templated on the element type;
+// explicit instantiations live in instantiations/).
 #pragma once
 #include <cuda_runtime.h>
 
 #include "mla_decode/combine_kernel.cuh"
 #include "mla_decode/decode.h"
 #include "mla_decode/decode_kernel.cuh"
+#include "mla_decode/narrow_kernel.cuh"
 
 namespace mla_decode {
 
-template <typename Element, bool kFp8Kv>
-cudaError_t run_mla_decode(const DecodeParams& params, const DecodeTma& tma, cudaStream_t stream) {
-  using Traits = DecodeTraits<Element, kFp8Kv>;
-  auto kernel = mla_decode_kernel<Traits>;
+// Launches the split kernel (grid: q-tiles x parts) and, when any request is split, the combine
+// kernel chained with PDL.
+template <typename Element, typename Traits, typename Kernel>
+cudaError_t launch_split_and_combine(Kernel kernel, const DecodeParams& params, const DecodeTma& tma,
+                                     cudaStream_t stream) {
   constexpr int smem = Traits::kSmemBytes + 1024;  // + slack to align the map to 1024 bytes
   const cudaError_t attr =
       cudaFuncSetAttribute(kernel, cudaFuncAttributeMaxDynamicSharedMemorySize, smem);
@@ -37,6 +39,18 @@ cudaError_t run_mla_decode(const DecodeParams& params, const DecodeTma& tma, cud
   config.attrs = pdl;
   config.numAttrs = 1;
   return cudaLaunchKernelEx(&config, mla_combine_kernel<Element>, params);
+}
+
+template <typename Element, bool kFp8Kv>
+cudaError_t run_mla_decode(const DecodeParams& params, const DecodeTma& tma, cudaStream_t stream) {
+  using Traits = DecodeTraits<Element, kFp8Kv>;
+  return launch_split_and_combine<Element, Traits>(mla_decode_kernel<Traits>, params, tma, stream);
+}
+
+template <typename Element, int kRows>
+cudaError_t run_mla_decode_narrow(const DecodeParams& params, const DecodeTma& tma, cudaStream_t stream) {
+  using Traits = NarrowTraits<Element, kRows>;
+  return launch_split_and_combine<Element, Traits>(mla_decode_narrow_kernel<Traits>, params, tma, stream);
 }
 
 }  // namespace mla_decode

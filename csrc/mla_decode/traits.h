@@ -6,6 +6,7 @@
 #include <cutlass/arch/barrier.h>
 
 #include "mla_decode/config.h"
+#include "mla_decode/fp8_tile.cuh"
 
 namespace mla_decode {
 using namespace cute;
@@ -50,12 +51,21 @@ struct DecodeTraits {
     uint64_t kv_ready[kStages][kSlabs];          // fp8 cache: the slab is converted to 16 bit
     uint64_t kv_empty[kStages];                  // both math warpgroups are done with a K tile
   };
-  // fp8 staging: slab s of a tile sits at this byte offset of the stage buffer + s * 64 rows * 64 B,
-  // unswizzled [row][64 B]. Converting slabs in order never overwrites bytes not yet read (slab s
+  // fp8 staging: slab s of a tile sits at this byte offset of the stage buffer + s * kFp8SlabBytes
+  // (fp8_tile.cuh). Converting slabs in order never overwrites bytes not yet read (slab s
   // of the 16-bit tile overlaps only staged slabs <= 2s - 8), given a barrier between the reads
   // and the writes of each slab.
   static constexpr int kFp8StagingOffset = int(sizeof(Element)) * kBlockN * kHeadDimK / 2;
-  static constexpr int kFp8SlabBytes = kBlockN * kTmaColumns;
+  static constexpr int kStages = mla_decode::kStages;
+  // Where the producer's copy of rows [row, row + rows_per_copy) of a slab lands.
+  __device__ static void* kv_copy_dst(SharedStorage& ss, int stage, int slab, int row) {
+    if constexpr (kFp8Kv) {
+      return reinterpret_cast<char*>(ss.k[stage]) + kFp8StagingOffset + slab * kFp8SlabBytes + row * kTmaColumns;
+    } else {
+      Tensor sK = make_tensor(make_smem_ptr(ss.k[stage]), SmemLayoutK{});
+      return &sK(row, slab * kTmaColumns);
+    }
+  }
   static constexpr int kSmemBytes = int(sizeof(SharedStorage));
   static_assert(kSmemBytes <= 227 * 1024, "shared memory map exceeds the sm_90 limit");
 };

@@ -1,0 +1,65 @@
+// An fp8 (e4m3) K tile as TMA stages it, and the conversion of its values to 16 bit.
+//
+// Slab s (64 of the 576 columns) of a staged tile is [64 rows][64 B] at s * kFp8SlabBytes; the TMA
+// map's 64-byte swizzle stores 16-byte chunk k of row r at chunk k ^ ((r >> 1) & 3), so that 8
+// consecutive rows at one logical chunk (an ldmatrix of V^T) and 8 rows x 4 chunks (LDS of K) hit
+// distinct banks. Needs each slab 512-byte aligned.
+#pragma once
+#include <cutlass/numeric_types.h>
+#include <cuda_bf16.h>
+#include <cuda_fp16.h>
+#include <cstdint>
+#include <type_traits>
+
+#include "mla_decode/config.h"
+
+namespace mla_decode {
+
+constexpr int kFp8SlabBytes = kBlockN * kTmaColumns;  // 64 rows x 64 one-byte columns
+
+// Byte offset of 16-byte chunk `chunk` (0..3) of row `row` within a staged slab.
+__device__ __forceinline__ int fp8_slab_offset(int row, int chunk) {
+  return row * kTmaColumns + ((chunk ^ ((row >> 1) & 3)) << 4);
+}
+
+// Two e4m3 values (low 16 bits of `two_bytes`, first value lowest) -> f16x2. Exact.
+__device__ __forceinline__ uint32_t e4m3x2_to_f16x2(uint32_t two_bytes) {
+  uint32_t r;
+  asm("{\n.reg .b16 lo;\ncvt.u16.u32 lo, %1;\ncvt.rn.f16x2.e4m3x2 %0, lo;\n}" : "=r"(r) : "r"(two_bytes));
+  return r;
+}
+
+// f16x2 -> Element x2 (exact for values that came from e4m3).
+template <typename Element>
+__device__ __forceinline__ uint32_t f16x2_to(uint32_t h2) {
+  if constexpr (std::is_same_v<Element, cutlass::half_t>) {
+    return h2;
+  } else {
+    const float2 f = __half22float2(*reinterpret_cast<const __half2*>(&h2));
+    const __nv_bfloat162 b = __float22bfloat162_rn(f);
+    return *reinterpret_cast<const uint32_t*>(&b);
+  }
+}
+
+template <typename Element>
+__device__ __forceinline__ uint32_t e4m3x2_to(uint32_t two_bytes) {
+  return f16x2_to<Element>(e4m3x2_to_f16x2(two_bytes));
+}
+
+// e4m3 -> 16 bit by moving bits, no conversion instruction: the 16-bit value is exactly the e4m3
+// value times 2^kUnpackLog2 (e4m3 subnormals become 16-bit subnormals). Unpacks the 4 bytes
+// (b0, b1, b2, b3) of x into the pairs even = (b0, b2) and odd = (b1, b3), first value lowest.
+template <typename Element>
+struct E4m3Unpack {
+  static constexpr bool kHalf = std::is_same_v<Element, cutlass::half_t>;
+  static constexpr int kUnpackLog2 = kHalf ? -8 : -120;  // 2^(7 - bias of the 16-bit exponent)
+  static constexpr int kShift = kHalf ? 1 : 4;            // e4m3 exponent field -> 16-bit one
+  static constexpr uint32_t kMask = (0x7f00u >> kShift) * 0x10001u;
+
+  __device__ __forceinline__ static void run(uint32_t x, uint32_t& even, uint32_t& odd) {
+    odd = (x & 0x80008000u) | ((x >> kShift) & kMask);
+    even = ((x << 8) & 0x80008000u) | ((x << (8 - kShift)) & kMask);
+  }
+};
+
+}  // namespace mla_decode

@@ -1,0 +1,433 @@
+// Split-KV paged MLA decode for an fp8 (e4m3) cache and few query rows (<= 32 per request), sm_90a.
+//
+// Same grid, schedule, producer and partials as decode_kernel.cuh (one q-tile: blockIdx.x = 0), but
+// the MMAs are transposed so that the fp8 tile never needs a 16-bit copy in shared memory:
+//   S^T [64 keys, kRows]  = K [64 keys, 576] . Q^T     A = K from registers, B = Q (smem)
+//   O^T [512, kRows]     += V^T [512, 64 keys] . P^T   A = V^T from registers, B = P^T (smem)
+// Each math thread loads its A fragments from the fp8 tile (LDS for K, ldmatrix.trans for V^T),
+// unpacks them to 16 bit in registers by moving bits (E4m3Unpack: exact, the values carry a factor
+// 2^kUnpackLog2 that the softmax and the epilogue take out), and issues register-A WGMMAs. With no 72 KB bf16 tile,
+// shared memory holds 5 fp8 stages, and N = kRows instead of 64 padded rows cuts the MMA work 2-4x.
+//
+// Warpgroup roles (384 threads):
+//   WG 2  producer: its 4 warps issue the TMA copies (kv_producer.cuh), slabs w, w + 4, w + 8.
+//   WG 0,1 math: KV tiles alternate between them by global tile index, and each keeps its own
+//         softmax state and full O^T [512, kRows]: no hand-off per tile. At the end of a request
+//         the two states are merged through shared memory (the Q buffer) and each warpgroup
+//         stores half of the output dims.
+//
+// Operand layouts (64 x N x 16 WGMMA, thread = (warp w, lane = 4g + c)):
+//   A (K): row 16w + g (+8), k = 2c, 2c + 1 (+8). A thread loads 16 contiguous bytes of a row per
+//     slab and unpacks each 4 bytes into the pairs (b0, b2), (b1, b3), so logical k of the MMA is a
+//     permuted dim: within a slab, logical 16t + 2c + 8h + e is dim 16c + 4t + h + 2e. Q is stored
+//     with the same permutation (q_column), so S is exact.
+//   A (V^T): ldmatrix.trans of 8 keys x 16 dims gives a thread bytes (key 2c, dim 2g), (2c, 2g + 1),
+//     (2c + 1, 2g), (2c + 1, 2g + 1): the unpacked pairs are keys 2c, 2c + 1 of dims 2g and 2g + 1.
+//     Accumulator row 16w + g (+8) of m-tile m is dim 64m + 16w + 2g (+1), so the epilogue stores
+//     adjacent dim pairs. Keys stay in order, so P^T needs no permutation.
+// Scales (bf16: the unpacked K/V carry 2^-120, so Q and P are stored times 2^64 to keep the fp32
+// products q k and p v far from underflow; fp16: K/V carry 2^-8, Q and P are stored as they are):
+//   S_acc = S 2^(kUnpackLog2 + kQLog2),  O_acc = O 2^(kUnpackLog2 + kPLog2),  sum_acc = sum 2^kPLog2.
+//   C: row 16w + g (+8), column 8n + 2c (+1): a thread holds 2 keys x kRows / 4 query rows.
+#pragma once
+#include <cute/tensor.hpp>
+#include <cutlass/arch/barrier.h>
+#include <cutlass/arch/reg_reconfig.h>
+#include <cutlass/numeric_types.h>
+
+#include "common/device_utils.cuh"
+#include "mla_decode/config.h"
+#include "mla_decode/fp8_tile.cuh"
+#include "mla_decode/kv_producer.cuh"
+#include "mla_decode/narrow_traits.h"
+#include "mla_decode/params.h"
+#include "mla_decode/schedule.cuh"
+
+namespace mla_decode {
+using namespace cute;
+using mla_common::named_barrier_sync;
+
+// Column of the permuted Q tile that holds dim d of a query row (d + 2 follows it when d % 4 < 2).
+__device__ __forceinline__ int q_column(int d) {
+  const int r = d % kTmaColumns;
+  return d - r + ((r / 4) % 4) * 16 + (r / 16) * 2 + (r % 2) * 8 + (r / 2) % 2;
+}
+
+template <typename Traits>
+__device__ void consume_narrow_tiles(const DecodeParams& p, typename Traits::SharedStorage& ss,
+                                     const PartRange& range, int warpgroup) {
+  using Element = typename Traits::Element;
+  constexpr int kRows = Traits::kRows;
+  constexpr int kCols = kRows / 4;  // query rows (C columns) per thread
+  constexpr int kSteps = kTmaColumns / 16;  // k16 steps per slab (QK) and per 64-key tile (PV)
+  constexpr int kMTiles = kHeadDimV / 64;
+  // Slabs (QK) / m-tiles (PV) whose raw fp8 fragments are loaded ahead of their conversion, when
+  // registers allow (O^T takes 64 of them at kRows 16, 128 at 32). The V^T ones do not depend on P,
+  // so they load under the softmax. (All 9 K slabs ahead makes ptxas serialize the QK chain.)
+  constexpr int kAheadK = kRows == 16 ? 4 : 0;
+  constexpr int kAheadV = kRows == 16 ? kMTiles : 0;
+  const int tid = threadIdx.x % 128, warp = tid / 32, lane = tid % 32, g = lane / 4, c = lane % 4;
+
+  typename Traits::TiledMma mma_qk, mma_pv;
+  mma_pv.accumulate_ = GMMA::ScaleOut::One;
+  auto thr = mma_qk.get_thread_slice(tid);
+  Tensor sQ = make_tensor(make_smem_ptr(ss.q), typename Traits::SmemLayoutQ{});
+  Tensor sPt = make_tensor(make_smem_ptr(ss.pt[warpgroup]), typename Traits::SmemLayoutPt{});
+  Tensor tSrS = partition_fragment_C(mma_qk, Shape<Int<kBlockN>, Int<kRows>>{});    // (MMA, 1, 1)
+  Tensor tOrO = partition_fragment_C(mma_pv, Shape<Int<kHeadDimV>, Int<kRows>>{});  // (MMA, 8, 1)
+  // A operands, two slabs (QK) or two m-tiles (PV) deep: the next is converted while the WGMMAs
+  // of the previous run. Register j of k-step t is element pair (2j, 2j + 1) of A(_, 0, t).
+  Tensor tA = make_tensor<Element>(Shape<Shape<_2, _2, _2>, _1, Int<2 * kSteps>>{});
+  uint32_t* a_regs = reinterpret_cast<uint32_t*>(raw_pointer_cast(tA.data()));
+  // Element e of a C fragment: key row 16w + g + 8 * ((e >> 1) & 1), column col_of(col_index(e)).
+  auto col_index = [](int e) { return (e >> 2) * 2 + (e & 1); };
+  auto col_of = [&](int j) { return 8 * (j / 2) + 2 * c + (j % 2); };
+  auto warpgroup_sync = [&] { named_barrier_sync<int(NarrowBarrier::kWarpgroup0), 128>(warpgroup); };
+  auto merge_sync = [] { named_barrier_sync<int(NarrowBarrier::kMerge), 256>(); };
+  using Unpack = E4m3Unpack<Element>;
+  constexpr int kQLog2 = Unpack::kHalf ? 0 : 64, kPLog2 = kQLog2;
+  const float k_scale = *p.k_scale;
+  const float scale_log2 = p.scale_log2 * k_scale * exp2f(-float(Unpack::kUnpackLog2 + kQLog2));
+
+  // ---- Q [kRows, 576] into the permuted layout, times 2^kQLog2 (rows past the request are zero):
+  // 16-byte loads of 8 dims, stored as 4 pairs (d, d + 2), (d + 1, d + 3).
+  auto load_q = [&](const Segment& s) {
+    constexpr int kChunks = kHeadDimK / 8;
+    for (int i = threadIdx.x; i < kRows * kChunks; i += 256) {
+      const int row = i / kChunks, d0 = (i % kChunks) * 8;
+      uint4 v = make_uint4(0, 0, 0, 0);
+      if (row < s.seqlen_q * p.num_heads_q) {
+        const int t = row / p.num_heads_q, h = row % p.num_heads_q;
+        const int64_t token = s.first_token + t;
+        const Element* src = d0 < kHeadDimV
+            ? static_cast<const Element*>(p.q_nope) + s.b * p.q_nope_batch_stride + token * p.q_nope_token_stride +
+                  h * p.q_nope_head_stride + d0
+            : static_cast<const Element*>(p.q_pe) + s.b * p.q_pe_batch_stride + token * p.q_pe_token_stride +
+                  h * p.q_pe_head_stride + (d0 - kHeadDimV);
+        v = *reinterpret_cast<const uint4*>(src);
+      }
+      uint32_t w[4] = {v.x, v.y, v.z, v.w};
+      if constexpr (kQLog2 != 0) {  // exact: a power of two
+        for (int k = 0; k < 4; ++k) {
+          float2 f = __bfloat1622float2(*reinterpret_cast<const __nv_bfloat162*>(&w[k]));
+          const __nv_bfloat162 b = __float22bfloat162_rn(make_float2(f.x * exp2f(kQLog2), f.y * exp2f(kQLog2)));
+          w[k] = *reinterpret_cast<const uint32_t*>(&b);
+        }
+      }
+      for (int k = 0; k < 2; ++k) {
+        const int d = d0 + 4 * k;
+        *reinterpret_cast<uint32_t*>(&sQ(row, q_column(d))) = __byte_perm(w[2 * k], w[2 * k + 1], 0x5410);
+        *reinterpret_cast<uint32_t*>(&sQ(row, q_column(d + 1))) = __byte_perm(w[2 * k], w[2 * k + 1], 0x7632);
+      }
+    }
+  };
+  auto next_segment = [&](int from_b, Segment& s) {
+    for (int b = from_b; b <= range.last_b; ++b) {
+      if (range.segment(p, b, 0, s)) return true;
+    }
+    return false;
+  };
+
+  int iteration = 0;
+  Segment seg;
+  bool have_segment = next_segment(range.begin_b, seg);
+  if (have_segment) load_q(seg);
+  while (have_segment) {
+    const int rows_in_request = seg.seqlen_q * p.num_heads_q;
+    cutlass::arch::fence_view_async_shared();
+    named_barrier_sync<int(NarrowBarrier::kQReady), 256>();
+
+    int last_key[kCols];  // last visible key of each of this thread's query rows (bottom-right causal)
+    float col_max[kCols], col_sum[kCols];  // running max (log2 units), this thread's share of the sum
+#pragma unroll
+    for (int j = 0; j < kCols; ++j) {
+      const int t = col_of(j) / p.num_heads_q;
+      last_key[j] = p.causal ? min(seg.seqlen_k - seg.seqlen_q + t, seg.seqlen_k - 1) : seg.seqlen_k - 1;
+      col_max[j] = -INFINITY;
+      col_sum[j] = 0.f;
+    }
+    clear(tOrO);
+
+    for (int blk = seg.blk_lo; blk < seg.blk_hi; ++blk, ++iteration) {
+      if ((iteration & 1) != warpgroup) continue;
+      const int stage = iteration % Traits::kStages;
+      const uint32_t phase = (iteration / Traits::kStages) & 1;
+      uint8_t* tile = ss.kv[stage];
+      const uint32_t tile_addr = static_cast<uint32_t>(__cvta_generic_to_shared(tile));
+      // -- Tail tile: zero the key rows past the sequence end (never loaded, or slots past L), so
+      // that 0-probability keys cannot inject NaN/Inf through P V.
+      const int valid_keys = max(seg.seqlen_k - blk * kBlockN, 0);
+      if (valid_keys < kBlockN) {
+        for (int slab = 0; slab < kSlabs; ++slab) cutlass::arch::ClusterBarrier::wait(&ss.kv_full[stage][slab], phase);
+        constexpr int kChunksPerRow = kSlabs * kTmaColumns / 16;
+        for (int i = tid; i < (kBlockN - valid_keys) * kChunksPerRow; i += 128) {
+          const int row = valid_keys + i / kChunksPerRow, chunk = i % kChunksPerRow;
+          mla_common::st_shared_zero16(tile + (chunk / 4) * kFp8SlabBytes + row * kTmaColumns + (chunk % 4) * 16);
+        }
+        cutlass::arch::fence_view_async_shared();  // before TMA (async proxy) reuses the stage
+        warpgroup_sync();
+      }
+
+      // -- S^T = K Q^T: per slab, 16 bytes of rows 16w + g and 16w + g + 8 -> 4 k-steps of A. The raw
+      // bytes are loaded kAheadK slabs before their conversion, so LDS latency is off the chain.
+      uint4 raw_k[kSlabs][2];
+      auto load_k = [&](int slab) {
+        cutlass::arch::ClusterBarrier::wait(&ss.kv_full[stage][slab], phase);
+        const uint32_t slab_addr = tile_addr + slab * kFp8SlabBytes;
+        raw_k[slab][0] = mla_common::ld_shared_16(slab_addr + fp8_slab_offset(16 * warp + g, c));
+        raw_k[slab][1] = mla_common::ld_shared_16(slab_addr + fp8_slab_offset(16 * warp + g + 8, c));
+      };
+#pragma unroll
+      for (int slab = 0; slab < kAheadK; ++slab) load_k(slab);
+      mma_qk.accumulate_ = GMMA::ScaleOut::Zero;
+      warpgroup_fence_operand(tSrS);
+#pragma unroll
+      for (int slab = 0; slab < kSlabs; ++slab) {
+        if (slab + kAheadK < kSlabs) load_k(slab + kAheadK);
+        // This A buffer was read two commit groups ago. Slab 0 also waits for the previous PV: a
+        // register-A WGMMA chain that starts with PV groups in flight makes ptxas serialize it.
+        if (slab == 0) warpgroup_wait<0>(); else warpgroup_wait<1>();
+        const int buf = (slab % 2) * kSteps;
+        const uint4 lo = raw_k[slab][0], hi = raw_k[slab][1];
+        const uint32_t row0[4] = {lo.x, lo.y, lo.z, lo.w}, row8[4] = {hi.x, hi.y, hi.z, hi.w};
+#pragma unroll
+        for (int t = 0; t < kSteps; ++t) {
+          uint32_t* a = a_regs + 4 * (buf + t);
+          Unpack::run(row0[t], a[0], a[2]);
+          Unpack::run(row8[t], a[1], a[3]);
+          for (int i = 0; i < 4; ++i) warpgroup_fence_operand(a[i]);  // converted before the arrive
+        }
+        // Descriptors rebuilt per slab from an opaque base: keeps 36 of them out of registers.
+        Tensor tSrQ = thr.partition_fragment_B(
+            make_tensor(make_smem_ptr(mla_common::opaque(ss.q)), typename Traits::SmemLayoutQ{}));
+        warpgroup_arrive();
+#pragma unroll
+        for (int t = 0; t < kSteps; ++t) {
+          cute::gemm(mma_qk, tA(_, 0, buf + t), tSrQ(_, 0, slab * kSteps + t), tSrS(_, 0, 0));
+          mma_qk.accumulate_ = GMMA::ScaleOut::One;
+        }
+        warpgroup_commit_batch();
+      }
+      // The first V^T fragments do not depend on P: load them under the softmax.
+      uint32_t raw_v[kMTiles][2][4];
+      auto load_v = [&](int m) {
+#pragma unroll
+        for (int pair = 0; pair < 2; ++pair) {  // k-steps 2 pair, 2 pair + 1: keys 32 pair + lane
+          mla_common::ldsm_x4_trans(tile_addr + m * kFp8SlabBytes + fp8_slab_offset(32 * pair + lane, warp), raw_v[m][pair]);
+        }
+      };
+#pragma unroll
+      for (int m = 0; m < kAheadV && m < kMTiles; ++m) load_v(m);
+      warpgroup_wait<0>();  // S, and this warpgroup's previous PV (P^T and O are free)
+      warpgroup_fence_operand(tSrS);
+      warpgroup_fence_operand(tOrO);  // the rescale below must not move above the wait
+
+      // -- Online softmax over the 64 keys of the tile, per query row (column).
+      const int key_row = blk * kBlockN + 16 * warp + g;
+      float tile_max[kCols];
+#pragma unroll
+      for (int j = 0; j < kCols; ++j) tile_max[j] = -INFINITY;
+#pragma unroll
+      for (int e = 0; e < size(tSrS); ++e) {
+        const int j = col_index(e);
+        const float s = key_row + 8 * ((e >> 1) & 1) <= last_key[j] ? tSrS(e) * scale_log2 : -INFINITY;
+        tSrS(e) = s;
+        tile_max[j] = fmaxf(tile_max[j], s);
+      }
+#pragma unroll
+      for (int j = 0; j < kCols; ++j) {
+        for (int x = 4; x < 32; x *= 2) tile_max[j] = fmaxf(tile_max[j], __shfl_xor_sync(0xffffffff, tile_max[j], x));
+        if (g == 0) ss.col_stat[warpgroup][warp][col_of(j)] = tile_max[j];
+      }
+      warpgroup_sync();
+      float base[kCols], rescale[kCols];
+#pragma unroll
+      for (int j = 0; j < kCols; ++j) {
+        float new_max = col_max[j];
+        for (int w = 0; w < 4; ++w) new_max = fmaxf(new_max, ss.col_stat[warpgroup][w][col_of(j)]);
+        base[j] = new_max == -INFINITY ? 0.f : new_max;  // fully masked so far: keep exp2 finite
+        rescale[j] = exp2f(col_max[j] - base[j]);
+        base[j] -= kPLog2;  // P is stored times 2^kPLog2 (and summed so)
+        col_max[j] = new_max;
+        col_sum[j] *= rescale[j];
+      }
+#pragma unroll
+      for (int e = 0; e < size(tSrS); ++e) {
+        const int j = col_index(e);
+        const float prob = exp2f(tSrS(e) - base[j]);
+        col_sum[j] += prob;
+        sPt(col_of(j), 16 * warp + g + 8 * ((e >> 1) & 1)) = Element(prob);
+      }
+      bool any_rescale = false;
+#pragma unroll
+      for (int j = 0; j < kCols; ++j) any_rescale |= rescale[j] != 1.f;
+      if (__any_sync(0xffffffff, any_rescale)) {
+#pragma unroll
+        for (int m = 0; m < kMTiles; ++m) {
+#pragma unroll
+          for (int e = 0; e < size<0>(tOrO); ++e) tOrO(e, m, 0) *= rescale[col_index(e)];
+        }
+      }
+      cutlass::arch::fence_view_async_shared();  // P^T -> WGMMA
+      warpgroup_sync();                          // also: every warp has read col_stat
+
+      // -- O^T += V^T P^T, per m-tile (64 dims): 2 ldmatrix.x4.trans give 4 k-steps of A.
+      Tensor tOrPt = thr.partition_fragment_B(sPt);
+#pragma unroll
+      for (int m = 0; m < kMTiles; ++m) {
+        if (m + kAheadV < kMTiles) load_v(m + kAheadV);
+        if (m == kMTiles - 1) {  // every byte of the tile has been loaded: hand the stage back
+          __syncwarp();
+          if (lane == 0) cutlass::arch::ClusterBarrier::arrive(&ss.kv_empty[stage]);
+        }
+        warpgroup_wait<1>();  // the WGMMAs that read this A buffer (two groups ago) are done
+        const int buf = (m % 2) * kSteps;
+#pragma unroll
+        for (int step = 0; step < kSteps; ++step) {
+          // raw_v[m][step / 2][2 (step % 2)]: keys 0-7 of the k-step, [.. + 1]: keys 8-15.
+          const uint32_t* r = raw_v[m][step / 2] + 2 * (step % 2);
+          uint32_t* a = a_regs + 4 * (buf + step);
+          Unpack::run(r[0], a[0], a[1]);
+          Unpack::run(r[1], a[2], a[3]);
+          for (int i = 0; i < 4; ++i) warpgroup_fence_operand(a[i]);
+        }
+        warpgroup_fence_operand(tOrO);
+        warpgroup_arrive();
+#pragma unroll
+        for (int t = 0; t < kSteps; ++t) cute::gemm(mma_pv, tA(_, 0, buf + t), tOrPt(_, 0, t), tOrO(_, m, 0));
+        warpgroup_commit_batch();
+      }
+    }
+    warpgroup_wait<0>();
+    warpgroup_fence_operand(tOrO);
+
+    // ---- Epilogue: merge the two warpgroups' states, (M, L) per query row, then O through sQ
+    // (every QK of the request is done: both warpgroups passed their last wait).
+#pragma unroll
+    for (int j = 0; j < kCols; ++j) {
+      for (int x = 4; x < 32; x *= 2) col_sum[j] += __shfl_xor_sync(0xffffffff, col_sum[j], x);
+      if (g == 0) ss.col_stat[warpgroup][warp][col_of(j)] = col_sum[j];
+      if (g == 0 && warp == 0) ss.wg_max[warpgroup][col_of(j)] = col_max[j];
+    }
+    merge_sync();
+    const bool is_partial = p.req_splits[2 * seg.b] > 1;
+    const int slot = p.req_splits[2 * seg.b + 1] + seg.split;
+    float own_factor[kCols], inv_sum[kCols], lse[kCols];
+#pragma unroll
+    for (int j = 0; j < kCols; ++j) {
+      const int col = col_of(j);
+      float wg_sum[2], wg_max[2];
+      for (int w = 0; w < 2; ++w) {
+        wg_max[w] = ss.wg_max[w][col];
+        wg_sum[w] = ss.col_stat[w][0][col] + ss.col_stat[w][1][col] + ss.col_stat[w][2][col] + ss.col_stat[w][3][col];
+      }
+      const float max_all = fmaxf(wg_max[0], wg_max[1]);
+      float factor[2];
+      for (int w = 0; w < 2; ++w) factor[w] = wg_max[w] == -INFINITY ? 0.f : exp2f(wg_max[w] - max_all);
+      const float total = factor[0] * wg_sum[0] + factor[1] * wg_sum[1];
+      const bool empty = total == 0.f;  // no visible key in this split
+      own_factor[j] = warpgroup == 0 ? factor[0] : factor[1];
+      // k_scale / sum, then the unpack and P factors (in this order: 2^120 k_scale may overflow).
+      inv_sum[j] = empty ? 0.f : k_scale / (total * exp2f(-kPLog2)) * exp2f(-float(Unpack::kUnpackLog2 + kPLog2));
+      lse[j] = empty ? (is_partial ? -INFINITY : INFINITY) : (max_all + __log2f(total) - kPLog2) * float(M_LN2);
+    }
+    // Round r: warpgroup 1 - r hands its m-tiles [4r, 4r + 4) to warpgroup r (thread t to thread t).
+    float* handoff = reinterpret_cast<float*>(ss.q);
+    constexpr int kHalf = kMTiles / 2;
+#pragma unroll
+    for (int r = 0; r < 2; ++r) {
+      if (warpgroup != r) {
+#pragma unroll
+        for (int m = 0; m < kHalf; ++m) {
+#pragma unroll
+          for (int e = 0; e < size<0>(tOrO); ++e) {
+            handoff[(m * size<0>(tOrO) + e) * 128 + tid] = tOrO(e, r * kHalf + m, 0) * own_factor[col_index(e)];
+          }
+        }
+      }
+      merge_sync();
+      if (warpgroup == r) {
+#pragma unroll
+        for (int m = 0; m < kHalf; ++m) {
+#pragma unroll
+          for (int e = 0; e < size<0>(tOrO); ++e) {
+            tOrO(e, r * kHalf + m, 0) = tOrO(e, r * kHalf + m, 0) * own_factor[col_index(e)] +
+                                        handoff[(m * size<0>(tOrO) + e) * 128 + tid];
+          }
+        }
+      }
+    }
+    merge_sync();  // sQ is free: the next request's Q load overlaps the stores
+
+    Segment next;
+    const bool have_next = next_segment(seg.b + 1, next);
+    if (have_next) load_q(next);
+
+    // ---- Store this warpgroup's dims [256 wg, 256 wg + 256) and (warpgroup 0) the LSE.
+#pragma unroll
+    for (int j = 0; j < kCols; ++j) {
+      const int row = col_of(j);
+      if (row >= rows_in_request) continue;
+      const int t = row / p.num_heads_q, h = row % p.num_heads_q;
+      const int64_t partial_index = int64_t(slot) * p.num_q_tiles * kBlockM + row;
+      if (warpgroup == 0 && warp == 0 && g == 0) {
+        if (is_partial) {
+          p.partial_lse[partial_index] = lse[j];
+        } else {
+          p.lse[seg.b * p.lse_batch_stride + (seg.first_token + t) * p.lse_token_stride + h * p.lse_head_stride] = lse[j];
+        }
+      }
+      float* partial_row = p.partial_out + partial_index * kHeadDimV;
+      Element* out_row = static_cast<Element*>(p.out) + seg.b * p.out_batch_stride +
+                         (seg.first_token + t) * p.out_token_stride + h * p.out_head_stride;
+#pragma unroll
+      for (int m = 0; m < kMTiles; ++m) {
+        if (m / kHalf != warpgroup) continue;  // static m: O stays in registers
+        // Elements e (row half 0) and e + 2 (row half 1) of column j: dims d and d + 1.
+        const int e = (j / 2) * 4 + (j % 2);
+        const int dim = 64 * m + 16 * warp + 2 * g;
+        const float v0 = tOrO(e, m, 0) * inv_sum[j], v1 = tOrO(e + 2, m, 0) * inv_sum[j];
+        if (is_partial) {
+          *reinterpret_cast<float2*>(partial_row + dim) = make_float2(v0, v1);
+        } else {
+          const Element pair[2] = {Element(v0), Element(v1)};
+          *reinterpret_cast<uint32_t*>(out_row + dim) = *reinterpret_cast<const uint32_t*>(pair);
+        }
+      }
+    }
+    seg = next;
+    have_segment = have_next;
+  }
+}
+
+template <typename Traits>
+__global__ void __launch_bounds__(kNumThreads, 1)
+    mla_decode_narrow_kernel(__grid_constant__ const DecodeParams params, __grid_constant__ const DecodeTma tma) {
+#if defined(__CUDA_ARCH__) && __CUDA_ARCH__ == 900 && defined(__CUDA_ARCH_FEAT_SM90_ALL)
+  auto& ss = mla_common::shared_storage_1024<typename Traits::SharedStorage>();
+  const int warpgroup = __shfl_sync(0xffffffff, threadIdx.x / 128, 0);
+  const PartRange range = PartRange::load(params, blockIdx.y);
+  mla_common::launch_dependents();  // the combine kernel may start its prologue (see decode_kernel.cuh)
+
+  if (threadIdx.x == 0) {
+    for (int s = 0; s < Traits::kStages; ++s) {
+      for (int slab = 0; slab < kSlabs; ++slab) cutlass::arch::ClusterTransactionBarrier::init(&ss.kv_full[s][slab], 1);
+      cutlass::arch::ClusterBarrier::init(&ss.kv_empty[s], 4);
+    }
+    cutlass::arch::fence_barrier_init();
+  }
+  __syncthreads();
+
+  if (warpgroup == kNumMathWarpgroups) {
+    cutlass::arch::warpgroup_reg_dealloc<kNarrowProducerRegisters>();
+    const int warp = threadIdx.x / 32 - kNumMathWarpgroups * 4;
+    if (threadIdx.x % 32 == 0) cute::prefetch_tma_descriptor(&tma.kv);
+    produce_kv_tiles<Traits>(params, tma, ss, range, 0, warp, 4);
+  } else {
+    cutlass::arch::warpgroup_reg_alloc<kNarrowMathRegisters>();
+    consume_narrow_tiles<Traits>(params, ss, range, warpgroup);
+  }
+#endif
+}
+
+}  // namespace mla_decode
