@@ -46,20 +46,4 @@ __device__ __forceinline__ uint32_t e4m3x2_to(uint32_t two_bytes) {
   return f16x2_to<Element>(e4m3x2_to_f16x2(two_bytes));
 }
 
-// e4m3 -> 16 bit by moving bits, no conversion instruction: the 16-bit value is exactly the e4m3
-// value times 2^kUnpackLog2 (e4m3 subnormals become 16-bit subnormals). Unpacks the 4 bytes
-// (b0, b1, b2, b3) of x into the pairs even = (b0, b2) and odd = (b1, b3), first value lowest.
-template <typename Element>
-struct E4m3Unpack {
-  static constexpr bool kHalf = std::is_same_v<Element, cutlass::half_t>;
-  static constexpr int kUnpackLog2 = kHalf ? -8 : -120;  // 2^(7 - bias of the 16-bit exponent)
-  static constexpr int kShift = kHalf ? 1 : 4;            // e4m3 exponent field -> 16-bit one
-  static constexpr uint32_t kMask = (0x7f00u >> kShift) * 0x10001u;
-
-  __device__ __forceinline__ static void run(uint32_t x, uint32_t& even, uint32_t& odd) {
-    odd = (x & 0x80008000u) | ((x >> kShift) & kMask);
-    even = ((x << 8) & 0x80008000u) | ((x << (8 - kShift)) & kMask);
-  }
-};
-
 }  // namespace mla_decode

@@ -5,8 +5,8 @@
 //   S^T [64 keys, kRows]  = K [64 keys, 576] . Q^T     A = K from registers, B = Q (smem)
 //   O^T [512, kRows]     += V^T [512, 64 keys] . P^T   A = V^T from registers, B = P^T (smem)
 // Each math thread loads its A fragments from the fp8 tile (LDS for K, ldmatrix.trans for V^T),
-// unpacks them to 16 bit in registers by moving bits (E4m3Unpack: exact, the values carry a factor
-// 2^kUnpackLog2 that the softmax and the epilogue take out), and issues register-A WGMMAs. With no 72 KB bf16 tile,
+// converts them to fp16 in registers (exact; the MMAs run in fp16 for bf16 q too, see
+// narrow_traits.h), and issues register-A WGMMAs. With no 72 KB bf16 tile,
 // shared memory holds 5 fp8 stages, and N = kRows instead of 64 padded rows cuts the MMA work 2-4x.
 //
 // Warpgroup roles (384 threads):
@@ -18,16 +18,12 @@
 //
 // Operand layouts (64 x N x 16 WGMMA, thread = (warp w, lane = 4g + c)):
 //   A (K): row 16w + g (+8), k = 2c, 2c + 1 (+8). A thread loads 16 contiguous bytes of a row per
-//     slab and unpacks each 4 bytes into the pairs (b0, b2), (b1, b3), so logical k of the MMA is a
-//     permuted dim: within a slab, logical 16t + 2c + 8h + e is dim 16c + 4t + h + 2e. Q is stored
-//     with the same permutation (q_column), so S is exact.
+//     slab, so logical k of the MMA is a permuted dim: within a slab, logical 16t + 2c + 8h + e is
+//     dim 16c + 4t + 2h + e. Q is stored with the same permutation (q_column), so S is exact.
 //   A (V^T): ldmatrix.trans of 8 keys x 16 dims gives a thread bytes (key 2c, dim 2g), (2c, 2g + 1),
-//     (2c + 1, 2g), (2c + 1, 2g + 1): the unpacked pairs are keys 2c, 2c + 1 of dims 2g and 2g + 1.
+//     (2c + 1, 2g), (2c + 1, 2g + 1): permuted to keys 2c, 2c + 1 of dims 2g and of 2g + 1.
 //     Accumulator row 16w + g (+8) of m-tile m is dim 64m + 16w + 2g (+1), so the epilogue stores
 //     adjacent dim pairs. Keys stay in order, so P^T needs no permutation.
-// Scales (bf16: the unpacked K/V carry 2^-120, so Q and P are stored times 2^64 to keep the fp32
-// products q k and p v far from underflow; fp16: K/V carry 2^-8, Q and P are stored as they are):
-//   S_acc = S 2^(kUnpackLog2 + kQLog2),  O_acc = O 2^(kUnpackLog2 + kPLog2),  sum_acc = sum 2^kPLog2.
 //   C: row 16w + g (+8), column 8n + 2c (+1): a thread holds 2 keys x kRows / 4 query rows.
 #pragma once
 #include <cute/tensor.hpp>
@@ -47,16 +43,17 @@ namespace mla_decode {
 using namespace cute;
 using mla_common::named_barrier_sync;
 
-// Column of the permuted Q tile that holds dim d of a query row (d + 2 follows it when d % 4 < 2).
+// Column of the permuted Q tile that holds dim d (even) of a query row; d + 1 follows it.
 __device__ __forceinline__ int q_column(int d) {
   const int r = d % kTmaColumns;
-  return d - r + ((r / 4) % 4) * 16 + (r / 16) * 2 + (r % 2) * 8 + (r / 2) % 2;
+  return d - r + ((r / 4) % 4) * 16 + (r / 16) * 2 + ((r / 2) % 2) * 8;
 }
 
 template <typename Traits>
 __device__ void consume_narrow_tiles(const DecodeParams& p, typename Traits::SharedStorage& ss,
                                      const PartRange& range, int warpgroup) {
   using Element = typename Traits::Element;
+  using MmaElement = typename Traits::MmaElement;
   constexpr int kRows = Traits::kRows;
   constexpr int kCols = kRows / 4;  // query rows (C columns) per thread
   constexpr int kSteps = kTmaColumns / 16;  // k16 steps per slab (QK) and per 64-key tile (PV)
@@ -77,47 +74,64 @@ __device__ void consume_narrow_tiles(const DecodeParams& p, typename Traits::Sha
   Tensor tOrO = partition_fragment_C(mma_pv, Shape<Int<kHeadDimV>, Int<kRows>>{});  // (MMA, 8, 1)
   // A operands, two slabs (QK) or two m-tiles (PV) deep: the next is converted while the WGMMAs
   // of the previous run. Register j of k-step t is element pair (2j, 2j + 1) of A(_, 0, t).
-  Tensor tA = make_tensor<Element>(Shape<Shape<_2, _2, _2>, _1, Int<2 * kSteps>>{});
+  Tensor tA = make_tensor<MmaElement>(Shape<Shape<_2, _2, _2>, _1, Int<2 * kSteps>>{});
   uint32_t* a_regs = reinterpret_cast<uint32_t*>(raw_pointer_cast(tA.data()));
   // Element e of a C fragment: key row 16w + g + 8 * ((e >> 1) & 1), column col_of(col_index(e)).
   auto col_index = [](int e) { return (e >> 2) * 2 + (e & 1); };
   auto col_of = [&](int j) { return 8 * (j / 2) + 2 * c + (j % 2); };
   auto warpgroup_sync = [&] { named_barrier_sync<int(NarrowBarrier::kWarpgroup0), 128>(warpgroup); };
-  auto merge_sync = [] { named_barrier_sync<int(NarrowBarrier::kMerge), 256>(); };
-  using Unpack = E4m3Unpack<Element>;
-  constexpr int kQLog2 = Unpack::kHalf ? 0 : 64, kPLog2 = kQLog2;
   const float k_scale = *p.k_scale;
-  const float scale_log2 = p.scale_log2 * k_scale * exp2f(-float(Unpack::kUnpackLog2 + kQLog2));
 
-  // ---- Q [kRows, 576] into the permuted layout, times 2^kQLog2 (rows past the request are zero):
-  // 16-byte loads of 8 dims, stored as 4 pairs (d, d + 2), (d + 1, d + 3).
+  // ---- Q [kRows, 576] as fp16 into the permuted layout (rows past the request are zero). The T
+  // threads of a row (lanes of one warp) load its 16-byte chunks t, t + T, ...; a bf16 row is scaled
+  // by the power of two that brings its largest |value| to [2^14, 2^15): exact for every value above
+  // 2^-28 of that maximum, and undone in the row's score scale (ss.score_scale).
   auto load_q = [&](const Segment& s) {
-    constexpr int kChunks = kHeadDimK / 8;
-    for (int i = threadIdx.x; i < kRows * kChunks; i += 256) {
-      const int row = i / kChunks, d0 = (i % kChunks) * 8;
-      uint4 v = make_uint4(0, 0, 0, 0);
-      if (row < s.seqlen_q * p.num_heads_q) {
-        const int t = row / p.num_heads_q, h = row % p.num_heads_q;
-        const int64_t token = s.first_token + t;
-        const Element* src = d0 < kHeadDimV
-            ? static_cast<const Element*>(p.q_nope) + s.b * p.q_nope_batch_stride + token * p.q_nope_token_stride +
-                  h * p.q_nope_head_stride + d0
-            : static_cast<const Element*>(p.q_pe) + s.b * p.q_pe_batch_stride + token * p.q_pe_token_stride +
-                  h * p.q_pe_head_stride + (d0 - kHeadDimV);
-        v = *reinterpret_cast<const uint4*>(src);
+    constexpr int kChunks = kHeadDimK / 8, kThreadsPerRow = 256 / kRows;
+    constexpr int kChunksPerThread = (kChunks + kThreadsPerRow - 1) / kThreadsPerRow;
+    // Opaque thread index: otherwise the row's addresses are hoisted out of the request loop and
+    // held (spilled) across the whole tile loop.
+    const int thread = mla_common::opaque(int(threadIdx.x));
+    const int row = thread / kThreadsPerRow, first = thread % kThreadsPerRow;
+    const bool valid = row < s.seqlen_q * p.num_heads_q;
+    const int t = valid ? row / p.num_heads_q : 0, h = valid ? row % p.num_heads_q : 0;
+    const int64_t token = s.first_token + t;
+    const Element* q_nope = static_cast<const Element*>(p.q_nope) + s.b * p.q_nope_batch_stride +
+                            token * p.q_nope_token_stride + h * p.q_nope_head_stride;
+    const Element* q_pe = static_cast<const Element*>(p.q_pe) + s.b * p.q_pe_batch_stride +
+                          token * p.q_pe_token_stride + h * p.q_pe_head_stride - kHeadDimV;
+    uint4 chunk[kChunksPerThread];
+    float row_max = 0.f;
+#pragma unroll
+    for (int i = 0; i < kChunksPerThread; ++i) {
+      const int d0 = (first + i * kThreadsPerRow) * 8;
+      chunk[i] = make_uint4(0, 0, 0, 0);
+      if (valid && d0 < kHeadDimK) chunk[i] = *reinterpret_cast<const uint4*>((d0 < kHeadDimV ? q_nope : q_pe) + d0);
+      if constexpr (!std::is_same_v<Element, MmaElement>) {
+        const Element* v = reinterpret_cast<const Element*>(&chunk[i]);
+        for (int k = 0; k < 8; ++k) row_max = fmaxf(row_max, fabsf(float(v[k])));
       }
-      uint32_t w[4] = {v.x, v.y, v.z, v.w};
-      if constexpr (kQLog2 != 0) {  // exact: a power of two
-        for (int k = 0; k < 4; ++k) {
-          float2 f = __bfloat1622float2(*reinterpret_cast<const __nv_bfloat162*>(&w[k]));
-          const __nv_bfloat162 b = __float22bfloat162_rn(make_float2(f.x * exp2f(kQLog2), f.y * exp2f(kQLog2)));
-          w[k] = *reinterpret_cast<const uint32_t*>(&b);
+    }
+    float scale = 1.f;
+    if constexpr (!std::is_same_v<Element, MmaElement>) {
+      for (int x = 1; x < kThreadsPerRow; x *= 2) row_max = fmaxf(row_max, __shfl_xor_sync(0xffffffff, row_max, x));
+      const int exponent = (__float_as_int(row_max) >> 23) - 127;  // floor(log2), row_max >= 0
+      if (row_max > 0.f) scale = __int_as_float((min(14 - exponent, 100) + 127) << 23);
+    }
+    if (first == 0) ss.score_scale[row] = p.scale_log2 * k_scale / scale;
+#pragma unroll
+    for (int i = 0; i < kChunksPerThread; ++i) {
+      const int d0 = (first + i * kThreadsPerRow) * 8;
+      if (d0 >= kHeadDimK) continue;
+      const uint32_t w[4] = {chunk[i].x, chunk[i].y, chunk[i].z, chunk[i].w};
+      for (int k = 0; k < 4; ++k) {
+        uint32_t pair = w[k];
+        if constexpr (!std::is_same_v<Element, MmaElement>) {
+          const Element* v = reinterpret_cast<const Element*>(&w[k]);
+          const __half2 hp = __floats2half2_rn(float(v[0]) * scale, float(v[1]) * scale);
+          pair = *reinterpret_cast<const uint32_t*>(&hp);
         }
-      }
-      for (int k = 0; k < 2; ++k) {
-        const int d = d0 + 4 * k;
-        *reinterpret_cast<uint32_t*>(&sQ(row, q_column(d))) = __byte_perm(w[2 * k], w[2 * k + 1], 0x5410);
-        *reinterpret_cast<uint32_t*>(&sQ(row, q_column(d + 1))) = __byte_perm(w[2 * k], w[2 * k + 1], 0x7632);
+        *reinterpret_cast<uint32_t*>(&sQ(row, q_column(d0 + 2 * k))) = pair;
       }
     }
   };
@@ -130,9 +144,8 @@ __device__ void consume_narrow_tiles(const DecodeParams& p, typename Traits::Sha
 
   int iteration = 0;
   Segment seg;
-  bool have_segment = next_segment(range.begin_b, seg);
-  if (have_segment) load_q(seg);
-  while (have_segment) {
+  for (int b = range.begin_b; next_segment(b, seg); b = seg.b + 1) {
+    load_q(seg);
     const int rows_in_request = seg.seqlen_q * p.num_heads_q;
     cutlass::arch::fence_view_async_shared();
     named_barrier_sync<int(NarrowBarrier::kQReady), 256>();
@@ -193,8 +206,10 @@ __device__ void consume_narrow_tiles(const DecodeParams& p, typename Traits::Sha
 #pragma unroll
         for (int t = 0; t < kSteps; ++t) {
           uint32_t* a = a_regs + 4 * (buf + t);
-          Unpack::run(row0[t], a[0], a[2]);
-          Unpack::run(row8[t], a[1], a[3]);
+          a[0] = e4m3x2_to_f16x2(row0[t] & 0xffff);
+          a[1] = e4m3x2_to_f16x2(row8[t] & 0xffff);
+          a[2] = e4m3x2_to_f16x2(row0[t] >> 16);
+          a[3] = e4m3x2_to_f16x2(row8[t] >> 16);
           for (int i = 0; i < 4; ++i) warpgroup_fence_operand(a[i]);  // converted before the arrive
         }
         // Descriptors rebuilt per slab from an opaque base: keeps 36 of them out of registers.
@@ -224,13 +239,15 @@ __device__ void consume_narrow_tiles(const DecodeParams& p, typename Traits::Sha
 
       // -- Online softmax over the 64 keys of the tile, per query row (column).
       const int key_row = blk * kBlockN + 16 * warp + g;
-      float tile_max[kCols];
+      float tile_max[kCols], score_scale[kCols];  // read per tile: registers are scarce at kRows 32
+#pragma unroll
+      for (int j = 0; j < kCols; ++j) score_scale[j] = ss.score_scale[col_of(j)];
 #pragma unroll
       for (int j = 0; j < kCols; ++j) tile_max[j] = -INFINITY;
 #pragma unroll
       for (int e = 0; e < size(tSrS); ++e) {
         const int j = col_index(e);
-        const float s = key_row + 8 * ((e >> 1) & 1) <= last_key[j] ? tSrS(e) * scale_log2 : -INFINITY;
+        const float s = key_row + 8 * ((e >> 1) & 1) <= last_key[j] ? tSrS(e) * score_scale[j] : -INFINITY;
         tSrS(e) = s;
         tile_max[j] = fmaxf(tile_max[j], s);
       }
@@ -247,7 +264,6 @@ __device__ void consume_narrow_tiles(const DecodeParams& p, typename Traits::Sha
         for (int w = 0; w < 4; ++w) new_max = fmaxf(new_max, ss.col_stat[warpgroup][w][col_of(j)]);
         base[j] = new_max == -INFINITY ? 0.f : new_max;  // fully masked so far: keep exp2 finite
         rescale[j] = exp2f(col_max[j] - base[j]);
-        base[j] -= kPLog2;  // P is stored times 2^kPLog2 (and summed so)
         col_max[j] = new_max;
         col_sum[j] *= rescale[j];
       }
@@ -256,7 +272,7 @@ __device__ void consume_narrow_tiles(const DecodeParams& p, typename Traits::Sha
         const int j = col_index(e);
         const float prob = exp2f(tSrS(e) - base[j]);
         col_sum[j] += prob;
-        sPt(col_of(j), 16 * warp + g + 8 * ((e >> 1) & 1)) = Element(prob);
+        sPt(col_of(j), 16 * warp + g + 8 * ((e >> 1) & 1)) = MmaElement(prob);
       }
       bool any_rescale = false;
 #pragma unroll
@@ -286,9 +302,12 @@ __device__ void consume_narrow_tiles(const DecodeParams& p, typename Traits::Sha
         for (int step = 0; step < kSteps; ++step) {
           // raw_v[m][step / 2][2 (step % 2)]: keys 0-7 of the k-step, [.. + 1]: keys 8-15.
           const uint32_t* r = raw_v[m][step / 2] + 2 * (step % 2);
+          const uint32_t k_lo = __byte_perm(r[0], 0, 0x3120), k_hi = __byte_perm(r[1], 0, 0x3120);
           uint32_t* a = a_regs + 4 * (buf + step);
-          Unpack::run(r[0], a[0], a[1]);
-          Unpack::run(r[1], a[2], a[3]);
+          a[0] = e4m3x2_to_f16x2(k_lo & 0xffff);
+          a[1] = e4m3x2_to_f16x2(k_lo >> 16);
+          a[2] = e4m3x2_to_f16x2(k_hi & 0xffff);
+          a[3] = e4m3x2_to_f16x2(k_hi >> 16);
           for (int i = 0; i < 4; ++i) warpgroup_fence_operand(a[i]);
         }
         warpgroup_fence_operand(tOrO);
@@ -309,10 +328,9 @@ __device__ void consume_narrow_tiles(const DecodeParams& p, typename Traits::Sha
       if (g == 0) ss.col_stat[warpgroup][warp][col_of(j)] = col_sum[j];
       if (g == 0 && warp == 0) ss.wg_max[warpgroup][col_of(j)] = col_max[j];
     }
-    merge_sync();
+    named_barrier_sync<int(NarrowBarrier::kMergeStats), 256>();
     const bool is_partial = p.req_splits[2 * seg.b] > 1;
     const int slot = p.req_splits[2 * seg.b + 1] + seg.split;
-    float own_factor[kCols], inv_sum[kCols], lse[kCols];
 #pragma unroll
     for (int j = 0; j < kCols; ++j) {
       const int col = col_of(j);
@@ -326,10 +344,24 @@ __device__ void consume_narrow_tiles(const DecodeParams& p, typename Traits::Sha
       for (int w = 0; w < 2; ++w) factor[w] = wg_max[w] == -INFINITY ? 0.f : exp2f(wg_max[w] - max_all);
       const float total = factor[0] * wg_sum[0] + factor[1] * wg_sum[1];
       const bool empty = total == 0.f;  // no visible key in this split
-      own_factor[j] = warpgroup == 0 ? factor[0] : factor[1];
-      // k_scale / sum, then the unpack and P factors (in this order: 2^120 k_scale may overflow).
-      inv_sum[j] = empty ? 0.f : k_scale / (total * exp2f(-kPLog2)) * exp2f(-float(Unpack::kUnpackLog2 + kPLog2));
-      lse[j] = empty ? (is_partial ? -INFINITY : INFINITY) : (max_all + __log2f(total) - kPLog2) * float(M_LN2);
+      // This warpgroup's share of the normalised output: O_w 2^(m_w - m) k_scale / sum.
+      const float own_factor = empty ? 0.f : (warpgroup == 0 ? factor[0] : factor[1]) * k_scale / total;
+#pragma unroll
+      for (int m = 0; m < kMTiles; ++m) {
+#pragma unroll
+        for (int e = 0; e < size<0>(tOrO); ++e) {
+          if (col_index(e) == j) tOrO(e, m, 0) *= own_factor;
+        }
+      }
+      if (warpgroup == 0 && warp == 0 && g == 0 && col < rows_in_request) {
+        const float lse = empty ? (is_partial ? -INFINITY : INFINITY) : (max_all + __log2f(total)) * float(M_LN2);
+        const int t = col / p.num_heads_q, h = col % p.num_heads_q;
+        if (is_partial) {
+          p.partial_lse[int64_t(slot) * p.num_q_tiles * kBlockM + col] = lse;
+        } else {
+          p.lse[seg.b * p.lse_batch_stride + (seg.first_token + t) * p.lse_token_stride + h * p.lse_head_stride] = lse;
+        }
+      }
     }
     // Round r: warpgroup 1 - r hands its m-tiles [4r, 4r + 4) to warpgroup r (thread t to thread t).
     float* handoff = reinterpret_cast<float*>(ss.q);
@@ -341,42 +373,30 @@ __device__ void consume_narrow_tiles(const DecodeParams& p, typename Traits::Sha
         for (int m = 0; m < kHalf; ++m) {
 #pragma unroll
           for (int e = 0; e < size<0>(tOrO); ++e) {
-            handoff[(m * size<0>(tOrO) + e) * 128 + tid] = tOrO(e, r * kHalf + m, 0) * own_factor[col_index(e)];
+            handoff[(m * size<0>(tOrO) + e) * 128 + tid] = tOrO(e, r * kHalf + m, 0);
           }
         }
       }
-      merge_sync();
+      named_barrier_sync<int(NarrowBarrier::kMergeRound0), 256>(r);
       if (warpgroup == r) {
 #pragma unroll
         for (int m = 0; m < kHalf; ++m) {
 #pragma unroll
           for (int e = 0; e < size<0>(tOrO); ++e) {
-            tOrO(e, r * kHalf + m, 0) = tOrO(e, r * kHalf + m, 0) * own_factor[col_index(e)] +
-                                        handoff[(m * size<0>(tOrO) + e) * 128 + tid];
+            tOrO(e, r * kHalf + m, 0) += handoff[(m * size<0>(tOrO) + e) * 128 + tid];
           }
         }
       }
     }
-    merge_sync();  // sQ is free: the next request's Q load overlaps the stores
+    named_barrier_sync<int(NarrowBarrier::kMergeDone), 256>();
 
-    Segment next;
-    const bool have_next = next_segment(seg.b + 1, next);
-    if (have_next) load_q(next);
-
-    // ---- Store this warpgroup's dims [256 wg, 256 wg + 256) and (warpgroup 0) the LSE.
+    // ---- Store this warpgroup's dims [256 wg, 256 wg + 256).
 #pragma unroll
     for (int j = 0; j < kCols; ++j) {
-      const int row = col_of(j);
+      const int row = mla_common::opaque(col_of(j));  // opaque: its divisions are not hoisted and held
       if (row >= rows_in_request) continue;
       const int t = row / p.num_heads_q, h = row % p.num_heads_q;
       const int64_t partial_index = int64_t(slot) * p.num_q_tiles * kBlockM + row;
-      if (warpgroup == 0 && warp == 0 && g == 0) {
-        if (is_partial) {
-          p.partial_lse[partial_index] = lse[j];
-        } else {
-          p.lse[seg.b * p.lse_batch_stride + (seg.first_token + t) * p.lse_token_stride + h * p.lse_head_stride] = lse[j];
-        }
-      }
       float* partial_row = p.partial_out + partial_index * kHeadDimV;
       Element* out_row = static_cast<Element*>(p.out) + seg.b * p.out_batch_stride +
                          (seg.first_token + t) * p.out_token_stride + h * p.out_head_stride;
@@ -386,7 +406,7 @@ __device__ void consume_narrow_tiles(const DecodeParams& p, typename Traits::Sha
         // Elements e (row half 0) and e + 2 (row half 1) of column j: dims d and d + 1.
         const int e = (j / 2) * 4 + (j % 2);
         const int dim = 64 * m + 16 * warp + 2 * g;
-        const float v0 = tOrO(e, m, 0) * inv_sum[j], v1 = tOrO(e + 2, m, 0) * inv_sum[j];
+        const float v0 = tOrO(e, m, 0), v1 = tOrO(e + 2, m, 0);
         if (is_partial) {
           *reinterpret_cast<float2*>(partial_row + dim) = make_float2(v0, v1);
         } else {
@@ -395,8 +415,6 @@ __device__ void consume_narrow_tiles(const DecodeParams& p, typename Traits::Sha
         }
       }
     }
-    seg = next;
-    have_segment = have_next;
   }
 }
 
