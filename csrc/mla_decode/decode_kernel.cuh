@@ -171,15 +171,10 @@ __device__ void consume_kv_tiles(const DecodeParams& p, typename Traits::SharedS
     // Special registers re-read here rather than captured: keeps them out of the loop's live set.
     const int thread = threadIdx.x, r = thread / kThreadsPerRow, row = int(blockIdx.x) * kBlockM + r;
     const bool valid = row < s.seqlen_q * p.num_heads_q;
-    const int t = valid ? row / p.num_heads_q : 0, h = valid ? row % p.num_heads_q : 0;
-    const int64_t token = s.first_token + t;
-    const Element* q_nope = static_cast<const Element*>(p.q_nope) + s.b * p.q_nope_batch_stride +
-                            token * p.q_nope_token_stride + h * p.q_nope_head_stride;
-    const Element* q_pe = static_cast<const Element*>(p.q_pe) + s.b * p.q_pe_batch_stride +
-                          token * p.q_pe_token_stride + h * p.q_pe_head_stride - kHeadDimV;
+    const auto q = QRow<Element>::at(p, s, valid ? row / p.num_heads_q : 0, valid ? row % p.num_heads_q : 0);
 #pragma unroll
     for (int c = thread % kThreadsPerRow; c < kChunks; c += kThreadsPerRow) {
-      const Element* src = (c < kHeadDimV / 8 ? q_nope : q_pe) + c * 8;
+      const Element* src = (c < kHeadDimV / 8 ? q.nope : q.pe) + c * 8;
       mla_common::cp_async_16(&sQ(r, c * 8), valid ? src : p.q_nope, valid);
     }
   };

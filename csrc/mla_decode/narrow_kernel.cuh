@@ -94,19 +94,14 @@ __device__ void consume_narrow_tiles(const DecodeParams& p, typename Traits::Sha
     const int thread = mla_common::opaque(int(threadIdx.x));
     const int row = thread / kThreadsPerRow, first = thread % kThreadsPerRow;
     const bool valid = row < s.seqlen_q * p.num_heads_q;
-    const int t = valid ? row / p.num_heads_q : 0, h = valid ? row % p.num_heads_q : 0;
-    const int64_t token = s.first_token + t;
-    const Element* q_nope = static_cast<const Element*>(p.q_nope) + s.b * p.q_nope_batch_stride +
-                            token * p.q_nope_token_stride + h * p.q_nope_head_stride;
-    const Element* q_pe = static_cast<const Element*>(p.q_pe) + s.b * p.q_pe_batch_stride +
-                          token * p.q_pe_token_stride + h * p.q_pe_head_stride - kHeadDimV;
+    const auto q = QRow<Element>::at(p, s, valid ? row / p.num_heads_q : 0, valid ? row % p.num_heads_q : 0);
     uint4 chunk[kChunksPerThread];
     float row_max = 0.f;
 #pragma unroll
     for (int i = 0; i < kChunksPerThread; ++i) {
       const int d0 = (first + i * kThreadsPerRow) * 8;
       chunk[i] = make_uint4(0, 0, 0, 0);
-      if (valid && d0 < kHeadDimK) chunk[i] = *reinterpret_cast<const uint4*>((d0 < kHeadDimV ? q_nope : q_pe) + d0);
+      if (valid && d0 < kHeadDimK) chunk[i] = *reinterpret_cast<const uint4*>((d0 < kHeadDimV ? q.nope : q.pe) + d0);
       if constexpr (!std::is_same_v<Element, MmaElement>) {
         const Element* v = reinterpret_cast<const Element*>(&chunk[i]);
         for (int k = 0; k < 8; ++k) row_max = fmaxf(row_max, fabsf(float(v[k])));

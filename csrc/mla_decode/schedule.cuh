@@ -15,6 +15,22 @@ struct Segment {
   int first_token;  // cu_seqlens_q[b] (varlen) or 0
 };
 
+// Query row (t, h) of a segment, t < seqlen_q: its latent part, and its rope part offset by -512 so that
+// dim d of the 576-dim row is (d < 512 ? nope : pe)[d].
+template <typename Element>
+struct QRow {
+  const Element* nope;
+  const Element* pe;
+
+  __device__ static QRow at(const DecodeParams& p, const Segment& s, int t, int h) {
+    const int64_t token = s.first_token + t;
+    return {static_cast<const Element*>(p.q_nope) + s.b * p.q_nope_batch_stride + token * p.q_nope_token_stride +
+                h * p.q_nope_head_stride,
+            static_cast<const Element*>(p.q_pe) + s.b * p.q_pe_batch_stride + token * p.q_pe_token_stride +
+                h * p.q_pe_head_stride - kHeadDimV};
+  }
+};
+
 struct PartRange {
   int begin_b, begin_blk, last_b, last_hi, begin_split;
 
