@@ -58,10 +58,11 @@ __device__ void consume_narrow_tiles(const DecodeParams& p, typename Traits::Sha
   constexpr int kCols = kRows / 4;  // query rows (C columns) per thread
   constexpr int kSteps = kTmaColumns / 16;  // k16 steps per slab (QK) and per 64-key tile (PV)
   constexpr int kMTiles = kHeadDimV / 64;
-  // Slabs (QK) / m-tiles (PV) whose raw fp8 fragments are loaded ahead of their conversion, when
-  // registers allow (O^T takes 64 of them at kRows 16, 128 at 32). The V^T ones do not depend on P,
-  // so they load under the softmax. (All 9 K slabs ahead makes ptxas serialize the QK chain.)
-  constexpr int kAheadK = kRows == 16 ? 4 : 0;
+  // Slabs (QK) / m-tiles (PV) whose raw fp8 fragments are loaded ahead of their conversion, as far
+  // as registers allow (O^T takes 64 of them at kRows 16, 128 at 32: there one K slab, no V^T). The
+  // V^T ones do not depend on P, so they load under the softmax. (All 9 K slabs ahead makes ptxas
+  // serialize the QK chain.)
+  constexpr int kAheadK = kRows == 16 ? 4 : 1;
   constexpr int kAheadV = kRows == 16 ? kMTiles : 0;
   const int tid = threadIdx.x % 128, warp = tid / 32, lane = tid % 32, g = lane / 4, c = lane % 4;
 
@@ -94,7 +95,8 @@ __device__ void consume_narrow_tiles(const DecodeParams& p, typename Traits::Sha
     const int thread = mla_common::opaque(int(threadIdx.x));
     const int row = thread / kThreadsPerRow, first = thread % kThreadsPerRow;
     const bool valid = row < s.seqlen_q * p.num_heads_q;
-    const auto q = QRow<Element>::at(p, s, valid ? row / p.num_heads_q : 0, valid ? row % p.num_heads_q : 0);
+    const int t = valid ? row / p.num_heads_q : 0;
+    const auto q = QRow<Element>::at(p, s, t, valid ? row % p.num_heads_q : 0);
     uint4 chunk[kChunksPerThread];
     float row_max = 0.f;
 #pragma unroll
@@ -113,7 +115,11 @@ __device__ void consume_narrow_tiles(const DecodeParams& p, typename Traits::Sha
       const int exponent = (__float_as_int(row_max) >> 23) - 127;  // floor(log2), row_max >= 0
       if (row_max > 0.f) scale = __int_as_float((min(14 - exponent, 100) + 127) << 23);
     }
-    if (first == 0) ss.score_scale[row] = p.scale_log2 * k_scale / scale;
+    if (first == 0) {  // per-row softmax constants (read per tile: registers are scarce at kRows 32)
+      ss.score_scale[row] = p.scale_log2 * k_scale / scale;
+      ss.last_key[row] = p.causal ? min(s.seqlen_k - s.seqlen_q + t, s.seqlen_k - 1) : s.seqlen_k - 1;
+      for (int w = 0; w < kNumMathWarpgroups; ++w) ss.run_max[w][row] = -INFINITY;
+    }
 #pragma unroll
     for (int i = 0; i < kChunksPerThread; ++i) {
       const int d0 = (first + i * kThreadsPerRow) * 8;
@@ -145,15 +151,9 @@ __device__ void consume_narrow_tiles(const DecodeParams& p, typename Traits::Sha
     cutlass::arch::fence_view_async_shared();
     named_barrier_sync<int(NarrowBarrier::kQReady), 256>();
 
-    int last_key[kCols];  // last visible key of each of this thread's query rows (bottom-right causal)
-    float col_max[kCols], col_sum[kCols];  // running max (log2 units), this thread's share of the sum
+    float col_sum[kCols];  // this thread's share of each of its query rows' softmax sum
 #pragma unroll
-    for (int j = 0; j < kCols; ++j) {
-      const int t = col_of(j) / p.num_heads_q;
-      last_key[j] = p.causal ? min(seg.seqlen_k - seg.seqlen_q + t, seg.seqlen_k - 1) : seg.seqlen_k - 1;
-      col_max[j] = -INFINITY;
-      col_sum[j] = 0.f;
-    }
+    for (int j = 0; j < kCols; ++j) col_sum[j] = 0.f;
     clear(tOrO);
 
     for (int blk = seg.blk_lo; blk < seg.blk_hi; ++blk, ++iteration) {
@@ -234,9 +234,13 @@ __device__ void consume_narrow_tiles(const DecodeParams& p, typename Traits::Sha
 
       // -- Online softmax over the 64 keys of the tile, per query row (column).
       const int key_row = blk * kBlockN + 16 * warp + g;
-      float tile_max[kCols], score_scale[kCols];  // read per tile: registers are scarce at kRows 32
+      float tile_max[kCols], score_scale[kCols];
+      int last_key[kCols];
 #pragma unroll
-      for (int j = 0; j < kCols; ++j) score_scale[j] = ss.score_scale[col_of(j)];
+      for (int j = 0; j < kCols; ++j) {
+        score_scale[j] = ss.score_scale[col_of(j)];
+        last_key[j] = ss.last_key[col_of(j)];
+      }
 #pragma unroll
       for (int j = 0; j < kCols; ++j) tile_max[j] = -INFINITY;
 #pragma unroll
@@ -252,14 +256,14 @@ __device__ void consume_narrow_tiles(const DecodeParams& p, typename Traits::Sha
         if (g == 0) ss.col_stat[warpgroup][warp][col_of(j)] = tile_max[j];
       }
       warpgroup_sync();
-      float base[kCols], rescale[kCols];
+      float base[kCols], rescale[kCols], new_max[kCols];
 #pragma unroll
       for (int j = 0; j < kCols; ++j) {
-        float new_max = col_max[j];
-        for (int w = 0; w < 4; ++w) new_max = fmaxf(new_max, ss.col_stat[warpgroup][w][col_of(j)]);
-        base[j] = new_max == -INFINITY ? 0.f : new_max;  // fully masked so far: keep exp2 finite
-        rescale[j] = exp2f(col_max[j] - base[j]);
-        col_max[j] = new_max;
+        const float old_max = ss.run_max[warpgroup][col_of(j)];
+        new_max[j] = old_max;
+        for (int w = 0; w < 4; ++w) new_max[j] = fmaxf(new_max[j], ss.col_stat[warpgroup][w][col_of(j)]);
+        base[j] = new_max[j] == -INFINITY ? 0.f : new_max[j];  // fully masked so far: keep exp2 finite
+        rescale[j] = exp2f(old_max - base[j]);
         col_sum[j] *= rescale[j];
       }
 #pragma unroll
@@ -280,7 +284,11 @@ __device__ void consume_narrow_tiles(const DecodeParams& p, typename Traits::Sha
         }
       }
       cutlass::arch::fence_view_async_shared();  // P^T -> WGMMA
-      warpgroup_sync();                          // also: every warp has read col_stat
+      warpgroup_sync();                          // also: every warp has read col_stat and run_max
+      if (warp == 0 && g == 0) {
+#pragma unroll
+        for (int j = 0; j < kCols; ++j) ss.run_max[warpgroup][col_of(j)] = new_max[j];
+      }
 
       // -- O^T += V^T P^T, per m-tile (64 dims): 2 ldmatrix.x4.trans give 4 k-steps of A.
       Tensor tOrPt = thr.partition_fragment_B(sPt);
@@ -321,7 +329,6 @@ __device__ void consume_narrow_tiles(const DecodeParams& p, typename Traits::Sha
     for (int j = 0; j < kCols; ++j) {
       for (int x = 4; x < 32; x *= 2) col_sum[j] += __shfl_xor_sync(0xffffffff, col_sum[j], x);
       if (g == 0) ss.col_stat[warpgroup][warp][col_of(j)] = col_sum[j];
-      if (g == 0 && warp == 0) ss.wg_max[warpgroup][col_of(j)] = col_max[j];
     }
     named_barrier_sync<int(NarrowBarrier::kMergeStats), 256>();
     const bool is_partial = p.req_splits[2 * seg.b] > 1;
@@ -331,7 +338,7 @@ __device__ void consume_narrow_tiles(const DecodeParams& p, typename Traits::Sha
       const int col = col_of(j);
       float wg_sum[2], wg_max[2];
       for (int w = 0; w < 2; ++w) {
-        wg_max[w] = ss.wg_max[w][col];
+        wg_max[w] = ss.run_max[w][col];
         wg_sum[w] = ss.col_stat[w][0][col] + ss.col_stat[w][1][col] + ss.col_stat[w][2][col] + ss.col_stat[w][3][col];
       }
       const float max_all = fmaxf(wg_max[0], wg_max[1]);

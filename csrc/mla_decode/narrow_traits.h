@@ -40,7 +40,8 @@ struct NarrowTraits {
     alignas(1024) MmaElement pt[kNumMathWarpgroups][cosize_v<SmemLayoutPt>];
     alignas(1024) uint8_t kv[kStages][kBlockN * kHeadDimK];  // fp8 tiles as TMA stages them
     float col_stat[kNumMathWarpgroups][4][kRows];  // per warp: block max of a column (epilogue: sum)
-    float wg_max[kNumMathWarpgroups][kRows];       // epilogue: each warpgroup's running max
+    float run_max[kNumMathWarpgroups][kRows];      // each warpgroup's running max per query row (log2)
+    int last_key[kRows];                           // last visible key of each query row (causal)
     float score_scale[kRows];  // softmax_scale log2(e) k_scale / (the power of two Q row r was stored times)
     uint64_t kv_full[kStages][kSlabs];
     uint64_t kv_empty[kStages];  // the 4 warps of the warpgroup that consumed the tile are done
