@@ -40,7 +40,8 @@ CASES = [
     ([4099, 113, 1, 0, 1023], 7, 32, 16, True, False),
     ([700, 10], 512, 8, 256, True, False),
     ([40000], 1, 16, 64, False, False),
-    # <= 32 query rows per request: the narrow kernel (N = 16 or 32)
+    # <= 32 query rows per request: the narrow kernel (N = 32 for the first three; the last is batch 1
+    # with 21 rows, which the dispatch gives to the 64-row kernel)
     ([4099, 1023, 0, 1], 2, 16, 128, False, True),
     ([2000, 300], 1, 32, 32, False, False),
     ([113, 4099, 1, 0], 4, 8, 16, True, False),
@@ -60,8 +61,9 @@ def test_fp8_decode_matches_reference(lens, s_q, h_q, page_size, varlen, split_p
 
 @pytest.mark.parametrize("h_q,s_q", [(16, 1), (16, 2), (128, 1)])
 def test_fp8_subnormal_values(h_q, s_q):
-    """Stored values that are e4m3 subnormals (|x| < 2^-6) reach the MMAs exactly (the narrow kernel
-    unpacks them into 16-bit subnormals): k_scale = 256 puts most unit-scale values there."""
+    """Stored values that are e4m3 subnormals (|x| < 2^-6) reach the MMAs exactly (their fp16 and
+    bf16 conversions are exact) on all three kernels: 16 rows, 32 rows (batch 2) and 128 heads.
+    k_scale = 256 puts most unit-scale values there."""
     case = to_cuda(to_fp8_case(make_decode_case([700, 64], s_q, h_q, 64, seed=21), k_scale=256.0))
     stored = case["kv_cache"].float()
     finite = stored[torch.isfinite(stored)]

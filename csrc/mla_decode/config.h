@@ -12,7 +12,7 @@ constexpr int kNumMathWarpgroups = 2;
 constexpr int kNumThreads = (kNumMathWarpgroups + 1) * 128;  // + one producer warpgroup
 constexpr int kMathRegisters = 232;  // 2 x 128 x 232 + 128 x 40 <= 64K registers
 constexpr int kProducerRegisters = 40;
-// Narrow kernel (fp8 cache, <= 32 query rows per request; narrow_kernel.cuh): 72 KB of Q and P^T
+// Narrow kernel (fp8 cache, <= 32 query rows per request; narrow_kernel.cuh): Q (<= 36 KB) and P^T
 // leave room for 5 fp8 stages; its producer only issues TMA.
 constexpr int kNarrowMaxRows = 32;
 constexpr int kNarrowStages = 5;
