@@ -42,6 +42,12 @@ __device__ __forceinline__ void st_shared_16(void* smem, uint4 v) {
                : "memory");
 }
 
+// Stores 2 bytes through a generic pointer known to point into shared memory, as st.shared.
+__device__ __forceinline__ void st_shared_2(void* smem, uint16_t v) {
+  asm volatile("st.shared.b16 [%0], %1;" ::"r"(static_cast<uint32_t>(__cvta_generic_to_shared(smem))), "h"(v)
+               : "memory");
+}
+
 // 16-byte global -> shared copy that bypasses registers; src_bytes = 0 writes zeros instead.
 __device__ __forceinline__ void cp_async_16(void* smem, const void* gmem, bool valid) {
   const uint32_t dst = static_cast<uint32_t>(__cvta_generic_to_shared(smem));

@@ -78,8 +78,7 @@ __device__ __forceinline__ void convert_fp8_tiles(const DecodeParams& p, typenam
       uint32_t out[8];
 #pragma unroll
       for (int w = 0; w < 4; ++w) {
-        out[2 * w] = e4m3x2_to<Element>(words[w] & 0xffff);
-        out[2 * w + 1] = e4m3x2_to<Element>(words[w] >> 16);
+        e4m3x4_to<Element>(words[w], out[2 * w], out[2 * w + 1]);
       }
       const int row = c / 4, col = slab * kTmaColumns + (c % 4) * 16;
       mla_common::st_shared_16(&sK(row, col), make_uint4(out[0], out[1], out[2], out[3]));

@@ -201,10 +201,8 @@ __device__ void consume_narrow_tiles(const DecodeParams& p, typename Traits::Sha
 #pragma unroll
         for (int t = 0; t < kSteps; ++t) {
           uint32_t* a = a_regs + 4 * (buf + t);
-          a[0] = e4m3x2_to_f16x2(row0[t] & 0xffff);
-          a[1] = e4m3x2_to_f16x2(row8[t] & 0xffff);
-          a[2] = e4m3x2_to_f16x2(row0[t] >> 16);
-          a[3] = e4m3x2_to_f16x2(row8[t] >> 16);
+          e4m3x4_to_f16x2(row0[t], a[0], a[2]);
+          e4m3x4_to_f16x2(row8[t], a[1], a[3]);
           for (int i = 0; i < 4; ++i) warpgroup_fence_operand(a[i]);  // converted before the arrive
         }
         // Descriptors rebuilt per slab from an opaque base: keeps 36 of them out of registers.
@@ -271,7 +269,8 @@ __device__ void consume_narrow_tiles(const DecodeParams& p, typename Traits::Sha
         const int j = col_index(e);
         const float prob = exp2f(tSrS(e) - base[j]);
         col_sum[j] += prob;
-        sPt(col_of(j), 16 * warp + g + 8 * ((e >> 1) & 1)) = MmaElement(prob);
+        const MmaElement p16(prob);
+        mla_common::st_shared_2(&sPt(col_of(j), 16 * warp + g + 8 * ((e >> 1) & 1)), p16.raw());
       }
       bool any_rescale = false;
 #pragma unroll
@@ -305,12 +304,9 @@ __device__ void consume_narrow_tiles(const DecodeParams& p, typename Traits::Sha
         for (int step = 0; step < kSteps; ++step) {
           // raw_v[m][step / 2][2 (step % 2)]: keys 0-7 of the k-step, [.. + 1]: keys 8-15.
           const uint32_t* r = raw_v[m][step / 2] + 2 * (step % 2);
-          const uint32_t k_lo = __byte_perm(r[0], 0, 0x3120), k_hi = __byte_perm(r[1], 0, 0x3120);
           uint32_t* a = a_regs + 4 * (buf + step);
-          a[0] = e4m3x2_to_f16x2(k_lo & 0xffff);
-          a[1] = e4m3x2_to_f16x2(k_lo >> 16);
-          a[2] = e4m3x2_to_f16x2(k_hi & 0xffff);
-          a[3] = e4m3x2_to_f16x2(k_hi >> 16);
+          e4m3x4_to_f16x2(__byte_perm(r[0], 0, 0x3120), a[0], a[1]);
+          e4m3x4_to_f16x2(__byte_perm(r[1], 0, 0x3120), a[2], a[3]);
           for (int i = 0; i < 4; ++i) warpgroup_fence_operand(a[i]);
         }
         warpgroup_fence_operand(tOrO);
