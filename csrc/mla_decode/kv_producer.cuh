@@ -26,7 +26,9 @@ __device__ void produce_kv_tiles(const DecodeParams& p, const DecodeTma& tma,
                                  int m_block, int first_slab, int slab_step) {
   using Barrier = cutlass::arch::ClusterTransactionBarrier;
   const int lane = threadIdx.x % 32;
-  const int rows = tma.rows_per_copy;  // divides both page_size and kBlockN; >= 16, so <= 4 copies
+  // Rows per copy divide both page_size and kBlockN, and are >= 16, so <= 4 copies. No division
+  // by a run-time divisor per tile: a shift, and FastDivisor for the page (params.h).
+  const int rows_log2 = tma.rows_per_copy_log2, rows = 1 << rows_log2;
   const uint32_t bytes_per_slab_row = Traits::kFp8Kv ? kTmaColumns : kTmaColumns * sizeof(typename Traits::Element);
   int iteration = 0;
   for (int b = range.begin_b; b <= range.last_b; ++b) {
@@ -38,9 +40,11 @@ __device__ void produce_kv_tiles(const DecodeParams& p, const DecodeTma& tma,
       // Only copies that start before the sequence end are issued; the math warpgroups zero the
       // rest of the tile, so no page past ceil(L / page_size) is ever dereferenced.
       const int key0 = blk * kBlockN;
-      const int num_copies = mla_common::ceil_div(min(max(seg.seqlen_k - key0, 0), kBlockN), rows);
+      const int num_copies = (min(max(seg.seqlen_k - key0, 0), kBlockN) + rows - 1) >> rows_log2;
       const int key = key0 + lane * rows;
-      const int page = lane < num_copies ? min(max(pages[key / p.page_size], 0), p.num_pages - 1) : 0;
+      const int page_index = __umulhi(uint32_t(key), tma.page_size.multiplier) >> tma.page_size.shift;
+      const int row_in_page = key - page_index * tma.page_size.divisor;
+      const int page = lane < num_copies ? min(max(pages[page_index], 0), p.num_pages - 1) : 0;
       if (iteration >= Traits::kStages) {
         cutlass::arch::ClusterBarrier::wait(&ss.kv_empty[stage], ((iteration / Traits::kStages) - 1) & 1);
       }
@@ -56,7 +60,7 @@ __device__ void produce_kv_tiles(const DecodeParams& p, const DecodeTma& tma,
         for (int slab = first_slab; slab < kSlabs; slab += slab_step) {
           SM90_TMA_LOAD_3D::copy(&tma.kv, &ss.kv_full[stage][slab], uint64_t(TMA::CacheHintSm90::EVICT_FIRST),
                                  Traits::kv_copy_dst(ss, stage, slab, lane * rows), slab * kTmaColumns,
-                                 key % p.page_size, page);
+                                 row_in_page, page);
         }
       }
     }

@@ -7,15 +7,26 @@ namespace mla_decode {
 
 namespace {
 int gcd(int a, int b) { return b == 0 ? a : gcd(b, a % b); }
+
+// Round-up reciprocal: with 2^(p-1) < divisor <= 2^p (2^p for a power of two), multiplier =
+// ceil(2^(31+p) / divisor) < 2^32, and n * multiplier >> (31 + p) = n / divisor for n < 2^31.
+FastDivisor make_fast_divisor(int divisor) {
+  int p = 0;
+  while ((1 << p) < divisor) ++p;
+  const uint64_t multiplier = ((uint64_t(1) << (31 + p)) + uint64_t(divisor) - 1) / uint64_t(divisor);
+  return FastDivisor{divisor, uint32_t(multiplier), uint32_t(p - 1)};
+}
 }  // namespace
 
 const char* make_kv_tma(const DecodeParams& p, mla_common::TmaElement element, DecodeTma* tma) {
   // A copy never crosses a page: rows_per_copy divides page_size (a multiple of 16) and 64.
-  tma->rows_per_copy = gcd(p.page_size, kBlockN);
+  const int rows_per_copy = gcd(p.page_size, kBlockN);
+  tma->rows_per_copy_log2 = __builtin_ctz(rows_per_copy);
+  tma->page_size = make_fast_divisor(p.page_size);
   const size_t elem = element == mla_common::TmaElement::kFp8 ? 1 : 2;
   const uint64_t dims[3] = {uint64_t(kHeadDimK), uint64_t(p.page_size), uint64_t(p.num_pages)};
   const uint64_t strides[2] = {uint64_t(p.kv_token_stride * elem), uint64_t(p.kv_page_stride * elem)};
-  const uint32_t box[3] = {uint32_t(kTmaColumns), uint32_t(tma->rows_per_copy), 1};
+  const uint32_t box[3] = {uint32_t(kTmaColumns), uint32_t(rows_per_copy), 1};
   return mla_common::encode_tma(&tma->kv, element, 3, p.kv, dims, strides, box);
 }
 

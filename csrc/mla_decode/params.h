@@ -44,9 +44,17 @@ struct DecodeParams {
   float* partial_lse;  // [slots * num_q_tiles * 64]
 };
 
+// n / divisor = __umulhi(n, multiplier) >> shift, exact for 0 <= n < 2^31 (divisor >= 2; made by
+// make_fast_divisor in kv_tma.cu): a division by a run-time divisor is ~40 instructions otherwise.
+struct FastDivisor {
+  int divisor;
+  uint32_t multiplier, shift;
+};
+
 struct DecodeTma {
   CUtensorMap kv;  // 3-D (576, page_size, num_pages), box (64, rows_per_copy, 1), 128-byte swizzle
-  int rows_per_copy;
+  int rows_per_copy_log2;  // rows_per_copy = gcd(page_size, 64): 16, 32 or 64
+  FastDivisor page_size;   // key -> (page index, row in page)
 };
 
 }  // namespace mla_decode
