@@ -177,17 +177,10 @@ __device__ void consume_kv_tiles(const DecodeParams& p, typename Traits::SharedS
       mla_common::cp_async_16(&sQ(r, c * 8), valid ? src : p.q_nope, valid);
     }
   };
-  // The next request piece of this CTA's part that has rows in q-tile m_block.
-  auto next_segment = [&](int from_b, Segment& s) {
-    for (int b = from_b; b <= range.last_b; ++b) {
-      if (range.segment(p, b, m_block, s)) return true;
-    }
-    return false;
-  };
 
   int iteration = 0;
   Segment seg;
-  bool have_segment = next_segment(range.begin_b, seg);
+  bool have_segment = range.next_segment(p, range.begin_b, m_block, seg);
   if (have_segment) issue_q_load(seg);
   while (have_segment) {
     const int rows_in_request = seg.seqlen_q * p.num_heads_q;
@@ -338,7 +331,7 @@ __device__ void consume_kv_tiles(const DecodeParams& p, typename Traits::SharedS
     // Every QK of this segment has completed (the other warpgroup's last PV needed the last S), so
     // sQ is free: the next segment's Q load overlaps this epilogue.
     Segment next;
-    const bool have_next = next_segment(seg.b + 1, next);
+    const bool have_next = range.next_segment(p, seg.b + 1, m_block, next);
     if (have_next) issue_q_load(next);
 
     // ---- Epilogue: total denominator over both warpgroups' blocks, then normalise and store.

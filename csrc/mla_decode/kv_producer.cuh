@@ -31,10 +31,9 @@ __device__ void produce_kv_tiles(const DecodeParams& p, const DecodeTma& tma,
   const int rows_log2 = tma.rows_per_copy_log2, rows = 1 << rows_log2;
   const uint32_t bytes_per_slab_row = Traits::kFp8Kv ? kTmaColumns : kTmaColumns * sizeof(typename Traits::Element);
   int iteration = 0;
-  for (int b = range.begin_b; b <= range.last_b; ++b) {
-    Segment seg;
-    if (!range.segment(p, b, m_block, seg)) continue;
-    const int* pages = p.block_table + int64_t(b) * p.block_table_stride;
+  Segment seg;
+  for (int b = range.begin_b; range.next_segment(p, b, m_block, seg); b = seg.b + 1) {
+    const int* pages = p.block_table + int64_t(seg.b) * p.block_table_stride;
     for (int blk = seg.blk_lo; blk < seg.blk_hi; ++blk, ++iteration) {
       const int stage = iteration % Traits::kStages;
       // Only copies that start before the sequence end are issued; the math warpgroups zero the

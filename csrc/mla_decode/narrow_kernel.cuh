@@ -136,16 +136,10 @@ __device__ void consume_narrow_tiles(const DecodeParams& p, typename Traits::Sha
       }
     }
   };
-  auto next_segment = [&](int from_b, Segment& s) {
-    for (int b = from_b; b <= range.last_b; ++b) {
-      if (range.segment(p, b, 0, s)) return true;
-    }
-    return false;
-  };
 
   int iteration = 0;
   Segment seg;
-  for (int b = range.begin_b; next_segment(b, seg); b = seg.b + 1) {
+  for (int b = range.begin_b; range.next_segment(p, b, 0, seg); b = seg.b + 1) {
     load_q(seg);
     const int rows_in_request = seg.seqlen_q * p.num_heads_q;
     cutlass::arch::fence_view_async_shared();

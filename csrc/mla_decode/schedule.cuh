@@ -52,6 +52,14 @@ struct PartRange {
     seg.split = b == begin_b ? begin_split : 0;
     return true;
   }
+
+  // The first request from from_b on in which this CTA's q-tile has rows; false past last_b.
+  __device__ bool next_segment(const DecodeParams& p, int from_b, int m_block, Segment& seg) const {
+    for (int b = from_b; b <= last_b; ++b) {
+      if (segment(p, b, m_block, seg)) return true;
+    }
+    return false;
+  }
 };
 
 }  // namespace mla_decode
