@@ -93,7 +93,6 @@ def _check_cache(kv_cache, k_scale, device):
     check_k_scale(kv_cache, k_scale)
 
 
-
 def _check_write(kv_c, k_pe, kv_cache, slot_mapping, k_scale):
     if kv_c.dtype not in _FLOATS:
         raise TypeError(f"kv_c must be bfloat16 or float16, got {kv_c.dtype}")
