@@ -7,13 +7,13 @@
 // Warpgroup roles (384 threads):
 //   WG 2  producer: its warps issue TMA copies of 64-key x 576-dim K tiles (9 swizzle slabs per
 //         page piece, one lane per piece, warp w slabs w, w + 4, w + 8) into a 2-stage ring; one
-//         kv_full mbarrier per slab, one kv_empty per stage. FP8 cache: warp 0 issues every slab,
-//         the slabs land as bytes in the upper half of the stage, and warps 1-3 convert them in
-//         place to 16 bit (kv_ready per slab).
-//   WG 0,1 math: KV blocks alternate between them. The owner of a block computes S = Q K^T for all
-//         64 keys, the online-softmax step and P = exp2(S - m), and hands P and the new row max to
-//         the other through shared memory; both then add P V to their half of O (256 columns),
-//         with V read from the same K tile (its first 512 columns).
+//         kv_full mbarrier per slab, one kv_empty per stage. FP8 cache: the slabs land as bytes
+//         in the upper half of the stage.
+//   WG 0,1 math: KV blocks alternate between them. The owner of a block (FP8: first converts its
+//         tile in place to 16 bit, Fp8SlabConverter) computes S = Q K^T for all 64 keys, the
+//         online-softmax step and P = exp2(S - m), and hands P and the new row max to the other
+//         through shared memory; both then add P V to their half of O (256 columns), with V read
+//         from the same K tile (its first 512 columns).
 // A split writes either the final row (request not split) or an fp32 partial + LSE that
 // combine_kernel.cuh merges.
 #pragma once
@@ -38,92 +38,83 @@ namespace mla_decode {
 using namespace cute;
 using mla_common::named_barrier_sync;
 
-// fp8 cache: converts each staged K tile to the 16-bit tile the WGMMAs read, on kConverterThreads
-// threads (producer warps 1-3), and signals each slab (kv_ready) once converted. Thread i converts
-// 16-byte chunks i, i + 96, ... of a slab (chunk c: row c / 4, columns 16 (c % 4) ... + 15). e4m3
-// values are exact in fp16 and bf16; the scale is applied by the math warpgroups.
+// fp8 cache: both math warpgroups convert a block's staged e4m3 tile to the 16-bit tile the
+// WGMMAs read, slab by slab as the slabs land; the owner issues each slab group's QK^T before
+// converting the next (the WGMMAs run while it converts). Math thread t converts 16-byte chunk t of
+// every slab (key row t / 4, columns 16 (t % 4) ... + 15); rows past the sequence end become zeros
+// (never loaded, or slots past L), so no tail zeroing is needed. e4m3 values are exact in fp16 and
+// bf16; the scale is applied to the scores and the output.
 //
-// In place: 16-bit slab s overwrites the staged bytes of slabs 2s - 9 and 2s - 8 (if >= 0), so
-// slabs 0-3 overwrite nothing staged; 4 overwrites staged 0, 5: 1-2, 6: 3-4, 7: 5-6, 8: 7-8. The
-// slabs are converted in that order, streamed (read, convert, write chunk by chunk), with a barrier
-// wherever a slab overwrites bytes other threads may not have read yet: 0-3 | 4-5 | 6 | 7, then 8
-// is read | barrier | written.
-constexpr int kConverterThreads = 96;
-
+// In place: 16-bit slab s overwrites the staged bytes of slabs 2s - 9 and 2s - 8 (if >= 0), so a
+// barrier must separate every read of those from the writes of s: slabs are converted in the
+// groups {0-3} {4, 5} {6} {7, and slab 8 read} {8 written}, with a barrier over both warpgroups
+// after each group, which also makes the group visible to the WGMMAs.
 template <typename Traits>
-__device__ __forceinline__ void convert_fp8_tiles(const DecodeParams& p, typename Traits::SharedStorage& ss,
-                                                  const PartRange& range, int m_block) {
+struct Fp8SlabConverter {
   using Element = typename Traits::Element;
-  constexpr int kChunksPerSlab = kFp8SlabBytes / 16;
-  constexpr int kChunksPerThread = (kChunksPerSlab + kConverterThreads - 1) / kConverterThreads;
-  int num_blocks = 0;  // the converter needs only the count of this CTA's blocks, not their ids
-  for (int b = range.begin_b; b <= range.last_b; ++b) {
-    Segment seg;
-    if (range.segment(p, b, m_block, seg)) num_blocks += max(seg.blk_hi - seg.blk_lo, 0);
+  static_assert(kFp8SlabBytes / 16 == 256, "one 16-byte chunk of a slab per math thread");
+
+  // Reads this thread's chunk of staged slab `slab`.
+  __device__ __forceinline__ static uint4 read(const typename Traits::SharedStorage& ss, int stage, int slab, int tid) {
+    const char* slab_bytes = reinterpret_cast<const char*>(ss.k[stage]) + Traits::kFp8StagingOffset + slab * kFp8SlabBytes;
+    return *reinterpret_cast<const uint4*>(slab_bytes + fp8_slab_offset(tid / 4, tid % 4));
   }
-  auto sync = [] { named_barrier_sync<int(DecodeBarrier::kFp8Staged), kConverterThreads>(); };
-  for (int iteration = 0; iteration < num_blocks; ++iteration) {
-    const int stage = iteration % kStages;
-    const uint32_t phase = (iteration / kStages) & 1;
-    // Warps 1-3 of the producer warpgroup. Re-derived per tile through an opaque move: otherwise the
-    // compiler hoists every swizzled address of the tile, which 40 registers cannot hold.
-    const int tid = mla_common::opaque(int(threadIdx.x % 128)) - 32;
+  // Writes it, converted, to the 16-bit slab `slab` (zeros for rows >= valid_keys).
+  __device__ __forceinline__ static void write(typename Traits::SharedStorage& ss, int stage, int slab, int tid,
+                                               int valid_keys, uint4 in) {
+    // Re-derived through an opaque move: otherwise the compiler hoists every slab's swizzled
+    // addresses out of the loop over the tiles and holds them across it.
     Tensor sK = make_tensor(make_smem_ptr(ss.k[stage]), typename Traits::SmemLayoutK{});
-    const char* staging = reinterpret_cast<const char*>(ss.k[stage]) + Traits::kFp8StagingOffset;
-    auto load = [&](int slab, int c) {
-      return *reinterpret_cast<const uint4*>(staging + slab * kFp8SlabBytes + fp8_slab_offset(c / 4, c % 4));
-    };
-    auto store = [&](int slab, int c, uint4 in) {
-      const uint32_t words[4] = {in.x, in.y, in.z, in.w};
-      uint32_t out[8];
+    tid = mla_common::opaque(tid);
+    const int row = tid / 4, col = slab * kTmaColumns + (tid % 4) * 16;
+    const uint32_t words[4] = {in.x, in.y, in.z, in.w};
+    uint32_t out[8];
 #pragma unroll
-      for (int w = 0; w < 4; ++w) {
-        e4m3x4_to<Element>(words[w], out[2 * w], out[2 * w + 1]);
-      }
-      const int row = c / 4, col = slab * kTmaColumns + (c % 4) * 16;
-      mla_common::st_shared_16(&sK(row, col), make_uint4(out[0], out[1], out[2], out[3]));
-      mla_common::st_shared_16(&sK(row, col + 8), make_uint4(out[4], out[5], out[6], out[7]));
-    };
-    auto ready = [&](int slab) {  // this thread's 16-bit writes of the slab -> WGMMA reads
-      cutlass::arch::fence_view_async_shared();
-      cutlass::arch::ClusterBarrier::arrive(&ss.kv_ready[stage][slab]);
-    };
-    auto stream = [&](int slab) {
-      cutlass::arch::ClusterBarrier::wait(&ss.kv_full[stage][slab], phase);
+    for (int w = 0; w < 4; ++w) e4m3x4_to<Element>(words[w], out[2 * w], out[2 * w + 1]);
+    if (row >= valid_keys) {
 #pragma unroll
-      for (int i = 0; i < kChunksPerThread; ++i) {
-        const int c = tid + i * kConverterThreads;
-        if (c < kChunksPerSlab) store(slab, c, load(slab, c));
-      }
-      ready(slab);
-    };
-#pragma unroll 1
-    for (int slab = 0; slab < 4; ++slab) stream(slab);
-    sync();
-    stream(4);
-    stream(5);
-    sync();
-    stream(6);
-    sync();
-    stream(7);
-    {  // slab 8 overwrites its own staged bytes
-      uint4 in[kChunksPerThread];
-      cutlass::arch::ClusterBarrier::wait(&ss.kv_full[stage][8], phase);
-#pragma unroll
-      for (int i = 0; i < kChunksPerThread; ++i) {
-        const int c = tid + i * kConverterThreads;
-        if (c < kChunksPerSlab) in[i] = load(8, c);
-      }
-      sync();
-#pragma unroll
-      for (int i = 0; i < kChunksPerThread; ++i) {
-        const int c = tid + i * kConverterThreads;
-        if (c < kChunksPerSlab) store(8, c, in[i]);
-      }
-      ready(8);
+      for (int j = 0; j < 8; ++j) out[j] = 0;
     }
+    mla_common::st_shared_16(&sK(row, col), make_uint4(out[0], out[1], out[2], out[3]));
+    mla_common::st_shared_16(&sK(row, col + 8), make_uint4(out[4], out[5], out[6], out[7]));
   }
-}
+  // Converts the tile of `stage`, calling on_group(first_slab, end_slab) after each group is
+  // visible to WGMMA. The slabs of a group are waited for, then all read, then all written, so that
+  // their loads are in flight together.
+  template <typename OnGroup>
+  __device__ __forceinline__ static void convert_tile(typename Traits::SharedStorage& ss, int stage, uint32_t phase,
+                                                      int tid, int valid_keys, OnGroup&& on_group) {
+    auto publish = [&](int first_slab, int end_slab) {
+      cutlass::arch::fence_view_async_shared();
+      mla_common::named_barrier_sync<int(DecodeBarrier::kFp8Converted), 256>();
+      on_group(first_slab, end_slab);
+    };
+    // Converts slabs [first_slab, end_slab); with read_next, also reads slab end_slab (returned).
+    auto convert = [&](int first_slab, int end_slab, bool read_next) {
+      uint4 staged[5] = {};
+      const int extra_reads = read_next;
+#pragma unroll
+      for (int slab = first_slab; slab < end_slab + extra_reads; ++slab) {
+        cutlass::arch::ClusterBarrier::wait(&ss.kv_full[stage][slab], phase);
+      }
+#pragma unroll
+      for (int slab = first_slab; slab < end_slab + extra_reads; ++slab) staged[slab - first_slab] = read(ss, stage, slab, tid);
+#pragma unroll
+      for (int slab = first_slab; slab < end_slab; ++slab) write(ss, stage, slab, tid, valid_keys, staged[slab - first_slab]);
+      return staged[end_slab - first_slab];
+    };
+    convert(0, 4, false);
+    publish(0, 4);
+    convert(4, 6, false);
+    publish(4, 6);
+    convert(6, 7, false);
+    publish(6, 7);
+    const uint4 staged8 = convert(7, 8, true);  // slab 8 overwrites its own staged bytes: read before the barrier
+    publish(7, 8);
+    write(ss, stage, 8, tid, valid_keys, staged8);
+    publish(8, 9);
+  }
+};
 
 // The math warpgroups. KV blocks of a segment alternate between them: the owner of a block
 // computes its full S = Q K^T (64 x 64), the online-softmax step and P, and publishes P and the new
@@ -154,10 +145,6 @@ __device__ void consume_kv_tiles(const DecodeParams& p, typename Traits::SharedS
   // accumulator ((2 columns, 2 row halves, N/8), ...) belongs to row r0 + 8 * row_half(e).
   const int r0 = get<0>(tScS(0));
   auto row_half = [](int e) { return (e >> 1) & 1; };
-  // A slab of the K tile is readable once it has landed (16-bit cache) or been converted (fp8).
-  auto slab_ready = [&](int stage, int slab) {
-    return Traits::kFp8Kv ? &ss.kv_ready[stage][slab] : &ss.kv_full[stage][slab];
-  };
   // fp8: the scale multiplies every score and every output value (the tile holds stored values).
   const float k_scale = Traits::kFp8Kv ? *p.k_scale : 1.f;
   const float scale_log2 = p.scale_log2 * k_scale;
@@ -207,11 +194,12 @@ __device__ void consume_kv_tiles(const DecodeParams& p, typename Traits::SharedS
       const int owner = (blk - seg.blk_lo) & 1;
       float rescale[2];
       // -- Tail block: both warpgroups zero the key rows past the sequence end (never loaded, or
-      // holding slots past L) so that 0-probability keys cannot inject NaN/Inf through P V.
+      // holding slots past L) so that 0-probability keys cannot inject NaN/Inf through P V (the fp8
+      // converter writes those rows as zeros instead).
       const int valid_keys = max(seg.seqlen_k - blk * kBlockN, 0);
-      if (valid_keys < kBlockN) {
+      if (!Traits::kFp8Kv && valid_keys < kBlockN) {
         Tensor sK = make_tensor(make_smem_ptr(ss.k[stage]), typename Traits::SmemLayoutK{});
-        for (int slab = 0; slab < kSlabs; ++slab) cutlass::arch::ClusterBarrier::wait(slab_ready(stage, slab), phase);
+        for (int slab = 0; slab < kSlabs; ++slab) cutlass::arch::ClusterBarrier::wait(&ss.kv_full[stage][slab], phase);
         constexpr int kChunks = kHeadDimK / 8;
         for (int i = tid; i < (kBlockN - valid_keys) * kChunks; i += 256) {
           mla_common::st_shared_zero16(&sK(valid_keys + i / kChunks, i % kChunks * 8));
@@ -220,15 +208,14 @@ __device__ void consume_kv_tiles(const DecodeParams& p, typename Traits::SharedS
         named_barrier_sync<int(DecodeBarrier::kTailZeroed), 256>();
       }
       if (owner == warpgroup) {
-        // -- S = Q K^T, one WGMMA commit group per slab, each issued as soon as its slab has
-        // landed (a barrier wait inside a group makes the compiler serialize the MMAs).
+        // -- S = Q K^T, one WGMMA commit group per slab group, each issued as soon as its slabs
+        // have landed (16-bit cache) or been converted (fp8); a barrier wait inside a group makes
+        // the compiler serialize the MMAs.
         constexpr int kStepsPerSlab = kTmaColumns / 16;
         warpgroup_fence_operand(tSrS);
         mma_qk.accumulate_ = GMMA::ScaleOut::Zero;
-#pragma unroll
-        for (int slab = 0; slab < kSlabs; ++slab) {
-          cutlass::arch::ClusterBarrier::wait(slab_ready(stage, slab), phase);
-          // Descriptors are rebuilt per slab from opaque bases (cheap integer math): otherwise
+        auto issue_qk = [&](int first_slab, int end_slab) {
+          // Descriptors are rebuilt per group from opaque bases (cheap integer math): otherwise
           // the compiler computes all 2 x 36 of them up front and holds them across the waits.
           Tensor tSrQ = thr_qk.partition_fragment_A(
               make_tensor(make_smem_ptr(mla_common::opaque(ss.q)), typename Traits::SmemLayoutQ{}));
@@ -236,17 +223,36 @@ __device__ void consume_kv_tiles(const DecodeParams& p, typename Traits::SharedS
               make_tensor(make_smem_ptr(mla_common::opaque(ss.k[stage])), typename Traits::SmemLayoutK{}));
           warpgroup_arrive();
 #pragma unroll
-          for (int k = slab * kStepsPerSlab; k < (slab + 1) * kStepsPerSlab; ++k) {
+          for (int k = first_slab * kStepsPerSlab; k < end_slab * kStepsPerSlab; ++k) {
             cute::gemm(mma_qk, tSrQ(_, _, k), tSrK(_, _, k), tSrS);
             mma_qk.accumulate_ = GMMA::ScaleOut::One;
           }
           warpgroup_commit_batch();
+        };
+        // The previous block's stage is free once this WG's PV of it completes (the other WG
+        // released it before its P V). With one q-tile (16-bit cache) the CTA's loads are what
+        // bounds it: release right after the first QK group, so that the next block's load starts
+        // while the rest of QK^T runs (measured: ~4 % at h_q 16; 3-10 % slower with two q-tiles).
+        const bool release_early = !Traits::kFp8Kv && p.num_q_tiles == 1;
+        auto release_previous_stage = [&] {
+          if (blk > seg.blk_lo && tid_in_wg == 0) cutlass::arch::ClusterBarrier::arrive(&ss.kv_empty[(iteration - 1) % kStages]);
+        };
+        if constexpr (Traits::kFp8Kv) {
+          Fp8SlabConverter<Traits>::convert_tile(ss, stage, phase, tid, valid_keys, issue_qk);
+        } else {
+#pragma unroll
+          for (int slab = 0; slab < kSlabs; ++slab) {
+            cutlass::arch::ClusterBarrier::wait(&ss.kv_full[stage][slab], phase);
+            issue_qk(slab, slab + 1);
+            if (slab == 0 && release_early) {
+              warpgroup_wait<1>();  // the PV group issued before this first QK group
+              release_previous_stage();
+            }
+          }
         }
         warpgroup_wait<0>();  // S, and this WG's PV of the previous block
+        if (!release_early) release_previous_stage();
         warpgroup_fence_operand(tSrS);
-        if (blk > seg.blk_lo && tid_in_wg == 0) {
-          cutlass::arch::ClusterBarrier::arrive(&ss.kv_empty[(iteration - 1) % kStages]);
-        }
 
         // -- Online softmax in log2 units over the 64 keys of the block.
         const int key0 = blk * kBlockN;
@@ -287,14 +293,22 @@ __device__ void consume_kv_tiles(const DecodeParams& p, typename Traits::SharedS
         cutlass::arch::fence_view_async_shared();
         named_barrier_sync<int(DecodeBarrier::kPReady0), 256>(warpgroup);
       } else {
-        warpgroup_wait<0>();  // this WG's PV of the previous block: it no longer reads P
-        if (blk > seg.blk_lo) {
-          if (tid_in_wg == 0) cutlass::arch::ClusterBarrier::arrive(&ss.kv_empty[(iteration - 1) % kStages]);
-          named_barrier_sync<int(DecodeBarrier::kPFree0), 256>(owner);
+        // fp8: first help convert the block (while this WG's previous PV runs), before kPFree,
+        // which the owner reaches only after its QK^T.
+        if constexpr (Traits::kFp8Kv) {
+          Fp8SlabConverter<Traits>::convert_tile(ss, stage, phase, tid, valid_keys, [](int, int) {});
         }
-        // V of this block is observed through the owner's hand-off, and directly here.
-        for (int slab = 0; slab < kHeadDimV / kTmaColumns; ++slab) {
-          cutlass::arch::ClusterBarrier::wait(slab_ready(stage, slab), phase);
+        warpgroup_wait<0>();  // this WG's PV of the previous block: it no longer reads P
+        if (blk > seg.blk_lo && tid_in_wg == 0) {
+          cutlass::arch::ClusterBarrier::arrive(&ss.kv_empty[(iteration - 1) % kStages]);
+        }
+        if (blk > seg.blk_lo) named_barrier_sync<int(DecodeBarrier::kPFree0), 256>(owner);
+        // V of this block is observed through the owner's hand-off, and directly here (16-bit
+        // cache; an fp8 tile was converted above).
+        if constexpr (!Traits::kFp8Kv) {
+          for (int slab = 0; slab < kHeadDimV / kTmaColumns; ++slab) {
+            cutlass::arch::ClusterBarrier::wait(&ss.kv_full[stage][slab], phase);
+          }
         }
         named_barrier_sync<int(DecodeBarrier::kPReady0), 256>(owner);
 #pragma unroll
@@ -411,9 +425,6 @@ __global__ void __launch_bounds__(kNumThreads, 1)
         cutlass::arch::ClusterTransactionBarrier::init(&ss.kv_full[s][slab], 1);
       }
       cutlass::arch::ClusterBarrier::init(&ss.kv_empty[s], kNumMathWarpgroups);
-      if constexpr (Traits::kFp8Kv) {
-        for (int slab = 0; slab < kSlabs; ++slab) cutlass::arch::ClusterBarrier::init(&ss.kv_ready[s][slab], kConverterThreads);
-      }
     }
     cutlass::arch::fence_barrier_init();
   }
@@ -422,17 +433,9 @@ __global__ void __launch_bounds__(kNumThreads, 1)
   if (warpgroup == kNumMathWarpgroups) {
     cutlass::arch::warpgroup_reg_dealloc<kProducerRegisters>();
     const int warp = threadIdx.x / 32 - kNumMathWarpgroups * 4;
-    if constexpr (Traits::kFp8Kv) {  // warp 0 issues every slab, warps 1-3 convert
-      if (warp == 0) {
-        if (threadIdx.x % 32 == 0) cute::prefetch_tma_descriptor(&tma.kv);
-        produce_kv_tiles<Traits>(params, tma, ss, range, m_block, 0, 1);
-      } else {
-        convert_fp8_tiles<Traits>(params, ss, range, m_block);
-      }
-    } else {  // the four warps issue slabs w, w + 4, w + 8
-      if (threadIdx.x % 32 == 0) cute::prefetch_tma_descriptor(&tma.kv);
-      produce_kv_tiles<Traits>(params, tma, ss, range, m_block, warp, 4);
-    }
+    // The four warps issue slabs w, w + 4, w + 8.
+    if (threadIdx.x % 32 == 0) cute::prefetch_tma_descriptor(&tma.kv);
+    produce_kv_tiles<Traits>(params, tma, ss, range, m_block, warp, 4);
   } else {
     cutlass::arch::warpgroup_reg_alloc<kMathRegisters>();
     consume_kv_tiles<Traits>(params, ss, range, m_block);

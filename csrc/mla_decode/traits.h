@@ -15,7 +15,7 @@ template <typename Element_, bool kFp8Kv_>
 struct DecodeTraits {
   using Element = Element_;  // cutlass::bfloat16_t or cutlass::half_t: q, out, and the K tile in smem
   // fp8 (e4m3) cache: each K tile arrives as fp8 bytes in the upper half of its stage buffer and is
-  // converted in place to the 16-bit tile below (converter warps of the producer warpgroup).
+  // converted in place to the 16-bit tile below (by the math warpgroups).
   static constexpr bool kFp8Kv = kFp8Kv_;
   // Q tile [64 rows, 576] and K tile [64 keys, 576], K-major (head dim contiguous), 128-byte
   // swizzle: each 64-column slab is 64 rows x 128 B = 8 KB, which is exactly what one TMA box of
@@ -48,7 +48,6 @@ struct DecodeTraits {
     float row_max[kBlockM];                      // running row max after the block in sP
     float row_sum[kNumMathWarpgroups][kBlockM];  // per-warpgroup softmax denominators (epilogue)
     uint64_t kv_full[kStages][kSlabs];           // TMA bytes of one 64-column slab have landed
-    uint64_t kv_ready[kStages][kSlabs];          // fp8 cache: the slab is converted to 16 bit
     uint64_t kv_empty[kStages];                  // both math warpgroups are done with a K tile
   };
   // fp8 staging: slab s of a tile sits at this byte offset of the stage buffer + s * kFp8SlabBytes
@@ -82,7 +81,8 @@ enum class DecodeBarrier : int {
   kPFree1 = 5,
   kRowSum = 6,       // both partial denominators are in row_sum
   kTailZeroed = 7,   // the key rows past the sequence end are zeroed and fenced for WGMMA
-  kFp8Staged = 8,    // converter warps: all have read the staged fp8 slab (before overwriting it)
+  kFp8Converted = 8,  // fp8 cache: a converted slab group is fenced for WGMMA (and, in place, its
+                      // staged bytes are read before a later slab overwrites them)
 };
 
 }  // namespace mla_decode
