@@ -312,6 +312,19 @@ __device__ void consume_narrow_tiles(const DecodeParams& p, typename Traits::Sha
     }
     warpgroup_wait<0>();
     warpgroup_fence_operand(tOrO);
+    {
+      // compute-sanitizer's racecheck orders the 256-thread hand-offs below correctly only if both
+      // warpgroups have run their warpgroup-local barriers equally often (scripts/racecheck_probe.cu):
+      // the one that ran fewer in this request (2 per tile, 1 more for a tail tile) catches up.
+      const int num_blocks = seg.blk_hi - seg.blk_lo, it0 = iteration - num_blocks;
+      const int first_tail = max(seg.blk_lo, seg.seqlen_k / kBlockN);  // tiles with valid_keys < kBlockN
+      auto count_own = [](int first, int count, int w) { return max(count + (((first ^ w) & 1) ? 0 : 1), 0) / 2; };
+      auto local_syncs = [&](int w) {
+        return 2 * count_own(it0, num_blocks, w) +
+               count_own(it0 + first_tail - seg.blk_lo, seg.blk_hi - first_tail, w);
+      };
+      for (int i = local_syncs(warpgroup); i < local_syncs(warpgroup ^ 1); ++i) warpgroup_sync();
+    }
 
     // ---- Epilogue: merge the two warpgroups' states, (M, L) per query row, then O through sQ
     // (every QK of the request is done: both warpgroups passed their last wait).
