@@ -72,6 +72,20 @@ def test_fp8_subnormal_values(h_q, s_q):
     check_unit_scale(dequantized(case), True, out, lse)
 
 
+@pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float16])
+@pytest.mark.parametrize("h_q,s_q", [(16, 1), (16, 2), (128, 1)])
+def test_fp8_q_rows_of_different_magnitudes(h_q, s_q, dtype):
+    """With an fp8 cache the MMAs run in fp16, and each bf16 Q row is stored times its own power of
+    two (fp16_row_scale): rows whose magnitudes differ by 2^10, and an all-zero row, must each come
+    out right on all three kernels (16 rows, 32 rows at batch 2, 128 heads)."""
+    case = to_cuda(to_fp8_case(make_decode_case([700, 64], s_q, h_q, 64, dtype=dtype, seed=22)))
+    factors = 2.0 ** torch.linspace(-8, 2, h_q).round()
+    factors[h_q // 2] = 0.0
+    case["q"].mul_(factors.to(case["q"].device, case["q"].dtype).view(1, 1, h_q, 1))
+    out, lse = run(case, True)
+    check_unit_scale(dequantized(case), True, out, lse)
+
+
 def test_fp8_ragged_batch_and_scale_from_device():
     """64 ragged requests; k_scale is read on the device (a new value needs no recapture)."""
     g = torch.Generator().manual_seed(3)

@@ -38,12 +38,12 @@ namespace mla_decode {
 using namespace cute;
 using mla_common::named_barrier_sync;
 
-// fp8 cache: both math warpgroups convert a block's staged e4m3 tile to the 16-bit tile the
+// fp8 cache: both math warpgroups convert a block's staged e4m3 tile to the fp16 tile the
 // WGMMAs read, slab by slab as the slabs land; the owner issues each slab group's QK^T before
 // converting the next (the WGMMAs run while it converts). Math thread t converts 16-byte chunk t of
 // every slab (key row t / 4, columns 16 (t % 4) ... + 15); rows past the sequence end become zeros
-// (never loaded, or slots past L), so no tail zeroing is needed. e4m3 values are exact in fp16 and
-// bf16; the scale is applied to the scores and the output.
+// (never loaded, or slots past L), so no tail zeroing is needed. e4m3 values are exact in fp16; the
+// scale is applied to the scores and the output.
 //
 // In place: 16-bit slab s overwrites the staged bytes of slabs 2s - 9 and 2s - 8 (if >= 0), so a
 // barrier must separate every read of those from the writes of s: slabs are converted in the
@@ -51,7 +51,7 @@ using mla_common::named_barrier_sync;
 // after each group, which also makes the group visible to the WGMMAs.
 template <typename Traits>
 struct Fp8SlabConverter {
-  using Element = typename Traits::Element;
+  using MmaElement = typename Traits::MmaElement;
   static_assert(kFp8SlabBytes / 16 == 256, "one 16-byte chunk of a slab per math thread");
 
   // Reads this thread's chunk of staged slab `slab`.
@@ -70,7 +70,7 @@ struct Fp8SlabConverter {
     const uint32_t words[4] = {in.x, in.y, in.z, in.w};
     uint32_t out[8];
 #pragma unroll
-    for (int w = 0; w < 4; ++w) e4m3x4_to<Element>(words[w], out[2 * w], out[2 * w + 1]);
+    for (int w = 0; w < 4; ++w) e4m3x4_to<MmaElement>(words[w], out[2 * w], out[2 * w + 1]);
     if (row >= valid_keys) {
 #pragma unroll
       for (int j = 0; j < 8; ++j) out[j] = 0;
@@ -124,6 +124,7 @@ template <typename Traits>
 __device__ void consume_kv_tiles(const DecodeParams& p, typename Traits::SharedStorage& ss,
                                  const PartRange& range, int m_block) {
   using Element = typename Traits::Element;
+  using MmaElement = typename Traits::MmaElement;
   const int tid = threadIdx.x;          // 0..255 over the two math warpgroups
   const int warpgroup = tid / 128;
   const int tid_in_wg = tid % 128;
@@ -165,6 +166,38 @@ __device__ void consume_kv_tiles(const DecodeParams& p, typename Traits::SharedS
     }
   };
 
+  // ---- kScaledQ (bf16 q, fp8 cache): each thread rescales the chunks it copied (its own cp.async
+  // writes, visible after cp_async_wait_all) in place from bf16 to fp16 times fp16_row_scale of the
+  // row (the 4 threads of a row are adjacent lanes), and records the factor in ss.q_scale. The loops
+  // are not unrolled: once per request, code size matters more (cold instruction fetch at batch 1).
+  auto scale_q_rows = [&] {
+    constexpr int kChunks = kHeadDimK / 8, kThreadsPerRow = 256 / kBlockM;
+    const int thread = threadIdx.x, r = thread / kThreadsPerRow;
+    float row_max = 0.f;
+#pragma unroll 1
+    for (int c = thread % kThreadsPerRow; c < kChunks; c += kThreadsPerRow) {
+      const uint4 raw = *reinterpret_cast<const uint4*>(&sQ(r, c * 8));
+      const Element* v = reinterpret_cast<const Element*>(&raw);
+#pragma unroll
+      for (int k = 0; k < 8; ++k) row_max = fmaxf(row_max, fabsf(float(v[k])));
+    }
+    for (int x = 1; x < kThreadsPerRow; x *= 2) row_max = fmaxf(row_max, __shfl_xor_sync(0xffffffff, row_max, x));
+    const float scale = fp16_row_scale(row_max);
+    if (thread % kThreadsPerRow == 0) ss.q_scale[r] = scale;
+#pragma unroll 1
+    for (int c = thread % kThreadsPerRow; c < kChunks; c += kThreadsPerRow) {
+      uint4 raw = *reinterpret_cast<const uint4*>(&sQ(r, c * 8));
+      uint32_t* words = reinterpret_cast<uint32_t*>(&raw);
+#pragma unroll
+      for (int k = 0; k < 4; ++k) {
+        const Element* v = reinterpret_cast<const Element*>(&words[k]);
+        const __half2 h = __floats2half2_rn(float(v[0]) * scale, float(v[1]) * scale);
+        words[k] = *reinterpret_cast<const uint32_t*>(&h);
+      }
+      mla_common::st_shared_16(&sQ(r, c * 8), raw);
+    }
+  };
+
   int iteration = 0;
   Segment seg;
   bool have_segment = range.next_segment(p, range.begin_b, m_block, seg);
@@ -173,8 +206,13 @@ __device__ void consume_kv_tiles(const DecodeParams& p, typename Traits::SharedS
     const int rows_in_request = seg.seqlen_q * p.num_heads_q;
     const int row_base = m_block * kBlockM;
     mla_common::cp_async_wait_all();
+    if constexpr (Traits::kScaledQ) scale_q_rows();
     cutlass::arch::fence_view_async_shared();
     named_barrier_sync<int(DecodeBarrier::kQReady), 256>();
+    // Score scale of this thread's two rows, log2 units (a scaled Q row's factor undone here).
+    float score_scale[2];
+#pragma unroll
+    for (int i = 0; i < 2; ++i) score_scale[i] = Traits::kScaledQ ? scale_log2 / ss.q_scale[r0 + 8 * i] : scale_log2;
 
     // Last visible key (inclusive) of this thread's two rows: bottom-right causal alignment.
     int last_key[2];
@@ -260,7 +298,7 @@ __device__ void consume_kv_tiles(const DecodeParams& p, typename Traits::SharedS
 #pragma unroll
         for (int e = 0; e < size(tSrS); ++e) {
           const int i = row_half(e);
-          const float s = key0 + get<1>(tScS(e)) <= last_key[i] ? tSrS(e) * scale_log2 : -INFINITY;
+          const float s = key0 + get<1>(tScS(e)) <= last_key[i] ? tSrS(e) * score_scale[i] : -INFINITY;
           tSrS(e) = s;
           block_max[i] = fmaxf(block_max[i], s);
         }
@@ -282,7 +320,7 @@ __device__ void consume_kv_tiles(const DecodeParams& p, typename Traits::SharedS
           const int i = row_half(e);
           const float p0 = exp2f(tSrS(e) - base[i]), p1 = exp2f(tSrS(e + 1) - base[i]);
           row_sum[i] += p0 + p1;
-          const Element pair[2] = {Element(p0), Element(p1)};
+          const MmaElement pair[2] = {MmaElement(p0), MmaElement(p1)};
           *reinterpret_cast<uint32_t*>(&tSsP(e)) = *reinterpret_cast<const uint32_t*>(pair);
         }
         __syncwarp();  // the quad's other lanes read row_max as the previous block's non-owner

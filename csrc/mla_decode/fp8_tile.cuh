@@ -43,6 +43,14 @@ __device__ __forceinline__ uint32_t f16x2_to(uint32_t h2) {
   }
 }
 
+// The power of two a 16-bit Q row whose largest |value| is row_max (>= 0) is stored times as fp16,
+// so that the MMAs run in fp16 (e4m3 -> fp16 is one cvt per pair; -> bf16 takes four): it brings
+// row_max to [2^14, 2^15), which keeps every value above 2^-28 of it exact. 1 for a zero row.
+__device__ __forceinline__ float fp16_row_scale(float row_max) {
+  const int exponent = (__float_as_int(row_max) >> 23) - 127;  // floor(log2(row_max))
+  return row_max > 0.f ? __int_as_float((min(14 - exponent, 100) + 127) << 23) : 1.f;
+}
+
 // e4m3x4_to_f16x2 with Element x2 results.
 template <typename Element>
 __device__ __forceinline__ void e4m3x4_to(uint32_t four_bytes, uint32_t& lo, uint32_t& hi) {

@@ -18,7 +18,7 @@ using namespace cute;
 // needs 4 copies x 9 slabs per tile): lane c looks up the page of copy c of a block (a block spans
 // up to 64 / rows_per_copy pages) before the warp waits for a free stage, so the dependent
 // block-table read is off the critical path, then issues that copy's slabs.
-// Traits: kStages, kFp8Kv, Element, SharedStorage (kv_full [kStages][kSlabs], kv_empty [kStages])
+// Traits: kStages, kFp8Kv, MmaElement (of the 16-bit tile), SharedStorage (kv_full [kStages][kSlabs], kv_empty [kStages])
 // and kv_copy_dst(ss, stage, slab, row): where rows [row, row + rows_per_copy) of a slab land.
 template <typename Traits>
 __device__ void produce_kv_tiles(const DecodeParams& p, const DecodeTma& tma,
@@ -29,7 +29,7 @@ __device__ void produce_kv_tiles(const DecodeParams& p, const DecodeTma& tma,
   // Rows per copy divide both page_size and kBlockN, and are >= 16, so <= 4 copies. No division
   // by a run-time divisor per tile: a shift, and FastDivisor for the page (params.h).
   const int rows_log2 = tma.rows_per_copy_log2, rows = 1 << rows_log2;
-  const uint32_t bytes_per_slab_row = Traits::kFp8Kv ? kTmaColumns : kTmaColumns * sizeof(typename Traits::Element);
+  const uint32_t bytes_per_slab_row = Traits::kFp8Kv ? kTmaColumns : kTmaColumns * sizeof(typename Traits::MmaElement);
   int iteration = 0;
   Segment seg;
   for (int b = range.begin_b; range.next_segment(p, b, m_block, seg); b = seg.b + 1) {

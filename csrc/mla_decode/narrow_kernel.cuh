@@ -85,8 +85,7 @@ __device__ void consume_narrow_tiles(const DecodeParams& p, typename Traits::Sha
 
   // ---- Q [kRows, 576] as fp16 into the permuted layout (rows past the request are zero). The T
   // threads of a row (lanes of one warp) load its 16-byte chunks t, t + T, ...; a bf16 row is scaled
-  // by the power of two that brings its largest |value| to [2^14, 2^15): exact for every value above
-  // 2^-28 of that maximum, and undone in the row's score scale (ss.score_scale).
+  // by fp16_row_scale, undone in the row's score scale (ss.score_scale).
   auto load_q = [&](const Segment& s) {
     constexpr int kChunks = kHeadDimK / 8, kThreadsPerRow = 256 / kRows;
     constexpr int kChunksPerThread = (kChunks + kThreadsPerRow - 1) / kThreadsPerRow;
@@ -112,8 +111,7 @@ __device__ void consume_narrow_tiles(const DecodeParams& p, typename Traits::Sha
     float scale = 1.f;
     if constexpr (!std::is_same_v<Element, MmaElement>) {
       for (int x = 1; x < kThreadsPerRow; x *= 2) row_max = fmaxf(row_max, __shfl_xor_sync(0xffffffff, row_max, x));
-      const int exponent = (__float_as_int(row_max) >> 23) - 127;  // floor(log2), row_max >= 0
-      if (row_max > 0.f) scale = __int_as_float((min(14 - exponent, 100) + 127) << 23);
+      scale = fp16_row_scale(row_max);
     }
     if (first == 0) {  // per-row softmax constants (read per tile: registers are scarce at kRows 32)
       ss.score_scale[row] = p.scale_log2 * k_scale / scale;
