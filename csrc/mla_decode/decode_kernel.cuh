@@ -51,7 +51,7 @@ using mla_common::named_barrier_sync;
 // after each group, which also makes the group visible to the WGMMAs.
 template <typename Traits>
 struct Fp8SlabConverter {
-  using MmaElement = typename Traits::MmaElement;
+  static_assert(std::is_same_v<typename Traits::MmaElement, cutlass::half_t>, "e4m3 converts to the fp16 tile");
   static_assert(kFp8SlabBytes / 16 == 256, "one 16-byte chunk of a slab per math thread");
 
   // Reads this thread's chunk of staged slab `slab`.
@@ -70,7 +70,7 @@ struct Fp8SlabConverter {
     const uint32_t words[4] = {in.x, in.y, in.z, in.w};
     uint32_t out[8];
 #pragma unroll
-    for (int w = 0; w < 4; ++w) e4m3x4_to<MmaElement>(words[w], out[2 * w], out[2 * w + 1]);
+    for (int w = 0; w < 4; ++w) e4m3x4_to_f16x2(words[w], out[2 * w], out[2 * w + 1]);
     if (row >= valid_keys) {
 #pragma unroll
       for (int j = 0; j < 8; ++j) out[j] = 0;

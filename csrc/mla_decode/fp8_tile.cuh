@@ -1,15 +1,12 @@
-// An fp8 (e4m3) K tile as TMA stages it, and the conversion of its values to 16 bit.
+// An fp8 (e4m3) K tile as TMA stages it, the conversion of its values to fp16, and the power of two
+// a 16-bit Q row is stored times for fp16 MMAs.
 //
 // Slab s (64 of the 576 columns) of a staged tile is [64 rows][64 B] at s * kFp8SlabBytes; the TMA
 // map's 64-byte swizzle stores 16-byte chunk k of row r at chunk k ^ ((r >> 1) & 3), so that 8
 // consecutive rows at one logical chunk (an ldmatrix of V^T) and 8 rows x 4 chunks (LDS of K) hit
 // distinct banks. Needs each slab 512-byte aligned.
 #pragma once
-#include <cutlass/numeric_types.h>
-#include <cuda_bf16.h>
-#include <cuda_fp16.h>
 #include <cstdint>
-#include <type_traits>
 
 #include "mla_decode/config.h"
 
@@ -31,32 +28,12 @@ __device__ __forceinline__ void e4m3x4_to_f16x2(uint32_t four_bytes, uint32_t& l
       : "r"(four_bytes));
 }
 
-// f16x2 -> Element x2 (exact for values that came from e4m3).
-template <typename Element>
-__device__ __forceinline__ uint32_t f16x2_to(uint32_t h2) {
-  if constexpr (std::is_same_v<Element, cutlass::half_t>) {
-    return h2;
-  } else {
-    const float2 f = __half22float2(*reinterpret_cast<const __half2*>(&h2));
-    const __nv_bfloat162 b = __float22bfloat162_rn(f);
-    return *reinterpret_cast<const uint32_t*>(&b);
-  }
-}
-
 // The power of two a 16-bit Q row whose largest |value| is row_max (>= 0) is stored times as fp16,
 // so that the MMAs run in fp16 (e4m3 -> fp16 is one cvt per pair; -> bf16 takes four): it brings
 // row_max to [2^14, 2^15), which keeps every value above 2^-28 of it exact. 1 for a zero row.
 __device__ __forceinline__ float fp16_row_scale(float row_max) {
   const int exponent = (__float_as_int(row_max) >> 23) - 127;  // floor(log2(row_max))
   return row_max > 0.f ? __int_as_float((min(14 - exponent, 100) + 127) << 23) : 1.f;
-}
-
-// e4m3x4_to_f16x2 with Element x2 results.
-template <typename Element>
-__device__ __forceinline__ void e4m3x4_to(uint32_t four_bytes, uint32_t& lo, uint32_t& hi) {
-  e4m3x4_to_f16x2(four_bytes, lo, hi);
-  lo = f16x2_to<Element>(lo);
-  hi = f16x2_to<Element>(hi);
 }
 
 }  // namespace mla_decode
