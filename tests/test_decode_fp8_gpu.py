@@ -40,12 +40,14 @@ CASES = [
     ([4099, 113, 1, 0, 1023], 7, 32, 16, True, False),
     ([700, 10], 512, 8, 256, True, False),
     ([40000], 1, 16, 64, False, False),
-    # <= 32 query rows per request: the narrow kernel (N = 32 for the first three; the last is batch 1
-    # with 21 rows, which the dispatch gives to the 64-row kernel)
+    # <= 32 query rows per request: the narrow kernel (N = 32 for the first three; the fourth is batch 1
+    # with 21 rows, which the dispatch gives to the 64-row kernel; the last has 16 rows at batch 2,
+    # three math warpgroups, and a long context)
     ([4099, 1023, 0, 1], 2, 16, 128, False, True),
     ([2000, 300], 1, 32, 32, False, False),
     ([113, 4099, 1, 0], 4, 8, 16, True, False),
     ([33000], 7, 3, 64, False, False),
+    ([5, 36000], 1, 16, 32, False, False),
 ]
 
 

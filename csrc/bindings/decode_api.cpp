@@ -140,9 +140,13 @@ void mla_decode_cuda_impl(const Tensor& q, const std::optional<Tensor>& q_pe, co
         // fp8 and few query rows: the transposed kernel converts in registers and has N = rows.
         // At 32 rows its per-tile latency is higher (few registers to load ahead): measured slower
         // than the 64-row kernel for a single request (H200, h16 s2 b1 L 1024: 30.1 vs 24.6 us).
+        // At 16 rows, three math warpgroups keep more tiles in flight but each tile takes longer:
+        // measured faster from batch 2 up, slower for a single request (h16 s1 b128 L16384: 319 vs
+        // 347 us; b1 L1024: 18.1 vs 16.2 us).
         const int rows = p.max_seqlen_q * p.num_heads_q;
-        if (rows <= 16) return run_mla_decode_narrow<Element, 16>(p, tma, stream);
-        if (rows <= kNarrowMaxRows && p.batch > 1) return run_mla_decode_narrow<Element, kNarrowMaxRows>(p, tma, stream);
+        if (rows <= 16 && p.batch > 1) return run_mla_decode_narrow<Element, 16, 3>(p, tma, stream);
+        if (rows <= 16) return run_mla_decode_narrow<Element, 16, 2>(p, tma, stream);
+        if (rows <= kNarrowMaxRows && p.batch > 1) return run_mla_decode_narrow<Element, kNarrowMaxRows, 2>(p, tma, stream);
         return run_mla_decode<Element, true>(p, tma, stream);
       });
   C10_CUDA_CHECK(err);

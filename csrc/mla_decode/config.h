@@ -13,10 +13,10 @@ constexpr int kNumThreads = (kNumMathWarpgroups + 1) * 128;  // + one producer w
 constexpr int kMathRegisters = 232;  // 2 x 128 x 232 + 128 x 40 <= 64K registers
 constexpr int kProducerRegisters = 40;
 // Narrow kernel (fp8 cache, <= 32 query rows per request; narrow_kernel.cuh): Q (<= 36 KB) and P^T
-// leave room for 5 fp8 stages; its producer only issues TMA.
+// leave room for 5 fp8 stages; its producer only issues TMA. Its math warpgroups and their
+// registers depend on the rows (narrow_traits.h).
 constexpr int kNarrowMaxRows = 32;
 constexpr int kNarrowStages = 5;
-constexpr int kNarrowMathRegisters = 240;  // 2 x 128 x 240 + 128 x 24 <= 64K registers
 constexpr int kNarrowProducerRegisters = 24;
 constexpr int kTmaColumns = 64;      // one 128-byte swizzle atom of bf16/fp16
 constexpr int kSlabs = kHeadDimK / kTmaColumns;  // a K tile arrives as 9 slabs, each with a barrier

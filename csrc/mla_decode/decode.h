@@ -21,8 +21,9 @@ template <typename Element, bool kFp8Kv>
 cudaError_t run_mla_decode(const DecodeParams& params, const DecodeTma& tma, cudaStream_t stream);
 
 // The same for an fp8 cache and at most kRows (16 or 32) query rows per request (max_seqlen_q x
-// heads): the narrow kernel, whose MMAs have N = kRows (narrow_kernel.cuh).
-template <typename Element, int kRows>
+// heads): the narrow kernel, whose MMAs have N = kRows, with kMathWarpgroups (2, or 3 at 16 rows)
+// consuming tiles (narrow_kernel.cuh, narrow_traits.h).
+template <typename Element, int kRows, int kMathWarpgroups>
 cudaError_t run_mla_decode_narrow(const DecodeParams& params, const DecodeTma& tma, cudaStream_t stream);
 
 // One-warp scheduler kernel: fills tile_sched [num_sms, 8] and req_splits [batch, 2]. The partition

@@ -20,7 +20,7 @@ cudaError_t launch_split_and_combine(Kernel kernel, const DecodeParams& params, 
       cudaFuncSetAttribute(kernel, cudaFuncAttributeMaxDynamicSharedMemorySize, smem);
   if (attr != cudaSuccess) return attr;
   const dim3 grid(params.num_q_tiles, params.num_sm_parts);
-  kernel<<<grid, kNumThreads, smem, stream>>>(params, tma);
+  kernel<<<grid, Traits::kThreads, smem, stream>>>(params, tma);
   cudaError_t err = cudaGetLastError();
   if (err != cudaSuccess || params.num_sm_parts == 1) return err;  // one part: nothing is split
 
@@ -47,9 +47,9 @@ cudaError_t run_mla_decode(const DecodeParams& params, const DecodeTma& tma, cud
   return launch_split_and_combine<Element, Traits>(mla_decode_kernel<Traits>, params, tma, stream);
 }
 
-template <typename Element, int kRows>
+template <typename Element, int kRows, int kMathWarpgroups>
 cudaError_t run_mla_decode_narrow(const DecodeParams& params, const DecodeTma& tma, cudaStream_t stream) {
-  using Traits = NarrowTraits<Element, kRows>;
+  using Traits = NarrowTraits<Element, kRows, kMathWarpgroups>;
   return launch_split_and_combine<Element, Traits>(mla_decode_narrow_kernel<Traits>, params, tma, stream);
 }
 

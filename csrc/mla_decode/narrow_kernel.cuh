@@ -9,12 +9,12 @@
 // narrow_traits.h), and issues register-A WGMMAs. With no 72 KB bf16 tile,
 // shared memory holds 5 fp8 stages, and N = kRows instead of 64 padded rows cuts the MMA work 2-4x.
 //
-// Warpgroup roles (384 threads):
-//   WG 2  producer: its 4 warps issue the TMA copies (kv_producer.cuh), slabs w, w + 4, w + 8.
-//   WG 0,1 math: KV tiles alternate between them by global tile index, and each keeps its own
-//         softmax state and full O^T [512, kRows]: no hand-off per tile. At the end of a request
-//         the two states are merged through shared memory (the Q buffer) and each warpgroup
-//         stores half of the output dims.
+// Warpgroup roles (W = Traits::kMathWarpgroups, 2 or 3 (16 rows, batch > 1); (W + 1) x 128 threads):
+//   WG W  producer: its 4 warps issue the TMA copies (kv_producer.cuh), slabs w, w + 4, w + 8.
+//   WG 0..W-1 math: KV tiles go round-robin between them by global tile index, and each keeps its
+//         own softmax state and full O^T [512, kRows]: no hand-off per tile. At the end of a request
+//         the states are merged through shared memory (the Q buffer) into warpgroups 0 and 1, which
+//         store half of the output dims each.
 //
 // Operand layouts (64 x N x 16 WGMMA, thread = (warp w, lane = 4g + c)):
 //   A (K): row 16w + g (+8), k = 2c, 2c + 1 (+8). A thread loads 16 contiguous bytes of a row per
@@ -58,12 +58,8 @@ __device__ void consume_narrow_tiles(const DecodeParams& p, typename Traits::Sha
   constexpr int kCols = kRows / 4;  // query rows (C columns) per thread
   constexpr int kSteps = kTmaColumns / 16;  // k16 steps per slab (QK) and per 64-key tile (PV)
   constexpr int kMTiles = kHeadDimV / 64;
-  // Slabs (QK) / m-tiles (PV) whose raw fp8 fragments are loaded ahead of their conversion, as far
-  // as registers allow (O^T takes 64 of them at kRows 16, 128 at 32: there one K slab, no V^T). The
-  // V^T ones do not depend on P, so they load under the softmax. (All 9 K slabs ahead makes ptxas
-  // serialize the QK chain.)
-  constexpr int kAheadK = kRows == 16 ? 4 : 1;
-  constexpr int kAheadV = kRows == 16 ? kMTiles : 0;
+  constexpr int kMathWarpgroups = Traits::kMathWarpgroups, kMathThreads = Traits::kMathThreads;
+  constexpr int kAheadK = Traits::kAheadK, kAheadV = Traits::kAheadV;
   const int tid = threadIdx.x % 128, warp = tid / 32, lane = tid % 32, g = lane / 4, c = lane % 4;
 
   typename Traits::TiledMma mma_qk, mma_pv;
@@ -80,18 +76,21 @@ __device__ void consume_narrow_tiles(const DecodeParams& p, typename Traits::Sha
   // Element e of a C fragment: key row 16w + g + 8 * ((e >> 1) & 1), column col_of(col_index(e)).
   auto col_index = [](int e) { return (e >> 2) * 2 + (e & 1); };
   auto col_of = [&](int j) { return 8 * (j / 2) + 2 * c + (j % 2); };
-  auto warpgroup_sync = [&] { named_barrier_sync<int(NarrowBarrier::kWarpgroup0), 128>(warpgroup); };
-  const float k_scale = *p.k_scale;
+  auto warpgroup_sync = [&] { mla_common::named_barrier_sync_id<128>(int(NarrowBarrier::kWarpgroup0) + warpgroup); };
 
   // ---- Q [kRows, 576] as fp16 into the permuted layout (rows past the request are zero). The T
   // threads of a row (lanes of one warp) load its 16-byte chunks t, t + T, ...; a bf16 row is scaled
   // by fp16_row_scale, undone in the row's score scale (ss.score_scale).
   auto load_q = [&](const Segment& s) {
+    // The first 256 math threads load it (a power of two per row, for the shuffles below).
     constexpr int kChunks = kHeadDimK / 8, kThreadsPerRow = 256 / kRows;
     constexpr int kChunksPerThread = (kChunks + kThreadsPerRow - 1) / kThreadsPerRow;
+    if (threadIdx.x >= 256) return;
     // Opaque thread index: otherwise the row's addresses are hoisted out of the request loop and
-    // held (spilled) across the whole tile loop.
+    // held (spilled) across the whole tile loop. k_scale is read here, in flight with Q, and kept in
+    // shared memory for the epilogue rather than in a register across the tile loop.
     const int thread = mla_common::opaque(int(threadIdx.x));
+    const float k_scale = *mla_common::opaque(p.k_scale);
     const int row = thread / kThreadsPerRow, first = thread % kThreadsPerRow;
     const bool valid = row < s.seqlen_q * p.num_heads_q;
     const int t = valid ? row / p.num_heads_q : 0;
@@ -116,7 +115,8 @@ __device__ void consume_narrow_tiles(const DecodeParams& p, typename Traits::Sha
     if (first == 0) {  // per-row softmax constants (read per tile: registers are scarce at kRows 32)
       ss.score_scale[row] = p.scale_log2 * k_scale / scale;
       ss.last_key[row] = p.causal ? min(s.seqlen_k - s.seqlen_q + t, s.seqlen_k - 1) : s.seqlen_k - 1;
-      for (int w = 0; w < kNumMathWarpgroups; ++w) ss.run_max[w][row] = -INFINITY;
+      for (int w = 0; w < kMathWarpgroups; ++w) ss.run_max[w][row] = -INFINITY;
+      if (row == 0) ss.k_scale = k_scale;
     }
 #pragma unroll
     for (int i = 0; i < kChunksPerThread; ++i) {
@@ -141,7 +141,7 @@ __device__ void consume_narrow_tiles(const DecodeParams& p, typename Traits::Sha
     load_q(seg);
     const int rows_in_request = seg.seqlen_q * p.num_heads_q;
     cutlass::arch::fence_view_async_shared();
-    named_barrier_sync<int(NarrowBarrier::kQReady), 256>();
+    named_barrier_sync<int(NarrowBarrier::kQReady), kMathThreads>();
 
     float col_sum[kCols];  // this thread's share of each of its query rows' softmax sum
 #pragma unroll
@@ -149,7 +149,7 @@ __device__ void consume_narrow_tiles(const DecodeParams& p, typename Traits::Sha
     clear(tOrO);
 
     for (int blk = seg.blk_lo; blk < seg.blk_hi; ++blk, ++iteration) {
-      if ((iteration & 1) != warpgroup) continue;
+      if (iteration % kMathWarpgroups != warpgroup) continue;
       const int stage = iteration % Traits::kStages;
       const uint32_t phase = (iteration / Traits::kStages) & 1;
       uint8_t* tile = ss.kv[stage];
@@ -311,44 +311,50 @@ __device__ void consume_narrow_tiles(const DecodeParams& p, typename Traits::Sha
     warpgroup_wait<0>();
     warpgroup_fence_operand(tOrO);
     {
-      // compute-sanitizer's racecheck orders the 256-thread hand-offs below correctly only if both
+      // compute-sanitizer's racecheck orders the hand-offs below correctly only if all math
       // warpgroups have run their warpgroup-local barriers equally often (scripts/racecheck_probe.cu):
-      // the one that ran fewer in this request (2 per tile, 1 more for a tail tile) catches up.
+      // each catches up with the one that ran most in this request (2 per tile, 1 more for a tail tile).
       const int num_blocks = seg.blk_hi - seg.blk_lo, it0 = iteration - num_blocks;
       const int first_tail = max(seg.blk_lo, seg.seqlen_k / kBlockN);  // tiles with valid_keys < kBlockN
-      auto count_own = [](int first, int count, int w) { return max(count + (((first ^ w) & 1) ? 0 : 1), 0) / 2; };
+      auto owned_below = [](int x, int w) { return (x + kMathWarpgroups - 1 - w) / kMathWarpgroups; };  // x >= 0
+      auto count_own = [&](int first, int count, int w) { return max(owned_below(first + count, w) - owned_below(first, w), 0); };
       auto local_syncs = [&](int w) {
         return 2 * count_own(it0, num_blocks, w) +
                count_own(it0 + first_tail - seg.blk_lo, seg.blk_hi - first_tail, w);
       };
-      for (int i = local_syncs(warpgroup); i < local_syncs(warpgroup ^ 1); ++i) warpgroup_sync();
+      int most = 0;
+      for (int w = 0; w < kMathWarpgroups; ++w) most = max(most, local_syncs(w));
+      for (int i = local_syncs(warpgroup); i < most; ++i) warpgroup_sync();
     }
 
-    // ---- Epilogue: merge the two warpgroups' states, (M, L) per query row, then O through sQ
-    // (every QK of the request is done: both warpgroups passed their last wait).
+    // ---- Epilogue: merge the warpgroups' states, (M, L) per query row, then O through sQ
+    // (every QK of the request is done: all warpgroups passed their last wait).
 #pragma unroll
     for (int j = 0; j < kCols; ++j) {
       for (int x = 4; x < 32; x *= 2) col_sum[j] += __shfl_xor_sync(0xffffffff, col_sum[j], x);
       if (g == 0) ss.col_stat[warpgroup][warp][col_of(j)] = col_sum[j];
     }
-    named_barrier_sync<int(NarrowBarrier::kMergeStats), 256>();
+    named_barrier_sync<int(NarrowBarrier::kMergeStats), kMathThreads>();
     const bool is_partial = p.req_splits[2 * seg.b] > 1;
     const int slot = p.req_splits[2 * seg.b + 1] + seg.split;
 #pragma unroll
     for (int j = 0; j < kCols; ++j) {
       const int col = col_of(j);
-      float wg_sum[2], wg_max[2];
-      for (int w = 0; w < 2; ++w) {
+      float wg_sum[kMathWarpgroups], wg_max[kMathWarpgroups], max_all = -INFINITY;
+      for (int w = 0; w < kMathWarpgroups; ++w) {
         wg_max[w] = ss.run_max[w][col];
         wg_sum[w] = ss.col_stat[w][0][col] + ss.col_stat[w][1][col] + ss.col_stat[w][2][col] + ss.col_stat[w][3][col];
+        max_all = fmaxf(max_all, wg_max[w]);
       }
-      const float max_all = fmaxf(wg_max[0], wg_max[1]);
-      float factor[2];
-      for (int w = 0; w < 2; ++w) factor[w] = wg_max[w] == -INFINITY ? 0.f : exp2f(wg_max[w] - max_all);
-      const float total = factor[0] * wg_sum[0] + factor[1] * wg_sum[1];
+      float total = 0.f, own_factor = 0.f;
+      for (int w = 0; w < kMathWarpgroups; ++w) {
+        const float factor = wg_max[w] == -INFINITY ? 0.f : exp2f(wg_max[w] - max_all);
+        total += factor * wg_sum[w];
+        if (w == warpgroup) own_factor = factor;
+      }
       const bool empty = total == 0.f;  // no visible key in this split
       // This warpgroup's share of the normalised output: O_w 2^(m_w - m) k_scale / sum.
-      const float own_factor = empty ? 0.f : (warpgroup == 0 ? factor[0] : factor[1]) * k_scale / total;
+      own_factor = empty ? 0.f : own_factor * ss.k_scale / total;
 #pragma unroll
       for (int m = 0; m < kMTiles; ++m) {
 #pragma unroll
@@ -366,12 +372,17 @@ __device__ void consume_narrow_tiles(const DecodeParams& p, typename Traits::Sha
         }
       }
     }
-    // Round r: warpgroup 1 - r hands its m-tiles [4r, 4r + 4) to warpgroup r (thread t to thread t).
+    // Warpgroup r (0, 1) collects m-tiles [4r, 4r + 4) of O^T: hand-off i (r = 0 first, then r = 1)
+    // passes them from writer w != r to reader r (thread t to thread t) through one buffer. A barrier
+    // over all math threads follows each write, and each read unless the next writer is this reader.
     float* handoff = reinterpret_cast<float*>(ss.q);
-    constexpr int kHalf = kMTiles / 2;
+    constexpr int kHalf = kMTiles / 2, kHandoffs = 2 * (kMathWarpgroups - 1);
+    auto reader = [](int i) { return i / (kMathWarpgroups - 1); };
+    auto writer = [&](int i) { const int k = i % (kMathWarpgroups - 1); return k + (k >= reader(i)); };
 #pragma unroll
-    for (int r = 0; r < 2; ++r) {
-      if (warpgroup != r) {
+    for (int i = 0; i < kHandoffs; ++i) {
+      const int r = reader(i);
+      if (warpgroup == writer(i)) {
 #pragma unroll
         for (int m = 0; m < kHalf; ++m) {
 #pragma unroll
@@ -380,7 +391,7 @@ __device__ void consume_narrow_tiles(const DecodeParams& p, typename Traits::Sha
           }
         }
       }
-      named_barrier_sync<int(NarrowBarrier::kMergeRound0), 256>(r);
+      named_barrier_sync<int(NarrowBarrier::kMerge), kMathThreads>();
       if (warpgroup == r) {
 #pragma unroll
         for (int m = 0; m < kHalf; ++m) {
@@ -390,8 +401,9 @@ __device__ void consume_narrow_tiles(const DecodeParams& p, typename Traits::Sha
           }
         }
       }
+      // After the last read the buffer is sQ again, for the next request's Q.
+      if (i + 1 == kHandoffs || writer(i + 1) != r) named_barrier_sync<int(NarrowBarrier::kMerge), kMathThreads>();
     }
-    named_barrier_sync<int(NarrowBarrier::kMergeDone), 256>();
 
     // ---- Store this warpgroup's dims [256 wg, 256 wg + 256).
 #pragma unroll
@@ -422,7 +434,7 @@ __device__ void consume_narrow_tiles(const DecodeParams& p, typename Traits::Sha
 }
 
 template <typename Traits>
-__global__ void __launch_bounds__(kNumThreads, 1)
+__global__ void __launch_bounds__(Traits::kThreads, 1)
     mla_decode_narrow_kernel(__grid_constant__ const DecodeParams params, __grid_constant__ const DecodeTma tma) {
 #if defined(__CUDA_ARCH__) && __CUDA_ARCH__ == 900 && defined(__CUDA_ARCH_FEAT_SM90_ALL)
   auto& ss = mla_common::shared_storage_1024<typename Traits::SharedStorage>();
@@ -439,13 +451,13 @@ __global__ void __launch_bounds__(kNumThreads, 1)
   }
   __syncthreads();
 
-  if (warpgroup == kNumMathWarpgroups) {
+  if (warpgroup == Traits::kMathWarpgroups) {
     cutlass::arch::warpgroup_reg_dealloc<kNarrowProducerRegisters>();
-    const int warp = threadIdx.x / 32 - kNumMathWarpgroups * 4;
+    const int warp = threadIdx.x / 32 - Traits::kMathWarpgroups * 4;
     if (threadIdx.x % 32 == 0) cute::prefetch_tma_descriptor(&tma.kv);
     produce_kv_tiles<Traits>(params, tma, ss, range, 0, warp, 4);
   } else {
-    cutlass::arch::warpgroup_reg_alloc<kNarrowMathRegisters>();
+    cutlass::arch::warpgroup_reg_alloc<Traits::kMathRegisters>();
     consume_narrow_tiles<Traits>(params, ss, range, warpgroup);
   }
 #endif

@@ -12,7 +12,12 @@ using namespace cute;
 // kRows: query rows of a request padded to the N of the MMAs (16 or 32). The MMAs are transposed,
 // S^T = K Q^T and O^T = V^T P^T, so the 64-row M side is keys / output dims, and a few query rows
 // cost only their share of the tensor cores.
-template <typename Element_, int kRows_>
+// kMathWarpgroups: each math warpgroup runs its own tiles' dependent chain (convert -> QK ->
+// softmax -> PV), and a chain is latency-bound. Two warpgroups have registers to load 4 K slabs and
+// all V^T fragments of a tile ahead (16 rows; O^T takes 64 registers) or one K slab (32 rows: 128);
+// at 16 rows three fit (3 x 128 x 160 + 128 x 24 <= 64K), loading 1 K slab and 2 V^T m-tiles ahead:
+// more tiles in flight, but each takes longer (dispatch: decode_api.cpp).
+template <typename Element_, int kRows_, int kMathWarpgroups_>
 struct NarrowTraits {
   using Element = Element_;  // q and out
   // The MMAs run in fp16 whatever q's type: e4m3 converts to fp16 in one instruction (to bf16 it
@@ -23,6 +28,17 @@ struct NarrowTraits {
   static constexpr int kRows = kRows_;
   static constexpr int kStages = kNarrowStages;
   static_assert(kRows == 16 || kRows == 32, "N of the MMAs");
+  static constexpr int kMathWarpgroups = kMathWarpgroups_;
+  static_assert(kMathWarpgroups == 2 || (kMathWarpgroups == 3 && kRows == 16), "O^T must fit in registers");
+  static constexpr int kMathThreads = kMathWarpgroups * 128;
+  static constexpr int kThreads = kMathThreads + 128;  // + the producer warpgroup
+  static constexpr int kMathRegisters = kMathWarpgroups == 3 ? 160 : 240;
+  static_assert(kMathWarpgroups * kMathRegisters + kNarrowProducerRegisters <= 512, "64K registers per CTA");
+  // K slabs (QK) / V^T m-tiles (PV) whose raw fp8 fragments are loaded ahead of their conversion, as
+  // far as registers allow without spills. The V^T ones do not depend on P, so they load under the
+  // softmax. (All 9 K slabs ahead makes ptxas serialize the QK chain.)
+  static constexpr int kAheadK = kRows == 32 ? 1 : kMathWarpgroups == 2 ? 4 : 1;
+  static constexpr int kAheadV = kRows == 32 ? 0 : kMathWarpgroups == 2 ? kHeadDimV / 64 : 2;
 
   // Q [kRows, 576] with its columns permuted within each 64-column slab (narrow_kernel.cuh:
   // q_column), K-major, 128-byte swizzle: the B operand of S^T.
@@ -37,12 +53,13 @@ struct NarrowTraits {
 
   struct SharedStorage {
     alignas(1024) MmaElement q[cosize_v<SmemLayoutQ>];  // also the O hand-off buffer of the epilogue
-    alignas(1024) MmaElement pt[kNumMathWarpgroups][cosize_v<SmemLayoutPt>];
+    alignas(1024) MmaElement pt[kMathWarpgroups][cosize_v<SmemLayoutPt>];
     alignas(1024) uint8_t kv[kStages][kBlockN * kHeadDimK];  // fp8 tiles as TMA stages them
-    float col_stat[kNumMathWarpgroups][4][kRows];  // per warp: block max of a column (epilogue: sum)
-    float run_max[kNumMathWarpgroups][kRows];      // each warpgroup's running max per query row (log2)
+    float col_stat[kMathWarpgroups][4][kRows];  // per warp: block max of a column (epilogue: sum)
+    float run_max[kMathWarpgroups][kRows];      // each warpgroup's running max per query row (log2)
     int last_key[kRows];                           // last visible key of each query row (causal)
     float score_scale[kRows];  // softmax_scale log2(e) k_scale / (the power of two Q row r was stored times)
+    float k_scale;             // *params.k_scale (for the epilogue)
     uint64_t kv_full[kStages][kSlabs];
     uint64_t kv_empty[kStages];  // the 4 warps of the warpgroup that consumed the tile are done
   };
@@ -57,14 +74,11 @@ struct NarrowTraits {
 
 // Named barriers of the narrow kernel (id 0 is __syncthreads).
 enum class NarrowBarrier : int {
-  kQReady = 1,      // Q landed (cp.async) and is fenced for WGMMA; both math warpgroups
-  kWarpgroup0 = 2,  // hand-offs inside one math warpgroup (column max, P^T, zeroed tail)
-  kWarpgroup1 = 3,
-  // Epilogue hand-offs between the two math warpgroups, one barrier each.
-  kMergeStats = 4,  // both warpgroups' (max, sum) per query row are in shared memory
-  kMergeRound0 = 5, // warpgroup 1's O of dims [0, 256) is in the hand-off buffer
-  kMergeRound1 = 6, // warpgroup 0's O of dims [256, 512) is in the hand-off buffer
-  kMergeDone = 7,   // the hand-off buffer (sQ) is free for the next request's Q
+  kQReady = 1,      // Q is in shared memory and fenced for WGMMA; all math warpgroups
+  kWarpgroup0 = 2,  // hand-offs inside one math warpgroup (column max, P^T, zeroed tail): 2, 3, 4
+  // Epilogue hand-offs between the math warpgroups, all of them.
+  kMergeStats = 5,  // every warpgroup's (max, sum) per query row is in shared memory
+  kMerge = 6,       // around each use of the O hand-off buffer (sQ)
 };
 
 }  // namespace mla_decode

@@ -22,6 +22,7 @@ struct DecodeTraits {
   // (e4m3 -> fp16 is one cvt per pair, -> bf16 four; a bf16 Q row is stored scaled, fp16_row_scale).
   using MmaElement = std::conditional_t<kFp8Kv, cutlass::half_t, Element>;
   static constexpr bool kScaledQ = !std::is_same_v<Element, MmaElement>;
+  static constexpr int kThreads = kNumThreads;
   // Q tile [64 rows, 576] and K tile [64 keys, 576], K-major (head dim contiguous), 128-byte
   // swizzle: each 64-column slab is 64 rows x 128 B = 8 KB, which is exactly what one TMA box of
   // 64 columns writes, so TMA and WGMMA agree on the layout.
