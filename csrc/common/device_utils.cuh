@@ -13,13 +13,6 @@ __device__ __forceinline__ void named_barrier_sync() {
   asm volatile("bar.sync %0, %1;" ::"n"(kId), "n"(kThreads) : "memory");
 }
 
-// Barrier `id` (1..15, uniform across the warp), chosen at run time: one instruction.
-template <int kThreads>
-__device__ __forceinline__ void named_barrier_sync_id(int id) {
-  static_assert(kThreads % 32 == 0);
-  asm volatile("bar.sync %0, %1;" ::"r"(id), "n"(kThreads) : "memory");
-}
-
 // Barrier kId0 + which (which is 0 or 1, uniform across the warp).
 template <int kId0, int kThreads>
 __device__ __forceinline__ void named_barrier_sync(int which) {

@@ -76,7 +76,13 @@ __device__ void consume_narrow_tiles(const DecodeParams& p, typename Traits::Sha
   // Element e of a C fragment: key row 16w + g + 8 * ((e >> 1) & 1), column col_of(col_index(e)).
   auto col_index = [](int e) { return (e >> 2) * 2 + (e & 1); };
   auto col_of = [&](int j) { return 8 * (j / 2) + 2 * c + (j % 2); };
-  auto warpgroup_sync = [&] { mla_common::named_barrier_sync_id<128>(int(NarrowBarrier::kWarpgroup0) + warpgroup); };
+  // Immediate barrier ids under predicates: a register id would stay live across the tile loop.
+  auto warpgroup_sync = [&] {
+    constexpr int kId0 = int(NarrowBarrier::kWarpgroup0);
+    if (warpgroup == 0) named_barrier_sync<kId0, 128>();
+    else if (kMathWarpgroups == 2 || warpgroup == 1) named_barrier_sync<kId0 + 1, 128>();
+    else named_barrier_sync<kId0 + 2, 128>();
+  };
 
   // ---- Q [kRows, 576] as fp16 into the permuted layout (rows past the request are zero). The T
   // threads of a row (lanes of one warp) load its 16-byte chunks t, t + T, ...; a bf16 row is scaled
