@@ -55,11 +55,11 @@ struct NarrowTraits {
     alignas(1024) MmaElement q[cosize_v<SmemLayoutQ>];  // also the O hand-off buffer of the epilogue
     alignas(1024) MmaElement pt[kMathWarpgroups][cosize_v<SmemLayoutPt>];
     alignas(1024) uint8_t kv[kStages][kBlockN * kHeadDimK];  // fp8 tiles as TMA stages them
-    float col_stat[kMathWarpgroups][4][kRows];  // per warp: block max of a column (epilogue: sum)
-    float run_max[kMathWarpgroups][kRows];      // each warpgroup's running max per query row (log2)
+    float col_stat[kMathWarpgroups][4][kRows];     // per warp: block max of a column (epilogue: sum)
+    float run_max[kMathWarpgroups][kRows];         // each warpgroup's running max per query row (log2)
     int last_key[kRows];                           // last visible key of each query row (causal)
     float score_scale[kRows];  // softmax_scale log2(e) k_scale / (the power of two Q row r was stored times)
-    float k_scale;             // *params.k_scale (for the epilogue)
+    float k_scale;                                 // *params.k_scale (for the epilogue)
     uint64_t kv_full[kStages][kSlabs];
     uint64_t kv_empty[kStages];  // the 4 warps of the warpgroup that consumed the tile are done
   };
