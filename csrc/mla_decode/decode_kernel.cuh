@@ -189,11 +189,7 @@ __device__ void consume_kv_tiles(const DecodeParams& p, typename Traits::SharedS
       uint4 raw = *reinterpret_cast<const uint4*>(&sQ(r, c * 8));
       uint32_t* words = reinterpret_cast<uint32_t*>(&raw);
 #pragma unroll
-      for (int k = 0; k < 4; ++k) {
-        const Element* v = reinterpret_cast<const Element*>(&words[k]);
-        const __half2 h = __floats2half2_rn(float(v[0]) * scale, float(v[1]) * scale);
-        words[k] = *reinterpret_cast<const uint32_t*>(&h);
-      }
+      for (int k = 0; k < 4; ++k) words[k] = scaled_f16x2<Element>(words[k], scale);
       mla_common::st_shared_16(&sQ(r, c * 8), raw);
     }
   };

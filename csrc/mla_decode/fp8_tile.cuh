@@ -6,6 +6,7 @@
 // consecutive rows at one logical chunk (an ldmatrix of V^T) and 8 rows x 4 chunks (LDS of K) hit
 // distinct banks. Needs each slab 512-byte aligned.
 #pragma once
+#include <cuda_fp16.h>
 #include <cstdint>
 
 #include "mla_decode/config.h"
@@ -34,6 +35,14 @@ __device__ __forceinline__ void e4m3x4_to_f16x2(uint32_t four_bytes, uint32_t& l
 __device__ __forceinline__ float fp16_row_scale(float row_max) {
   const int exponent = (__float_as_int(row_max) >> 23) - 127;  // floor(log2(row_max))
   return row_max > 0.f ? __int_as_float((min(14 - exponent, 100) + 127) << 23) : 1.f;
+}
+
+// Two 16-bit Q values (Element, first lowest) -> f16x2 of each times `scale` (fp16_row_scale).
+template <typename Element>
+__device__ __forceinline__ uint32_t scaled_f16x2(uint32_t pair, float scale) {
+  const Element* v = reinterpret_cast<const Element*>(&pair);
+  const __half2 h = __floats2half2_rn(float(v[0]) * scale, float(v[1]) * scale);
+  return *reinterpret_cast<const uint32_t*>(&h);
 }
 
 }  // namespace mla_decode
