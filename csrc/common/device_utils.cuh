@@ -48,6 +48,16 @@ __device__ __forceinline__ void st_shared_2(void* smem, uint16_t v) {
                : "memory");
 }
 
+// Shared-window address of a pointer into shared memory.
+__device__ __forceinline__ uint32_t smem_addr(const void* smem) {
+  return static_cast<uint32_t>(__cvta_generic_to_shared(smem));
+}
+
+// Stores 4 bytes at a shared-window address.
+__device__ __forceinline__ void st_shared_4(uint32_t addr, uint32_t v) {
+  asm volatile("st.shared.b32 [%0], %1;" ::"r"(addr), "r"(v) : "memory");
+}
+
 // 16-byte global -> shared copy that bypasses registers; src_bytes = 0 writes zeros instead.
 __device__ __forceinline__ void cp_async_16(void* smem, const void* gmem, bool valid) {
   const uint32_t dst = static_cast<uint32_t>(__cvta_generic_to_shared(smem));

@@ -12,6 +12,10 @@ constexpr int kNumMathWarpgroups = 2;
 constexpr int kNumThreads = (kNumMathWarpgroups + 1) * 128;  // + one producer warpgroup
 constexpr int kMathRegisters = 232;  // 2 x 128 x 232 + 128 x 40 <= 64K registers
 constexpr int kProducerRegisters = 40;
+// Seesaw kernel (16-bit cache, seesaw_kernel.cuh). Its math warpgroups hold O (128 registers), S
+// (32) and P (16): 232 / 40 compiles without spills (240 / 24 spilled, in the math warpgroups).
+constexpr int kSeesawMathRegisters = 232;
+constexpr int kSeesawProducerRegisters = 40;
 // Narrow kernel (fp8 cache, <= 32 query rows per request; narrow_kernel.cuh): Q (<= 36 KB) and P^T
 // leave room for 5 fp8 stages; its producer only issues TMA. Its math warpgroups and their
 // registers depend on the rows (narrow_traits.h).

@@ -20,6 +20,11 @@ const char* make_kv_tma(const DecodeParams& params, mla_common::TmaElement eleme
 template <typename Element, bool kFp8Kv>
 cudaError_t run_mla_decode(const DecodeParams& params, const DecodeTma& tma, cudaStream_t stream);
 
+// The same for a 16-bit cache with the seesaw kernel: the two math warpgroups take a pair of KV
+// blocks at once, one's softmax overlapping the other's MMAs (seesaw_kernel.cuh).
+template <typename Element>
+cudaError_t run_mla_decode_seesaw(const DecodeParams& params, const DecodeTma& tma, cudaStream_t stream);
+
 // The same for an fp8 cache and at most kRows (16 or 32) query rows per request (max_seqlen_q x
 // heads): the narrow kernel, whose MMAs have N = kRows, with kMathWarpgroups (2, or 3 at 16 rows)
 // consuming tiles (narrow_kernel.cuh, narrow_traits.h).

@@ -28,6 +28,7 @@
 
 #include "common/device_utils.cuh"
 #include "mla_decode/config.h"
+#include "mla_decode/decode_tile_io.cuh"
 #include "mla_decode/fp8_tile.cuh"
 #include "mla_decode/kv_producer.cuh"
 #include "mla_decode/params.h"
@@ -150,22 +151,6 @@ __device__ void consume_kv_tiles(const DecodeParams& p, typename Traits::SharedS
   const float k_scale = Traits::kFp8Kv ? *p.k_scale : 1.f;
   const float scale_log2 = p.scale_log2 * k_scale;
 
-  // ---- Q tile: 16-byte cp.async copies into the swizzled layout, all in flight at once (rows
-  // past the request are zero-filled). Thread t copies chunks t % 4, t % 4 + 4, ... of row t / 4,
-  // so the row's address math is done once. Completion: cp_async_wait_all + kQReady.
-  auto issue_q_load = [&](const Segment& s) {
-    constexpr int kChunks = kHeadDimK / 8, kThreadsPerRow = 256 / kBlockM;
-    // Special registers re-read here rather than captured: keeps them out of the loop's live set.
-    const int thread = threadIdx.x, r = thread / kThreadsPerRow, row = int(blockIdx.x) * kBlockM + r;
-    const bool valid = row < s.seqlen_q * p.num_heads_q;
-    const auto q = QRow<Element>::at(p, s, valid ? row / p.num_heads_q : 0, valid ? row % p.num_heads_q : 0);
-#pragma unroll
-    for (int c = thread % kThreadsPerRow; c < kChunks; c += kThreadsPerRow) {
-      const Element* src = (c < kHeadDimV / 8 ? q.nope : q.pe) + c * 8;
-      mla_common::cp_async_16(&sQ(r, c * 8), valid ? src : p.q_nope, valid);
-    }
-  };
-
   // ---- kScaledQ (bf16 q, fp8 cache): each thread rescales the chunks it copied (its own cp.async
   // writes, visible after cp_async_wait_all) in place from bf16 to fp16 times fp16_row_scale of the
   // row (the 4 threads of a row are adjacent lanes), and records the factor in ss.q_scale. The loops
@@ -197,9 +182,8 @@ __device__ void consume_kv_tiles(const DecodeParams& p, typename Traits::SharedS
   int iteration = 0;
   Segment seg;
   bool have_segment = range.next_segment(p, range.begin_b, m_block, seg);
-  if (have_segment) issue_q_load(seg);
+  if (have_segment) issue_q_tile_load<Element, typename Traits::SmemLayoutQ>(p, seg, ss.q);
   while (have_segment) {
-    const int rows_in_request = seg.seqlen_q * p.num_heads_q;
     const int row_base = m_block * kBlockM;
     mla_common::cp_async_wait_all();
     if constexpr (Traits::kScaledQ) scale_q_rows();
@@ -210,14 +194,7 @@ __device__ void consume_kv_tiles(const DecodeParams& p, typename Traits::SharedS
 #pragma unroll
     for (int i = 0; i < 2; ++i) score_scale[i] = Traits::kScaledQ ? scale_log2 / ss.q_scale[r0 + 8 * i] : scale_log2;
 
-    // Last visible key (inclusive) of this thread's two rows: bottom-right causal alignment.
-    int last_key[2];
-#pragma unroll
-    for (int i = 0; i < 2; ++i) {
-      const int t = (row_base + r0 + 8 * i) / p.num_heads_q;
-      last_key[i] = p.causal ? min(seg.seqlen_k - seg.seqlen_q + t, seg.seqlen_k - 1)
-                             : seg.seqlen_k - 1;
-    }
+    const int last_key[2] = {last_visible_key(p, seg, row_base + r0), last_visible_key(p, seg, row_base + r0 + 8)};
     float row_max[2] = {-INFINITY, -INFINITY};  // running max, log2 units; equal in both WGs
     float row_sum[2] = {0.f, 0.f};              // this WG's share of the denominator
     clear(tOrO);
@@ -380,62 +357,21 @@ __device__ void consume_kv_tiles(const DecodeParams& p, typename Traits::SharedS
     // sQ is free: the next segment's Q load overlaps this epilogue.
     Segment next;
     const bool have_next = range.next_segment(p, seg.b + 1, m_block, next);
-    if (have_next) issue_q_load(next);
+    if (have_next) issue_q_tile_load<Element, typename Traits::SmemLayoutQ>(p, next, ss.q);
 
     // ---- Epilogue: total denominator over both warpgroups' blocks, then normalise and store.
-#pragma unroll
-    for (int i = 0; i < 2; ++i) {
-      row_sum[i] += __shfl_xor_sync(0xffffffff, row_sum[i], 1);
-      row_sum[i] += __shfl_xor_sync(0xffffffff, row_sum[i], 2);
-    }
+    const float total[2] = {quad_sum(row_sum[0]), quad_sum(row_sum[1])};
     __syncwarp();  // the quad's other lanes read row_sum in the previous epilogue
     if (tid % 4 == 0) {
-      ss.row_sum[warpgroup][r0] = row_sum[0];
-      ss.row_sum[warpgroup][r0 + 8] = row_sum[1];
+      ss.row_sum[warpgroup][r0] = total[0];
+      ss.row_sum[warpgroup][r0 + 8] = total[1];
     }
     named_barrier_sync<int(DecodeBarrier::kRowSum), 256>();
-    const bool is_partial = p.req_splits[2 * seg.b] > 1;
-    const int slot = p.req_splits[2 * seg.b + 1] + seg.split;
-    float inv_sum[2];
-    float* partial_row[2];
-    Element* out_row[2];
-    bool row_valid[2];
+    float sums[2];
 #pragma unroll
-    for (int i = 0; i < 2; ++i) {
-      const int r = r0 + 8 * i, row = row_base + r;
-      const float total = ss.row_sum[0][r] + ss.row_sum[1][r];
-      const bool empty = total == 0.f;  // no visible key in this split
-      inv_sum[i] = empty ? 0.f : k_scale / total;
-      const float lse = empty ? (is_partial ? -INFINITY : INFINITY)
-                              : (row_max[i] + __log2f(total)) * float(M_LN2);
-      row_valid[i] = row < rows_in_request;
-      const int t = row / p.num_heads_q, h = row % p.num_heads_q;
-      const int64_t partial_index = (int64_t(slot) * p.num_q_tiles + m_block) * kBlockM + r;
-      partial_row[i] = p.partial_out + partial_index * kHeadDimV;
-      out_row[i] = static_cast<Element*>(p.out) + seg.b * p.out_batch_stride +
-                   (seg.first_token + t) * p.out_token_stride + h * p.out_head_stride;
-      if (row_valid[i] && warpgroup == 0 && tid % 4 == 0) {
-        if (is_partial) {
-          p.partial_lse[partial_index] = lse;
-        } else {
-          p.lse[seg.b * p.lse_batch_stride + (seg.first_token + t) * p.lse_token_stride +
-                h * p.lse_head_stride] = lse;
-        }
-      }
-    }
-#pragma unroll
-    for (int e = 0; e < size(tOrO); e += 2) {
-      const int i = row_half(e);
-      if (!row_valid[i]) continue;
-      const int col = get<1>(tOcO(e));
-      const float v0 = tOrO(e) * inv_sum[i], v1 = tOrO(e + 1) * inv_sum[i];
-      if (is_partial) {
-        *reinterpret_cast<float2*>(partial_row[i] + col) = make_float2(v0, v1);
-      } else {
-        const Element pair[2] = {Element(v0), Element(v1)};  // 4-byte aligned: strides are 16-byte multiples
-        *reinterpret_cast<uint32_t*>(out_row[i] + col) = *reinterpret_cast<const uint32_t*>(pair);
-      }
-    }
+    for (int i = 0; i < 2; ++i) sums[i] = ss.row_sum[0][r0 + 8 * i] + ss.row_sum[1][r0 + 8 * i];
+    store_output_tile<Element>(p, seg, m_block, r0, row_max, sums, k_scale, /*write_lse=*/warpgroup == 0, tOrO,
+                               [&](int e) { return get<1>(tOcO(e)); });
     seg = next;
     have_segment = have_next;
   }

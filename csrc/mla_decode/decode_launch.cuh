@@ -7,6 +7,7 @@
 #include "mla_decode/decode.h"
 #include "mla_decode/decode_kernel.cuh"
 #include "mla_decode/narrow_kernel.cuh"
+#include "mla_decode/seesaw_kernel.cuh"
 
 namespace mla_decode {
 
@@ -45,6 +46,12 @@ template <typename Element, bool kFp8Kv>
 cudaError_t run_mla_decode(const DecodeParams& params, const DecodeTma& tma, cudaStream_t stream) {
   using Traits = DecodeTraits<Element, kFp8Kv>;
   return launch_split_and_combine<Element, Traits>(mla_decode_kernel<Traits>, params, tma, stream);
+}
+
+template <typename Element>
+cudaError_t run_mla_decode_seesaw(const DecodeParams& params, const DecodeTma& tma, cudaStream_t stream) {
+  using Traits = SeesawTraits<Element>;
+  return launch_split_and_combine<Element, Traits>(mla_decode_seesaw_kernel<Traits>, params, tma, stream);
 }
 
 template <typename Element, int kRows, int kMathWarpgroups>

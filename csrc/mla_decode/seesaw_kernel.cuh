@@ -1,0 +1,425 @@
+// Split-KV paged MLA decode for sm_90a, 16-bit cache: the two math warpgroups work on a pair of KV
+// blocks at once, so that one's softmax runs under the other's MMAs ("seesaw", after FlashMLA).
+//
+// Grid, schedule and the producer warpgroup's TMA loads as in decode_kernel.cuh, except that the
+// stages of the ring are released per V half (kv_empty[stage][w]). Per pair (a, b) = two consecutive
+// blocks of a request (b absent at the end of an odd-length segment); warpgroup w owns output
+// columns [256 w, 256 w + 256) and a running max m (equal in both after each pair):
+//   WG 0: S_a = Q K_a^T; m_a = max(m, rowmax S_a) -> max_a; P_a = exp2(S_a - m_a);
+//         O_0 = O_0 e^(m - m_a) + P_a V_a[:, half 0]             (P from registers)
+//         <- max_b;  P_a e^(m_a - m_b) -> shared;  O_0 = O_0 e^(m_a - m_b) + P_b V_b[:, half 0]
+//   WG 1: S_b = Q K_b^T;  <- max_a;  m_b = max(m_a, rowmax S_b) -> max_b; P_b = exp2(S_b - m_b) -> shared;
+//         O_1 = O_1 e^(m - m_b) + P_b V_b[:, half 1] + P_a e^(m_a - m_b) V_a[:, half 1]
+// WG 0 issues the next pair's S_a right behind its last PV, WG 1 its S_b once its PVs are done, so
+// the two QK^T chains are staggered and each softmax overlaps MMAs of the other warpgroup. The
+// hand-offs (max_a, max_b, the P tiles) are rendezvous of both warpgroups (seesaw_traits.h).
+// P of a block goes to the other warpgroup through the block's rope slab (the map is full).
+#pragma once
+#include <cute/tensor.hpp>
+#include <cute/arch/copy_sm90_tma.hpp>
+#include <cutlass/arch/barrier.h>
+#include <cutlass/arch/reg_reconfig.h>
+
+#include "common/device_utils.cuh"
+#include "mla_decode/config.h"
+#include "mla_decode/decode_tile_io.cuh"
+#include "mla_decode/kv_producer.cuh"
+#include "mla_decode/params.h"
+#include "mla_decode/schedule.cuh"
+#include "mla_decode/seesaw_traits.h"
+
+namespace mla_decode {
+using namespace cute;
+
+// Producer warp w: blocks in stage w / 2; warps 0, 2 load slabs 0-3 once warpgroup 0 freed its V
+// half, then the rope slab once warpgroup 1 did too (it held the block's P for both);
+// warps 1, 3 load slabs 4-7 once warpgroup 1 freed its half. Separate warps per stage and half: the
+// halves free in different orders in the two stages.
+template <typename Traits>
+__device__ void produce_seesaw_tiles(const DecodeParams& p, const DecodeTma& tma, typename Traits::SharedStorage& ss,
+                                     const PartRange& range, int m_block, int warp) {
+  const int lane = threadIdx.x % 32;
+  const int my_stage = warp / 2, half = warp % 2;
+  int iteration = 0;
+  Segment seg;
+  for (int b = range.begin_b; range.next_segment(p, b, m_block, seg); b = seg.b + 1) {
+    const int* pages = p.block_table + int64_t(seg.b) * p.block_table_stride;
+    for (int blk = seg.blk_lo; blk < seg.blk_hi; ++blk, ++iteration) {
+      const int stage = iteration % Traits::kStages;
+      if (stage != my_stage) continue;
+      const auto copies = BlockCopies<Traits>::plan(p, tma, pages, seg, blk, lane);
+      const uint32_t free_parity = ((iteration / Traits::kStages) - 1) & 1;
+      const bool reused = iteration >= Traits::kStages;
+      if (reused) cutlass::arch::ClusterBarrier::wait(&ss.kv_empty[stage][half], free_parity);
+      for (int slab = 4 * half; slab < 4 * half + 4; ++slab) copies.expect(ss, stage, slab, lane);
+      for (int slab = 4 * half; slab < 4 * half + 4; ++slab) copies.copy(tma, ss, stage, slab, lane);
+      if (half == 0) {
+        if (reused) cutlass::arch::ClusterBarrier::wait(&ss.kv_empty[stage][1], free_parity);
+        copies.expect(ss, stage, kSlabs - 1, lane);
+        copies.copy(tma, ss, stage, kSlabs - 1, lane);
+      }
+    }
+  }
+}
+
+template <typename Traits>
+__device__ void consume_seesaw_pairs(const DecodeParams& p, typename Traits::SharedStorage& ss,
+                                     const PartRange& range, int m_block) {
+  using Element = typename Traits::Element;
+  using Barrier = cutlass::arch::ClusterBarrier;
+  constexpr int kStepsPerSlab = kTmaColumns / 16;
+  const int tid = threadIdx.x;  // 0..255 over the two math warpgroups
+  const int wg = tid / 128, tid_in_wg = tid % 128;
+
+  typename Traits::TiledMmaQK mma_qk;
+  typename Traits::TiledMmaPVLocal mma_pv_local;
+  typename Traits::TiledMmaPVRemote mma_pv_remote;
+  auto thr_qk = mma_qk.get_thread_slice(tid_in_wg);
+  auto thr_pv_local = mma_pv_local.get_thread_slice(tid_in_wg);
+  auto thr_pv_remote = mma_pv_remote.get_thread_slice(tid_in_wg);
+
+  Tensor tSrS = partition_fragment_C(mma_qk, Shape<Int<kBlockM>, Int<kBlockN>>{});            // 32 floats
+  Tensor tOrO = partition_fragment_C(mma_pv_local, Shape<Int<kBlockM>, Int<kHeadDimV / 2>>{});  // 128 floats
+  Tensor tOrP = make_tensor<Element>(typename Traits::FragmentALayout{});  // own P as the PV A operand
+  // Each thread holds rows r0 and r0 + 8 of every accumulator; element e is in row r0 + 8 row_half(e).
+  // Recomputed where used, from an opaque thread index: held across the loop over blocks it is
+  // spilled.
+  auto row0 = [] { const int t = mla_common::opaque(int(threadIdx.x)) % 128; return (t / 32) * 16 + (t % 32) / 4; };
+  auto row_half = [](int e) { return (e >> 1) & 1; };
+  auto base_of = [](float m) { return m == -INFINITY ? 0.f : m; };  // fully masked row: exp2 stays finite
+
+  // S = Q K^T for the block in `stage`, slabs [first_slab, end_slab), one commit group per slab,
+  // each issued once its slab landed. Warpgroup 0 goes in slab order; warpgroup 1 starts with its
+  // own V half, which its PVs free first. The rope slab is last: it waits for both halves to be free.
+  auto issue_qk_slabs = [&](int stage, uint32_t phase, int first_slab, int end_slab) {
+    // Descriptors rebuilt per call from opaque bases: otherwise all 2 x 36 are computed up front
+    // and held across the waits.
+    Tensor tSrQ = thr_qk.partition_fragment_A(make_tensor(make_smem_ptr(mla_common::opaque(ss.q)), typename Traits::SmemLayoutQ{}));
+    Tensor tSrK = thr_qk.partition_fragment_B(make_tensor(make_smem_ptr(mla_common::opaque(ss.k[stage])), typename Traits::SmemLayoutK{}));
+#pragma unroll
+    for (int slab = first_slab; slab < end_slab; ++slab) {
+      Barrier::wait(&ss.kv_full[stage][slab], phase);
+      warpgroup_arrive();
+#pragma unroll
+      for (int k = slab * kStepsPerSlab; k < (slab + 1) * kStepsPerSlab; ++k) {
+        cute::gemm(mma_qk, tSrQ(_, _, k), tSrK(_, _, k), tSrS);
+        mma_qk.accumulate_ = GMMA::ScaleOut::One;
+      }
+      warpgroup_commit_batch();
+    }
+  };
+  auto start_qk = [&] {
+    warpgroup_fence_operand(tSrS);
+    mma_qk.accumulate_ = GMMA::ScaleOut::Zero;
+  };
+  // O += P V[:, own half] for the block in `stage`, P from registers or from a shared tile.
+  auto issue_pv_local = [&](int stage) {
+    Tensor sVt = make_tensor(make_smem_ptr(mla_common::opaque(ss.k[stage])), typename Traits::SmemLayoutVt{});
+    Tensor tOrV = thr_pv_local.partition_fragment_B(local_tile(sVt, Shape<Int<kHeadDimV / 2>, Int<kBlockN>>{}, make_coord(wg, 0)));
+    warpgroup_fence_operand(tOrP);
+    warpgroup_fence_operand(tOrO);
+    warpgroup_arrive();
+#pragma unroll
+    for (int k = 0; k < size<2>(tOrP); ++k) cute::gemm(mma_pv_local, tOrP(_, _, k), tOrV(_, _, k), tOrO);
+    warpgroup_commit_batch();
+  };
+  auto issue_pv_remote = [&](int stage) {  // P: the other warpgroup's, in the block's rope slab
+    Tensor sVt = make_tensor(make_smem_ptr(mla_common::opaque(ss.k[stage])), typename Traits::SmemLayoutVt{});
+    Tensor tOrV = thr_pv_remote.partition_fragment_B(local_tile(sVt, Shape<Int<kHeadDimV / 2>, Int<kBlockN>>{}, make_coord(wg, 0)));
+    Tensor tOrPs = thr_pv_remote.partition_fragment_A(make_tensor(make_smem_ptr(mla_common::opaque(Traits::p_tile(ss, stage))), typename Traits::SmemLayoutSlab{}));
+    warpgroup_fence_operand(tOrO);
+    warpgroup_arrive();
+#pragma unroll
+    for (int k = 0; k < size<2>(tOrPs); ++k) cute::gemm(mma_pv_remote, tOrPs(_, _, k), tOrV(_, _, k), tOrO);
+    warpgroup_commit_batch();
+  };
+  auto release = [&](int stage) {
+    if (tid_in_wg == 0) Barrier::arrive(&ss.kv_empty[stage][wg]);
+  };
+  // Tail block: zero the key rows past the sequence end in this warpgroup's V half (never loaded,
+  // or slots past L) before a PV reads them, so 0-probability keys cannot inject NaN/Inf. Only once
+  // the block's QK^T has completed (it reads those rows too) and its slabs have landed. Both
+  // warpgroups zero their half of a tail block, then meet at kTailZeroed (a barrier over both, not
+  // one per warpgroup: racecheck mis-orders the hand-offs between warpgroups that ran their own
+  // barriers unequally often, scripts/racecheck_probe.cu).
+  Segment seg{};  // the request being processed
+  // (The keys of a block are derived where used: held across the pair, they were spilled.)
+  auto is_tail = [&](int blk) { return seg.seqlen_k - blk * kBlockN < kBlockN; };
+  auto zero_tail_of_own_half = [&](int stage, uint32_t phase, int blk) {
+    const int valid_keys = seg.seqlen_k - blk * kBlockN;
+    for (int slab = 4 * wg; slab < 4 * wg + 4; ++slab) Barrier::wait(&ss.kv_full[stage][slab], phase);
+    constexpr int kChunksPerRow = 4 * kTmaColumns / 8;  // 16-byte chunks of a row in 4 slabs
+    Element* half = ss.k[stage] + 4 * wg * Traits::kSlabElements;
+    for (int i = mla_common::opaque(tid_in_wg); i < (kBlockN - valid_keys) * kChunksPerRow; i += 128) {
+      const int row = valid_keys + i / kChunksPerRow, chunk = i % kChunksPerRow;
+      const int slab = chunk / 8, swizzled = (chunk % 8) ^ (row % 8);  // 128-byte swizzle
+      mla_common::st_shared_zero16(half + slab * Traits::kSlabElements + row * kTmaColumns + swizzled * 8);
+    }
+    cutlass::arch::fence_view_async_shared();
+  };
+  auto tail_zeroed = [] { named_barrier_sync<int(SeesawBarrier::kTailZeroed), 256>(); };
+  auto scale_o = [&](const float (&factor)[2]) {
+    // Once the running max settles the factors are exactly 1: skip the 128 multiplies then.
+    if (__any_sync(0xffffffff, factor[0] != 1.f || factor[1] != 1.f)) {
+#pragma unroll
+      for (int e = 0; e < size(tOrO); ++e) tOrO(e) *= factor[row_half(e)];
+    }
+  };
+  // Scores of block `blk` in log2 units, masked past each row's last visible key; returns the
+  // block's row max.
+  auto mask_scores = [&](int blk, const int (&last_key)[2], float (&block_max)[2]) {
+    // Key of element e: key0 + 8 (e >> 2) + 2 (lane % 4) + (e & 1) (from an opaque thread index,
+    // as row0).
+    const int key0 = blk * kBlockN + 2 * (mla_common::opaque(int(threadIdx.x)) % 4);
+    block_max[0] = block_max[1] = -INFINITY;
+#pragma unroll
+    for (int e = 0; e < size(tSrS); ++e) {
+      const int i = row_half(e);
+      const float s = key0 + 8 * (e >> 2) + (e & 1) <= last_key[i] ? tSrS(e) * p.scale_log2 : -INFINITY;
+      tSrS(e) = s;
+      block_max[i] = fmaxf(block_max[i], s);
+    }
+#pragma unroll
+    for (int i = 0; i < 2; ++i) {
+      block_max[i] = fmaxf(block_max[i], __shfl_xor_sync(0xffffffff, block_max[i], 1));
+      block_max[i] = fmaxf(block_max[i], __shfl_xor_sync(0xffffffff, block_max[i], 2));
+    }
+  };
+  // tOrP as packed pairs (elements e, e + 1 in word e / 2): converting element by element leaves
+  // each 16-bit value in a register of its own.
+  uint32_t* p_pairs = reinterpret_cast<uint32_t*>(raw_pointer_cast(tOrP.data()));
+  // P = exp2(S - base), in place and into tOrP (16 bit), adding the row sums to `row_sum`.
+  auto exponentiate = [&](const float (&base)[2], float (&row_sum)[2]) {
+#pragma unroll
+    for (int e = 0; e < size(tSrS); e += 2) {
+      tSrS(e) = exp2f(tSrS(e) - base[row_half(e)]);
+      tSrS(e + 1) = exp2f(tSrS(e + 1) - base[row_half(e)]);
+      row_sum[row_half(e)] += tSrS(e) + tSrS(e + 1);
+      p_pairs[e / 2] = pack_pair<Element>(tSrS(e), tSrS(e + 1));
+    }
+  };
+  // This warpgroup's P of the block in `stage`, pair(e) the packed elements e, e + 1, to the block's
+  // rope slab (64 x 64, 128-byte rows, 16-byte chunk c of row r at c ^ (r % 8)). Element e of the
+  // accumulator is row r0 + 8 ((e >> 1) & 1), column 8 (e >> 2) + 2 (lane % 4) + (e & 1).
+  // Addresses from an opaque thread index: otherwise the compiler hoists all 16 out of the loop.
+  auto store_p = [&](int stage, auto&& pair) {
+    const int t = mla_common::opaque(tid_in_wg);
+    const int row = (t / 32) * 16 + (t % 32) / 4;
+    // The swizzle as one XOR with a constant per chunk: bits 4-6 of row_addr hold row % 8.
+    const uint32_t row_addr = mla_common::smem_addr(Traits::p_tile(ss, stage)) + row * 128 + (row % 8) * 16 + (t % 4) * 4;
+#pragma unroll
+    for (int e = 0; e < size(tSrS); e += 2) {
+      mla_common::st_shared_4((row_addr ^ ((e >> 2) << 4)) + row_half(e) * 8 * 128, pair(e));
+    }
+    cutlass::arch::fence_view_async_shared();
+  };
+
+  int iteration = 0;  // blocks consumed so far: block i of the CTA's sequence is in stage i % 2
+  bool have_segment = range.next_segment(p, range.begin_b, m_block, seg);
+  if (have_segment) issue_q_tile_load<Element, typename Traits::SmemLayoutQ>(p, seg, ss.q);
+  while (have_segment) {
+    mla_common::cp_async_wait_all();
+    cutlass::arch::fence_view_async_shared();
+    named_barrier_sync<int(SeesawBarrier::kQReady), 256>();
+    const int last_key[2] = {last_visible_key(p, seg, m_block * kBlockM + row0()),
+                             last_visible_key(p, seg, m_block * kBlockM + row0() + 8)};
+    float row_max[2] = {-INFINITY, -INFINITY};  // running max, log2 units; equal in both WGs per pair
+    float row_sum[2] = {0.f, 0.f};              // this WG's share of the denominator
+    clear(tOrO);
+
+    // The first pair's QK^T.
+    if (seg.blk_lo < seg.blk_hi) {
+      const int first = seg.blk_lo + wg;
+      if (first < seg.blk_hi) {
+        const int it = iteration + wg;
+        start_qk();
+        if (wg == 0) issue_qk_slabs(it % 2, (it / 2) & 1, 0, kSlabs);
+        else {
+          issue_qk_slabs(it % 2, (it / 2) & 1, 4, 8);
+          issue_qk_slabs(it % 2, (it / 2) & 1, 0, 4);
+          issue_qk_slabs(it % 2, (it / 2) & 1, 8, kSlabs);
+        }
+      }
+    }
+
+    for (int blk = seg.blk_lo; blk < seg.blk_hi; blk += 2) {
+      const bool has_b = blk + 1 < seg.blk_hi;
+      const int stage_a = iteration % 2, stage_b = (iteration + 1) % 2;
+      const uint32_t phase_a = (iteration / 2) & 1, phase_b = ((iteration + 1) / 2) & 1;
+      const bool has_next_a = blk + 2 < seg.blk_hi, has_next_b = blk + 3 < seg.blk_hi;
+      if (wg == 0) {
+        warpgroup_wait<0>();  // S_a (and the previous pair's last PV)
+        warpgroup_fence_operand(tSrS);
+        warpgroup_fence_operand(tOrO);
+        float block_max[2], base[2], factor[2];
+        mask_scores(blk, last_key, block_max);
+        float max_a[2];
+#pragma unroll
+        for (int i = 0; i < 2; ++i) {
+          max_a[i] = fmaxf(row_max[i], block_max[i]);
+          base[i] = base_of(max_a[i]);
+          factor[i] = exp2f(row_max[i] - base[i]);
+          row_sum[i] *= factor[i];
+        }
+        if (tid_in_wg % 4 == 0) {
+          ss.max_a[row0()] = max_a[0];
+          ss.max_a[row0() + 8] = max_a[1];
+        }
+        named_barrier_sync<int(SeesawBarrier::kMaxA), 256>();
+        exponentiate(base, row_sum);
+        scale_o(factor);
+        if (is_tail(blk)) {  // (then there is no b)
+          zero_tail_of_own_half(stage_a, phase_a, blk);
+          tail_zeroed();
+        }
+        issue_pv_local(stage_a);
+        // P_a rescaled to the pair's max (the same as max_a when there is no b), for warpgroup 1.
+        named_barrier_sync<int(SeesawBarrier::kMaxB), 256>();
+#pragma unroll
+        for (int i = 0; i < 2; ++i) {
+          const float max_b = ss.max_b[row0() + 8 * i];
+          factor[i] = exp2f(max_a[i] - base_of(max_b));
+          row_sum[i] *= factor[i];
+          row_max[i] = max_b;
+        }
+        store_p(stage_a, [&](int e) {
+          return pack_pair<Element>(tSrS(e) * factor[row_half(e)], tSrS(e + 1) * factor[row_half(e)]);
+        });
+        named_barrier_sync<int(SeesawBarrier::kPReady), 256>();
+        warpgroup_wait<0>();  // P_a V_a
+        warpgroup_fence_operand(tOrO);
+        release(stage_a);
+        if (has_b) {
+          scale_o(factor);
+          if (is_tail(blk + 1)) {
+            zero_tail_of_own_half(stage_b, phase_b, blk + 1);
+            tail_zeroed();
+          }
+          issue_pv_remote(stage_b);
+          if (has_next_a) {  // the next pair's S_a behind it; stage_b is free once the PV completes
+            start_qk();
+            issue_qk_slabs(stage_a, phase_a ^ 1, 0, 4);
+            warpgroup_wait<4>();
+            release(stage_b);
+            issue_qk_slabs(stage_a, phase_a ^ 1, 4, kSlabs);
+          } else {
+            warpgroup_wait<0>();
+            release(stage_b);
+          }
+        }
+      } else {
+        float block_max[2] = {-INFINITY, -INFINITY};
+        // S_b. Unconditional: a wait under a branch makes ptxas serialize all WGMMAs.
+        warpgroup_wait<0>();
+        warpgroup_fence_operand(tSrS);
+        warpgroup_fence_operand(tOrO);
+        if (has_b) {
+          mask_scores(blk + 1, last_key, block_max);
+        }
+        named_barrier_sync<int(SeesawBarrier::kMaxA), 256>();
+        if (is_tail(blk)) {  // S_a is done; there is no b
+          zero_tail_of_own_half(stage_a, phase_a, blk);
+          tail_zeroed();
+        }
+        float base[2], factor[2];
+#pragma unroll
+        for (int i = 0; i < 2; ++i) {
+          const float max_b = fmaxf(ss.max_a[row0() + 8 * i], block_max[i]);
+          base[i] = base_of(max_b);
+          factor[i] = exp2f(row_max[i] - base[i]);
+          row_sum[i] *= factor[i];
+          row_max[i] = max_b;
+        }
+        if (tid_in_wg % 4 == 0) {
+          ss.max_b[row0()] = row_max[0];
+          ss.max_b[row0() + 8] = row_max[1];
+        }
+        named_barrier_sync<int(SeesawBarrier::kMaxB), 256>();
+        scale_o(factor);
+        if (has_b) {
+          exponentiate(base, row_sum);
+          store_p(stage_b, [&](int e) { return p_pairs[e / 2]; });
+        }
+        named_barrier_sync<int(SeesawBarrier::kPReady), 256>();
+        if (has_b) {
+          if (is_tail(blk + 1)) {
+            zero_tail_of_own_half(stage_b, phase_b, blk + 1);
+            tail_zeroed();
+          }
+          issue_pv_local(stage_b);
+        }
+        issue_pv_remote(stage_a);
+        if (has_b) {
+          warpgroup_wait<1>();
+          release(stage_b);
+        }
+        warpgroup_wait<0>();
+        warpgroup_fence_operand(tOrO);
+        release(stage_a);
+        if (has_next_b) {
+          start_qk();
+          issue_qk_slabs(stage_b, phase_b ^ 1, 4, 8);
+          issue_qk_slabs(stage_b, phase_b ^ 1, 0, 4);
+          issue_qk_slabs(stage_b, phase_b ^ 1, 8, kSlabs);
+        }
+      }
+      iteration += has_b ? 2 : 1;
+    }
+    warpgroup_wait<0>();
+    warpgroup_fence_operand(tOrO);
+
+    // ---- Epilogue: total denominator over both warpgroups, then normalise and store. Past
+    // kRowSum no MMA of either warpgroup reads sQ, so the next request's Q load starts.
+    const float total[2] = {quad_sum(row_sum[0]), quad_sum(row_sum[1])};
+    __syncwarp();  // the quad's other lanes read row_sum in the previous epilogue
+    if (tid_in_wg % 4 == 0) {
+      ss.row_sum[wg][row0()] = total[0];
+      ss.row_sum[wg][row0() + 8] = total[1];
+    }
+    named_barrier_sync<int(SeesawBarrier::kRowSum), 256>();
+    Segment next;
+    const bool have_next = range.next_segment(p, seg.b + 1, m_block, next);
+    if (have_next) issue_q_tile_load<Element, typename Traits::SmemLayoutQ>(p, next, ss.q);
+    const int r0 = row0();
+    float sums[2];
+#pragma unroll
+    for (int i = 0; i < 2; ++i) sums[i] = ss.row_sum[0][r0 + 8 * i] + ss.row_sum[1][r0 + 8 * i];
+    // Column of element e: 256 wg + 8 (e >> 2) + 2 (lane % 4) + (e & 1) (thread part as row0).
+    const int col0 = 256 * wg + 2 * (mla_common::opaque(int(threadIdx.x)) % 4);
+    store_output_tile<Element>(p, seg, m_block, r0, row_max, sums, 1.f, /*write_lse=*/wg == 0, tOrO,
+                               [&](int e) { return col0 + 8 * (e >> 2); });
+    seg = next;
+    have_segment = have_next;
+  }
+}
+
+template <typename Traits>
+__global__ void __launch_bounds__(Traits::kThreads, 1)
+    mla_decode_seesaw_kernel(__grid_constant__ const DecodeParams params, __grid_constant__ const DecodeTma tma) {
+#if defined(__CUDA_ARCH__) && __CUDA_ARCH__ == 900 && defined(__CUDA_ARCH_FEAT_SM90_ALL)
+  auto& ss = mla_common::shared_storage_1024<typename Traits::SharedStorage>();
+  const int warpgroup = __shfl_sync(0xffffffff, threadIdx.x / 128, 0);
+  const PartRange range = PartRange::load(params, blockIdx.y);
+  mla_common::launch_dependents();  // the combine kernel waits in griddepcontrol.wait
+
+  if (threadIdx.x == 0) {
+    for (int s = 0; s < Traits::kStages; ++s) {
+      for (int slab = 0; slab < kSlabs; ++slab) cutlass::arch::ClusterTransactionBarrier::init(&ss.kv_full[s][slab], 1);
+      for (int w = 0; w < 2; ++w) cutlass::arch::ClusterBarrier::init(&ss.kv_empty[s][w], 1);
+    }
+    cutlass::arch::fence_barrier_init();
+  }
+  __syncthreads();
+
+  if (warpgroup == 2) {
+    cutlass::arch::warpgroup_reg_dealloc<kSeesawProducerRegisters>();
+    if (threadIdx.x % 32 == 0) cute::prefetch_tma_descriptor(&tma.kv);
+    produce_seesaw_tiles<Traits>(params, tma, ss, range, blockIdx.x, threadIdx.x / 32 - 8);
+  } else {
+    cutlass::arch::warpgroup_reg_alloc<kSeesawMathRegisters>();
+    consume_seesaw_pairs<Traits>(params, ss, range, blockIdx.x);
+  }
+#endif
+}
+
+}  // namespace mla_decode
