@@ -56,6 +56,19 @@ struct BlockCopies {
   }
 };
 
+// Calls fn(seg, pages, blk, iteration) for every KV block of this CTA's schedule, in order; iteration
+// counts the blocks (a block's place in the stage ring), pages is the request's block-table row.
+template <typename Fn>
+__device__ __forceinline__ void for_each_scheduled_block(const DecodeParams& p, const PartRange& range, int m_block,
+                                                         Fn&& fn) {
+  int iteration = 0;
+  Segment seg;
+  for (int b = range.begin_b; range.next_segment(p, b, m_block, seg); b = seg.b + 1) {
+    const int* pages = p.block_table + int64_t(seg.b) * p.block_table_stride;
+    for (int blk = seg.blk_lo; blk < seg.blk_hi; ++blk, ++iteration) fn(seg, pages, blk, iteration);
+  }
+}
+
 // Issues the K-tile loads of this CTA's schedule for slabs first_slab, first_slab + slab_step, ...
 // into a ring of Traits::kStages stages, one kv_empty barrier per stage. Runs on one warp (several
 // warps split the slabs: TMA issue from one thread is serial, and page 16 needs 4 copies x 9 slabs
@@ -67,20 +80,15 @@ __device__ void produce_kv_tiles(const DecodeParams& p, const DecodeTma& tma,
                                  typename Traits::SharedStorage& ss, const PartRange& range,
                                  int m_block, int first_slab, int slab_step) {
   const int lane = threadIdx.x % 32;
-  int iteration = 0;
-  Segment seg;
-  for (int b = range.begin_b; range.next_segment(p, b, m_block, seg); b = seg.b + 1) {
-    const int* pages = p.block_table + int64_t(seg.b) * p.block_table_stride;
-    for (int blk = seg.blk_lo; blk < seg.blk_hi; ++blk, ++iteration) {
-      const int stage = iteration % Traits::kStages;
-      const auto copies = BlockCopies<Traits>::plan(p, tma, pages, seg, blk, lane);
-      if (iteration >= Traits::kStages) {
-        cutlass::arch::ClusterBarrier::wait(&ss.kv_empty[stage], ((iteration / Traits::kStages) - 1) & 1);
-      }
-      for (int slab = first_slab; slab < kSlabs; slab += slab_step) copies.expect(ss, stage, slab, lane);
-      for (int slab = first_slab; slab < kSlabs; slab += slab_step) copies.copy(tma, ss, stage, slab, lane);
+  for_each_scheduled_block(p, range, m_block, [&](const Segment& seg, const int* pages, int blk, int iteration) {
+    const int stage = iteration % Traits::kStages;
+    const auto copies = BlockCopies<Traits>::plan(p, tma, pages, seg, blk, lane);
+    if (iteration >= Traits::kStages) {
+      cutlass::arch::ClusterBarrier::wait(&ss.kv_empty[stage], ((iteration / Traits::kStages) - 1) & 1);
     }
-  }
+    for (int slab = first_slab; slab < kSlabs; slab += slab_step) copies.expect(ss, stage, slab, lane);
+    for (int slab = first_slab; slab < kSlabs; slab += slab_step) copies.copy(tma, ss, stage, slab, lane);
+  });
 }
 
 }  // namespace mla_decode

@@ -40,26 +40,21 @@ __device__ void produce_seesaw_tiles(const DecodeParams& p, const DecodeTma& tma
                                      const PartRange& range, int m_block, int warp) {
   const int lane = threadIdx.x % 32;
   const int my_stage = warp / 2, half = warp % 2;
-  int iteration = 0;
-  Segment seg;
-  for (int b = range.begin_b; range.next_segment(p, b, m_block, seg); b = seg.b + 1) {
-    const int* pages = p.block_table + int64_t(seg.b) * p.block_table_stride;
-    for (int blk = seg.blk_lo; blk < seg.blk_hi; ++blk, ++iteration) {
-      const int stage = iteration % Traits::kStages;
-      if (stage != my_stage) continue;
-      const auto copies = BlockCopies<Traits>::plan(p, tma, pages, seg, blk, lane);
-      const uint32_t free_parity = ((iteration / Traits::kStages) - 1) & 1;
-      const bool reused = iteration >= Traits::kStages;
-      if (reused) cutlass::arch::ClusterBarrier::wait(&ss.kv_empty[stage][half], free_parity);
-      for (int slab = 4 * half; slab < 4 * half + 4; ++slab) copies.expect(ss, stage, slab, lane);
-      for (int slab = 4 * half; slab < 4 * half + 4; ++slab) copies.copy(tma, ss, stage, slab, lane);
-      if (half == 0) {
-        if (reused) cutlass::arch::ClusterBarrier::wait(&ss.kv_empty[stage][1], free_parity);
-        copies.expect(ss, stage, kSlabs - 1, lane);
-        copies.copy(tma, ss, stage, kSlabs - 1, lane);
-      }
+  for_each_scheduled_block(p, range, m_block, [&](const Segment& seg, const int* pages, int blk, int iteration) {
+    const int stage = iteration % Traits::kStages;
+    if (stage != my_stage) return;
+    const auto copies = BlockCopies<Traits>::plan(p, tma, pages, seg, blk, lane);
+    const uint32_t free_parity = ((iteration / Traits::kStages) - 1) & 1;
+    const bool reused = iteration >= Traits::kStages;
+    if (reused) cutlass::arch::ClusterBarrier::wait(&ss.kv_empty[stage][half], free_parity);
+    for (int slab = 4 * half; slab < 4 * half + 4; ++slab) copies.expect(ss, stage, slab, lane);
+    for (int slab = 4 * half; slab < 4 * half + 4; ++slab) copies.copy(tma, ss, stage, slab, lane);
+    if (half == 0) {
+      if (reused) cutlass::arch::ClusterBarrier::wait(&ss.kv_empty[stage][1], free_parity);
+      copies.expect(ss, stage, kSlabs - 1, lane);
+      copies.copy(tma, ss, stage, kSlabs - 1, lane);
     }
-  }
+  });
 }
 
 template <typename Traits>
