@@ -14,7 +14,7 @@
 
 namespace mla_decode {
 
-// Two floats <-> a packed pair of Element (cutlass::bfloat16_t or cutlass::half_t), first lowest.
+// Two floats -> a packed pair of Element (cutlass::bfloat16_t or cutlass::half_t), first lowest.
 template <typename Element>
 __device__ __forceinline__ uint32_t pack_pair(float lo, float hi) {
   uint32_t bits;
@@ -27,15 +27,6 @@ __device__ __forceinline__ uint32_t pack_pair(float lo, float hi) {
   }
   return bits;
 }
-template <typename Element>
-__device__ __forceinline__ float2 unpack_pair(uint32_t bits) {
-  if constexpr (std::is_same_v<Element, cutlass::bfloat16_t>) {
-    return __bfloat1622float2(*reinterpret_cast<const __nv_bfloat162*>(&bits));
-  } else {
-    return __half22float2(*reinterpret_cast<const __half2*>(&bits));
-  }
-}
-
 // Q tile of q-tile blockIdx.x in segment `s`: 16-byte cp.async copies into the swizzled layout, all in
 // flight at once (rows past the request are zero-filled), by math threads 0..255. Thread t copies
 // chunks t % 4, t % 4 + 4, ... of row t / 4, so the row's address math is done once. Completion:

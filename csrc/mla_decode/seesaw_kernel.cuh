@@ -128,6 +128,7 @@ __device__ void consume_seesaw_pairs(const DecodeParams& p, typename Traits::Sha
     for (int k = 0; k < size<2>(tOrPs); ++k) cute::gemm(mma_pv_remote, tOrPs(_, _, k), tOrV(_, _, k), tOrO);
     warpgroup_commit_batch();
   };
+  Segment seg{};  // the request being processed
   auto release = [&](int stage) {
     if (tid_in_wg == 0) Barrier::arrive(&ss.kv_empty[stage][wg]);
   };
@@ -136,9 +137,8 @@ __device__ void consume_seesaw_pairs(const DecodeParams& p, typename Traits::Sha
   // the block's QK^T has completed (it reads those rows too) and its slabs have landed. Both
   // warpgroups zero their half of a tail block, then meet at kTailZeroed (a barrier over both, not
   // one per warpgroup: racecheck mis-orders the hand-offs between warpgroups that ran their own
-  // barriers unequally often, scripts/racecheck_probe.cu).
-  Segment seg{};  // the request being processed
-  // (The keys of a block are derived where used: held across the pair, they were spilled.)
+  // barriers unequally often, scripts/racecheck_probe.cu). The keys of a block are derived where
+  // used: held across the pair, they were spilled.
   auto is_tail = [&](int blk) { return seg.seqlen_k - blk * kBlockN < kBlockN; };
   auto zero_tail_of_own_half = [&](int stage, uint32_t phase, int blk) {
     const int valid_keys = seg.seqlen_k - blk * kBlockN;
