@@ -57,6 +57,9 @@ __device__ __forceinline__ uint32_t smem_addr(const void* smem) {
 __device__ __forceinline__ void st_shared_4(uint32_t addr, uint32_t v) {
   asm volatile("st.shared.b32 [%0], %1;" ::"r"(addr), "r"(v) : "memory");
 }
+__device__ __forceinline__ void st_shared_8(uint32_t addr, uint32_t lo, uint32_t hi) {
+  asm volatile("st.shared.v2.b32 [%0], {%1, %2};" ::"r"(addr), "r"(lo), "r"(hi) : "memory");
+}
 
 // 16-byte global -> shared copy that bypasses registers; src_bytes = 0 writes zeros instead.
 __device__ __forceinline__ void cp_async_16(void* smem, const void* gmem, bool valid) {
@@ -94,6 +97,19 @@ __device__ __forceinline__ int opaque(int v) {
   asm volatile("mov.b32 %0, %0;" : "+r"(v));
   return v;
 }
+
+// Bulk copy (async proxy) of `bytes` (a multiple of 16; both addresses 16-byte aligned) from shared
+// to global memory, in this thread's bulk group. Shared writes it reads must be fenced
+// (fence.proxy.async) and synchronised before it is issued.
+__device__ __forceinline__ void bulk_store(void* gmem, uint32_t smem, int bytes) {
+  asm volatile("cp.async.bulk.global.shared::cta.bulk_group [%0], [%1], %2;" ::"l"(gmem), "r"(smem), "r"(bytes)
+               : "memory");
+}
+__device__ __forceinline__ void bulk_commit() { asm volatile("cp.async.bulk.commit_group;" ::: "memory"); }
+// This thread's bulk copies have read their shared memory (it may be overwritten).
+__device__ __forceinline__ void bulk_wait_read() { asm volatile("cp.async.bulk.wait_group.read 0;" ::: "memory"); }
+// ... and have completed.
+__device__ __forceinline__ void bulk_wait() { asm volatile("cp.async.bulk.wait_group 0;" ::: "memory"); }
 
 // Programmatic dependent launch: lets the next kernel in the stream start its prologue now.
 __device__ __forceinline__ void launch_dependents() {

@@ -129,6 +129,8 @@ __device__ void consume_kv_tiles(const DecodeParams& p, typename Traits::SharedS
   const int tid = threadIdx.x;          // 0..255 over the two math warpgroups
   const int warpgroup = tid / 128;
   const int tid_in_wg = tid % 128;
+  static_assert(2 * kStagingBytes <= int(sizeof(MmaElement)) * cosize_v<typename Traits::SmemLayoutK>,
+                "the epilogue stages both warpgroups' output in one K stage");
 
   typename Traits::TiledMmaQK mma_qk;   // one warpgroup
   typename Traits::TiledMmaPV mma_pv;   // two warpgroups, split along the 512 output columns
@@ -140,7 +142,6 @@ __device__ void consume_kv_tiles(const DecodeParams& p, typename Traits::SharedS
   Tensor tSsP = thr_qk.partition_C(sP);  // where this thread's probabilities go in P
   // Coordinates (row, key) / (row, dim) of each accumulator element of this thread.
   Tensor tScS = thr_qk.partition_C(make_identity_tensor(Shape<Int<kBlockM>, Int<kBlockN>>{}));
-  Tensor tOcO = thr_pv.partition_C(make_identity_tensor(Shape<Int<kBlockM>, Int<kHeadDimV>>{}));
   Tensor tOrO = partition_fragment_C(mma_pv, Shape<Int<kBlockM>, Int<kHeadDimV>>{});  // (64, 256) per WG
   Tensor tSrS = partition_fragment_C(mma_qk, Shape<Int<kBlockM>, Int<kBlockN>>{});    // (64, 64)
   // Each thread holds two rows of every accumulator, r0 and r0 + 8: element e of an SM90 WGMMA
@@ -349,9 +350,7 @@ __device__ void consume_kv_tiles(const DecodeParams& p, typename Traits::SharedS
     }
     warpgroup_wait<0>();
     warpgroup_fence_operand(tOrO);
-    if (seg.blk_lo < seg.blk_hi && tid_in_wg == 0) {
-      cutlass::arch::ClusterBarrier::arrive(&ss.kv_empty[(iteration - 1) % kStages]);
-    }
+    // The last block's stage is released after the epilogue, which stages the output there.
 
     // Every QK of this segment has completed (the other warpgroup's last PV needed the last S), so
     // sQ is free: the next segment's Q load overlaps this epilogue.
@@ -370,11 +369,23 @@ __device__ void consume_kv_tiles(const DecodeParams& p, typename Traits::SharedS
     float sums[2];
 #pragma unroll
     for (int i = 0; i < 2; ++i) sums[i] = ss.row_sum[0][r0 + 8 * i] + ss.row_sum[1][r0 + 8 * i];
-    store_output_tile<Element>(p, seg, m_block, r0, row_max, sums, k_scale, /*write_lse=*/warpgroup == 0, tOrO,
-                               [&](int e) { return get<1>(tOcO(e)); });
+    if (seg.blk_lo < seg.blk_hi) {
+      // Through the last block's stage (both warpgroups' PVs are done: kRowSum), then release it.
+      const int last_stage = (iteration - 1) % kStages;
+      auto warpgroup_sync = [&] { named_barrier_sync<int(DecodeBarrier::kStaged0), 128>(warpgroup); };
+      store_output_columns_staged<Element>(p, seg, m_block, r0, row_max, sums, k_scale, /*write_lse=*/warpgroup == 0,
+                                           mla_common::smem_addr(ss.k[last_stage]) + warpgroup * kStagingBytes,
+                                           tid_in_wg, 256 * warpgroup, tOrO, warpgroup_sync);
+      if (tid_in_wg < kBlockM) mla_common::bulk_wait_read();
+      warpgroup_sync();
+      if (tid_in_wg == 0) cutlass::arch::ClusterBarrier::arrive(&ss.kv_empty[last_stage]);
+    } else {  // no key block was loaded: no stage to stage through
+      store_empty_output_tile<Element>(p, seg, m_block);
+    }
     seg = next;
     have_segment = have_next;
   }
+  if (tid_in_wg < kBlockM) mla_common::bulk_wait();  // the last output rows have left
 }
 
 template <typename Traits>

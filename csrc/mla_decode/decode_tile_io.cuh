@@ -4,6 +4,7 @@
 #include <cuda_bf16.h>
 #include <cuda_fp16.h>
 #include <cute/tensor.hpp>
+#include <cutlass/arch/barrier.h>
 #include <cutlass/numeric_types.h>
 #include <type_traits>
 
@@ -59,57 +60,131 @@ __device__ __forceinline__ float quad_sum(float v) {
   return v + __shfl_xor_sync(0xffffffff, v, 2);
 }
 
-// Normalises and stores this thread's part of a finished 64-row output tile: rows r0 and r0 + 8
-// (element e of tOrO is in row r0 + 8 ((e >> 1) & 1), column col_of(e); e, e + 1 are adjacent
-// columns), with running max row_max (log2 units) and denominator row_total. The final row of the
-// request, or an fp32 partial + LSE for combine_kernel.cuh when the request is split. out_scale
-// multiplies every value (an fp8 cache's k_scale). LSE: natural log, +inf (final) or -inf (partial)
-// for a row with no visible key; written by the threads with write_lse and lane % 4 == 0.
-template <typename Element, typename TensorO, typename ColumnOf>
-__device__ __forceinline__ void store_output_tile(const DecodeParams& p, const Segment& seg, int m_block, int r0,
-                                                  const float (&row_max)[2], const float (&row_total)[2],
-                                                  float out_scale, bool write_lse, const TensorO& tOrO,
-                                                  ColumnOf&& col_of) {
-  const int rows_in_request = seg.seqlen_q * p.num_heads_q;
-  const bool is_partial = p.req_splits[2 * seg.b] > 1;
-  const int slot = p.req_splits[2 * seg.b + 1] + seg.split;
-  float inv_sum[2];
-  float* partial_row[2];
-  Element* out_row[2];
-  bool row_valid[2];
-#pragma unroll
-  for (int i = 0; i < 2; ++i) {
-    const int r = r0 + 8 * i, row = m_block * kBlockM + r;
-    const float total = row_total[i];
+// Where the rows of a finished 64-row output tile go: the final output of the request, or an fp32
+// partial (+ LSE) for combine_kernel.cuh when the request is split.
+struct OutputTile {
+  const DecodeParams& p;
+  Segment seg;  // by value: a reference to the caller's local put it on the stack
+  int m_block;
+  bool is_partial;
+  int slot;  // workspace slot of the partial
+
+  __device__ static OutputTile of(const DecodeParams& p, const Segment& seg, int m_block) {
+    return {p, seg, m_block, p.req_splits[2 * seg.b] > 1, p.req_splits[2 * seg.b + 1] + seg.split};
+  }
+  __device__ bool has_row(int r) const { return m_block * kBlockM + r < seg.seqlen_q * p.num_heads_q; }
+  __device__ int64_t partial_index(int r) const { return (int64_t(slot) * p.num_q_tiles + m_block) * kBlockM + r; }
+  // Row r, from column `col` on: an fp32 partial row or a final row of out (Element).
+  template <typename Element>
+  __device__ void* row_ptr(int r, int col) const {
+    if (is_partial) return p.partial_out + partial_index(r) * kHeadDimV + col;
+    const int row = m_block * kBlockM + r, t = row / p.num_heads_q, h = row % p.num_heads_q;
+    return static_cast<Element*>(p.out) + seg.b * p.out_batch_stride + (seg.first_token + t) * p.out_token_stride +
+           h * p.out_head_stride + col;
+  }
+  // 1 / denominator (times out_scale, an fp8 cache's k_scale) of a row with running max row_max (log2
+  // units) and denominator total; writes the row's LSE (natural log; +inf final or -inf partial for a
+  // row with no visible key) when write_lse.
+  __device__ float finish_row(int r, float row_max, float total, float out_scale, bool write_lse) const {
     const bool empty = total == 0.f;  // no visible key in this split
-    inv_sum[i] = empty ? 0.f : out_scale / total;
-    const float lse = empty ? (is_partial ? -INFINITY : INFINITY) : (row_max[i] + __log2f(total)) * float(M_LN2);
-    row_valid[i] = row < rows_in_request;
-    const int t = row / p.num_heads_q, h = row % p.num_heads_q;
-    const int64_t partial_index = (int64_t(slot) * p.num_q_tiles + m_block) * kBlockM + r;
-    partial_row[i] = p.partial_out + partial_index * kHeadDimV;
-    out_row[i] = static_cast<Element*>(p.out) + seg.b * p.out_batch_stride + (seg.first_token + t) * p.out_token_stride +
-                 h * p.out_head_stride;
-    if (row_valid[i] && write_lse && threadIdx.x % 4 == 0) {
+    if (write_lse && has_row(r)) {
+      const float lse = empty ? (is_partial ? -INFINITY : INFINITY) : (row_max + __log2f(total)) * float(M_LN2);
       if (is_partial) {
-        p.partial_lse[partial_index] = lse;
+        p.partial_lse[partial_index(r)] = lse;
       } else {
+        const int row = m_block * kBlockM + r, t = row / p.num_heads_q, h = row % p.num_heads_q;
         p.lse[seg.b * p.lse_batch_stride + (seg.first_token + t) * p.lse_token_stride + h * p.lse_head_stride] = lse;
       }
     }
+    return empty ? 0.f : out_scale / total;
   }
+};
+
+// The output of a segment without key blocks (a request with no keys): zero rows, LSE +inf. Such a
+// request is never split. By all 256 math threads, 16-byte stores.
+template <typename Element>
+__device__ __forceinline__ void store_empty_output_tile(const DecodeParams& p, const Segment& seg, int m_block) {
+  const OutputTile tile = OutputTile::of(p, seg, m_block);
+  constexpr int kChunksPerRow = kHeadDimV * int(sizeof(Element)) / 16;
+  for (int i = threadIdx.x; i < kBlockM * kChunksPerRow; i += 256) {
+    const int r = i / kChunksPerRow, chunk = i % kChunksPerRow;
+    if (!tile.has_row(r)) continue;
+    if (chunk == 0) tile.finish_row(r, -INFINITY, 0.f, 1.f, /*write_lse=*/true);
+    static_cast<uint4*>(tile.row_ptr<Element>(r, 0))[chunk] = make_uint4(0, 0, 0, 0);
+  }
+}
+
+// Output staging: a warpgroup's 64 x 256 output columns pass through shared memory, 512 bytes of
+// every row per round, rows kStagingPitch<T> bytes apart (padded so that the fragment writes are
+// free of bank conflicts).
+template <typename T>
+constexpr int kStagingPitch = 512 + 8 * int(sizeof(T));  // bytes; conflict-free fragment writes
+constexpr int kStagingBytes = kBlockM * kStagingPitch<float>;  // per warpgroup
+
+// One round per 512 bytes of a row: fragments -> `staging`, then threads 0..63 of the warpgroup each
+// copy one row out with a bulk copy.
+template <typename Element, typename T, typename TensorO, typename Sync>
+__device__ __forceinline__ void stage_output_columns(const OutputTile& tile, uint32_t staging, int tid_in_wg, int r0,
+                                                     const float (&inv_sum)[2], int col_base, const TensorO& tOrO,
+                                                     Sync&& sync) {
+  constexpr int kPitch = kStagingPitch<T>, kColsPerRound = 512 / int(sizeof(T));
+  constexpr int kRounds = 256 / kColsPerRound, kPairsPerRound = int(decltype(cute::size(tOrO))::value) / 2 / kRounds;
+  // Element e is in column 8 (e >> 2) + 2 (lane % 4) + (e & 1) of the 256.
+  const uint32_t thread_addr = staging + r0 * kPitch + (tid_in_wg % 4) * 2 * int(sizeof(T));
 #pragma unroll
-  for (int e = 0; e < cute::size(tOrO); e += 2) {
-    const int i = (e >> 1) & 1;
-    if (!row_valid[i]) continue;
-    const int col = col_of(e);
-    const float v0 = tOrO(e) * inv_sum[i], v1 = tOrO(e + 1) * inv_sum[i];
-    if (is_partial) {
-      *reinterpret_cast<float2*>(partial_row[i] + col) = make_float2(v0, v1);
-    } else {
-      const Element pair[2] = {Element(v0), Element(v1)};  // 4-byte aligned: strides are 16-byte multiples
-      *reinterpret_cast<uint32_t*>(out_row[i] + col) = *reinterpret_cast<const uint32_t*>(pair);
+  for (int round = 0; round < kRounds; ++round) {
+    if (round > 0) {
+      if (tid_in_wg < kBlockM) mla_common::bulk_wait_read();
+      sync();
     }
+#pragma unroll
+    for (int pair = round * kPairsPerRound; pair < (round + 1) * kPairsPerRound; ++pair) {
+      const int e = 2 * pair, i = (e >> 1) & 1;
+      const uint32_t addr = thread_addr + i * 8 * kPitch + (8 * (e >> 2) % kColsPerRound) * int(sizeof(T));
+      const float v0 = tOrO(e) * inv_sum[i], v1 = tOrO(e + 1) * inv_sum[i];
+      if constexpr (sizeof(T) == 4) {
+        mla_common::st_shared_8(addr, __float_as_uint(v0), __float_as_uint(v1));
+      } else {
+        mla_common::st_shared_4(addr, pack_pair<Element>(v0, v1));
+      }
+    }
+    cutlass::arch::fence_view_async_shared();
+    sync();
+    if (tid_in_wg < kBlockM && tile.has_row(tid_in_wg)) {
+      mla_common::bulk_store(tile.row_ptr<Element>(tid_in_wg, col_base + round * kColsPerRound),
+                             staging + tid_in_wg * kPitch, 512);
+      mla_common::bulk_commit();
+    }
+  }
+}
+
+// Normalises and stores a finished 64-row output tile held by a warpgroup: its 256 output columns
+// [col_base, col_base + 256), this thread's rows r0 and r0 + 8 (element e of tOrO is in row
+// r0 + 8 ((e >> 1) & 1), column col_base + 8 (e >> 2) + 2 (lane % 4) + (e & 1)), with running max
+// row_max (log2 units) and denominator row_total; out_scale multiplies every value (an fp8 cache's
+// k_scale). The final rows of the request (16 bit, one round), or fp32 partial rows + LSE for
+// combine_kernel.cuh when the request is split (two rounds of 128 columns). The LSE (natural log;
+// +inf final or -inf partial for a row with no visible key) is written by the threads with
+// write_lse and lane % 4 == 0. Through shared memory (`staging`, kStagingBytes the warpgroup owns):
+// stores straight from the accumulator touch 8 rows per instruction and took ~6 us per tile.
+// sync() is a barrier over the warpgroup. On return the bulk copies may still read `staging`: wait
+// with bulk_wait_read (threads 0..63) and synchronise before reusing it.
+template <typename Element, typename TensorO, typename Sync>
+__device__ __forceinline__ void store_output_columns_staged(const DecodeParams& p, const Segment& seg, int m_block,
+                                                            int r0, const float (&row_max)[2],
+                                                            const float (&row_total)[2], float out_scale,
+                                                            bool write_lse, uint32_t staging, int tid_in_wg,
+                                                            int col_base, const TensorO& tOrO, Sync&& sync) {
+  const OutputTile tile = OutputTile::of(p, seg, m_block);
+  float inv_sum[2];
+#pragma unroll
+  for (int i = 0; i < 2; ++i) {
+    inv_sum[i] = tile.finish_row(r0 + 8 * i, row_max[i], row_total[i], out_scale, write_lse && threadIdx.x % 4 == 0);
+  }
+  if (tile.is_partial) {
+    stage_output_columns<Element, float>(tile, staging, tid_in_wg, r0, inv_sum, col_base, tOrO, sync);
+  } else {
+    stage_output_columns<Element, Element>(tile, staging, tid_in_wg, r0, inv_sum, col_base, tOrO, sync);
   }
 }
 

@@ -62,6 +62,8 @@ __device__ void consume_seesaw_pairs(const DecodeParams& p, typename Traits::Sha
                                      const PartRange& range, int m_block) {
   using Element = typename Traits::Element;
   using Barrier = cutlass::arch::ClusterBarrier;
+  static_assert(2 * kStagingBytes <= int(sizeof(Element)) * cosize_v<typename Traits::SmemLayoutK>,
+                "the epilogue stages both warpgroups' output in one K stage");
   constexpr int kStepsPerSlab = kTmaColumns / 16;
   const int tid = threadIdx.x;  // 0..255 over the two math warpgroups
   const int wg = tid / 128, tid_in_wg = tid % 128;
@@ -131,6 +133,10 @@ __device__ void consume_seesaw_pairs(const DecodeParams& p, typename Traits::Sha
   Segment seg{};  // the request being processed
   auto release = [&](int stage) {
     if (tid_in_wg == 0) Barrier::arrive(&ss.kv_empty[stage][wg]);
+  };
+  // The segment's last block stays in its stage until the epilogue has staged the output there.
+  auto release_unless_last = [&](int stage, int blk) {
+    if (blk + 1 < seg.blk_hi) release(stage);
   };
   // Tail block: zero the key rows past the sequence end in this warpgroup's V half (never loaded,
   // or slots past L) before a PV reads them, so 0-probability keys cannot inject NaN/Inf. Only once
@@ -283,7 +289,7 @@ __device__ void consume_seesaw_pairs(const DecodeParams& p, typename Traits::Sha
         named_barrier_sync<int(SeesawBarrier::kPReady), 256>();
         warpgroup_wait<0>();  // P_a V_a
         warpgroup_fence_operand(tOrO);
-        release(stage_a);
+        release_unless_last(stage_a, blk);
         if (has_b) {
           scale_o(factor);
           if (is_tail(blk + 1)) {
@@ -299,7 +305,7 @@ __device__ void consume_seesaw_pairs(const DecodeParams& p, typename Traits::Sha
             issue_qk_slabs(stage_a, phase_a ^ 1, 4, kSlabs);
           } else {
             warpgroup_wait<0>();
-            release(stage_b);
+            release_unless_last(stage_b, blk + 1);
           }
         }
       } else {
@@ -346,11 +352,11 @@ __device__ void consume_seesaw_pairs(const DecodeParams& p, typename Traits::Sha
         issue_pv_remote(stage_a);
         if (has_b) {
           warpgroup_wait<1>();
-          release(stage_b);
+          release_unless_last(stage_b, blk + 1);
         }
         warpgroup_wait<0>();
         warpgroup_fence_operand(tOrO);
-        release(stage_a);
+        release_unless_last(stage_a, blk);
         if (has_next_b) {
           start_qk();
           issue_qk_slabs(stage_b, phase_b ^ 1, 4, 8);
@@ -379,13 +385,24 @@ __device__ void consume_seesaw_pairs(const DecodeParams& p, typename Traits::Sha
     float sums[2];
 #pragma unroll
     for (int i = 0; i < 2; ++i) sums[i] = ss.row_sum[0][r0 + 8 * i] + ss.row_sum[1][r0 + 8 * i];
-    // Column of element e: 256 wg + 8 (e >> 2) + 2 (lane % 4) + (e & 1) (thread part as row0).
-    const int col0 = 256 * wg + 2 * (mla_common::opaque(int(threadIdx.x)) % 4);
-    store_output_tile<Element>(p, seg, m_block, r0, row_max, sums, 1.f, /*write_lse=*/wg == 0, tOrO,
-                               [&](int e) { return col0 + 8 * (e >> 2); });
+    if (seg.blk_lo < seg.blk_hi) {
+      // Through the last block's stage (its PVs are done: kRowSum), then hand the stage back.
+      const int last_stage = (iteration - 1) % Traits::kStages;
+      const uint32_t staging = mla_common::smem_addr(ss.k[last_stage]) + wg * kStagingBytes;
+      store_output_columns_staged<Element>(p, seg, m_block, r0, row_max, sums, 1.f, /*write_lse=*/wg == 0, staging,
+                                           tid_in_wg, 256 * wg, tOrO, [&] {
+        named_barrier_sync<int(SeesawBarrier::kStaged0), 128>(wg);
+      });
+      if (tid_in_wg < kBlockM) mla_common::bulk_wait_read();
+      named_barrier_sync<int(SeesawBarrier::kStagingRead), 256>();
+      release(last_stage);
+    } else {  // no key block was loaded: no stage to stage through
+      store_empty_output_tile<Element>(p, seg, m_block);
+    }
     seg = next;
     have_segment = have_next;
   }
+  if (tid_in_wg < kBlockM) mla_common::bulk_wait();  // the last output rows have left
 }
 
 template <typename Traits>

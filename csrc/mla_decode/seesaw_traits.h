@@ -80,6 +80,8 @@ enum class SeesawBarrier : int {
   kPReady = 4,      // both blocks' P are in their rope slabs
   kRowSum = 5,      // both partial denominators are in row_sum
   kTailZeroed = 6,  // both warpgroups zeroed their V half of a tail block (and fenced it)
+  kStaged0 = 7,     // (+ warpgroup, 128 threads) its output rows are in shared memory / copied out
+  kStagingRead = 9, // both warpgroups' output copies have read the last block's stage
 };
 
 }  // namespace mla_decode

@@ -90,6 +90,7 @@ enum class DecodeBarrier : int {
   kTailZeroed = 7,   // the key rows past the sequence end are zeroed and fenced for WGMMA
   kFp8Converted = 8,  // fp8 cache: a converted slab group is fenced for WGMMA (and, in place, its
                       // staged bytes are read before a later slab overwrites them)
+  kStaged0 = 9,      // (+ warpgroup, 128 threads) its output rows are in shared memory / copied out
 };
 
 }  // namespace mla_decode
