@@ -26,12 +26,9 @@ cudaError_t launch_split_and_combine(Kernel kernel, const DecodeParams& params, 
   if (err != cudaSuccess || params.num_sm_parts == 1) return err;  // one part: nothing is split
 
   const int max_rows = params.max_seqlen_q * params.num_heads_q;
-  // Same shared-memory carveout as the split kernel, so the SMs need no reconfiguration between them.
-  err = cudaFuncSetAttribute(mla_combine_kernel<Element>, cudaFuncAttributePreferredSharedMemoryCarveout,
-                             int(cudaSharedmemCarveoutMaxShared));
-  if (err != cudaSuccess) return err;
+  const int chunks = combine_chunks(params.batch, max_rows);
   cudaLaunchConfig_t config = {};
-  config.gridDim = dim3(params.batch, max_rows);
+  config.gridDim = dim3(params.batch, max_rows, chunks);
   config.blockDim = dim3(kCombineThreads);
   config.stream = stream;
   cudaLaunchAttribute pdl[1];
@@ -39,7 +36,21 @@ cudaError_t launch_split_and_combine(Kernel kernel, const DecodeParams& params, 
   pdl[0].val.programmaticStreamSerializationAllowed = 1;
   config.attrs = pdl;
   config.numAttrs = 1;
-  return cudaLaunchKernelEx(&config, mla_combine_kernel<Element>, params);
+  auto launch = [&](auto combine) -> cudaError_t {
+    // Same shared-memory carveout as the split kernel, so the SMs need no reconfiguration between them.
+    const cudaError_t attr = cudaFuncSetAttribute(combine, cudaFuncAttributePreferredSharedMemoryCarveout,
+                                                  int(cudaSharedmemCarveoutMaxShared));
+    return attr != cudaSuccess ? attr : cudaLaunchKernelEx(&config, combine, params);
+  };
+  static_assert(kCombineMaxChunks == 32, "one instantiation per chunk count");
+  switch (chunks) {
+    case 1: return launch(mla_combine_kernel<Element, 1>);
+    case 2: return launch(mla_combine_kernel<Element, 2>);
+    case 4: return launch(mla_combine_kernel<Element, 4>);
+    case 8: return launch(mla_combine_kernel<Element, 8>);
+    case 16: return launch(mla_combine_kernel<Element, 16>);
+    default: return launch(mla_combine_kernel<Element, 32>);
+  }
 }
 
 template <typename Element, bool kFp8Kv>
