@@ -122,9 +122,13 @@ def test_out_given_and_strided_q():
 
 def test_metadata_matches_cpu_schedule():
     g = torch.Generator().manual_seed(0)
-    for (batch, h_q, s_q), det in itertools.product([(1, 128, 1), (37, 16, 2), (128, 128, 1), (5, 8, 64)],
-                                                   (False, True)):
-        lens = torch.randint(0, 20000, (batch,), generator=g, dtype=torch.int32)
+    cases = [(torch.randint(0, 20000, (batch,), generator=g, dtype=torch.int32), h_q, s_q)
+             for batch, h_q, s_q in [(1, 128, 1), (37, 16, 2), (128, 128, 1), (5, 8, 64)]]
+    # Batches that take the whole-request partition (metadata.py: whole_request_capacity).
+    cases += [(torch.full((128,), 1024, dtype=torch.int32), 128, 1),
+              (torch.randint(900, 1100, (264,), generator=g, dtype=torch.int32), 16, 1),
+              (torch.randint(900, 1100, (300,), generator=g, dtype=torch.int32), 16, 1)]
+    for (lens, h_q, s_q), det in itertools.product(cases, (False, True)):
         md = mla_attn.get_decode_metadata(lens.cuda(), h_q, s_q=s_q, causal=True, deterministic=det)
         tile_cpu, splits_cpu = schedule_cpu(lens, None, s_q, h_q, md.num_sm_parts, md.tile_sched.shape[0], det)
         assert torch.equal(md.tile_sched.cpu(), tile_cpu)

@@ -1,13 +1,15 @@
 // Merges the fp32 partials of split requests by their LSE into the final out / lse.
 //
-// Grid (batch, max_rows, chunks): one CTA of 4 warps per query row and chunk of 512 / chunks
-// columns; the launcher picks chunks so that a batch of few rows still spreads over the SMs (with one
-// CTA per row, batch 1 merged in 10-20 us). The split weights exp(lse_s - lse) go to shared memory
-// first; then each warp (or group of threads, for a narrow chunk) sums the chunk of splits w,
-// w + splits per pass, ... (coalesced float4 loads, several splits in flight), and those sums are
-// added through shared memory. Launched with programmatic dependent launch right behind the split
-// kernel; griddepcontrol.wait makes the partials visible (plain loads, never __ldg, because the
-// predecessor wrote them).
+// Grid (batch, ceil(max_rows / rows per CTA), chunks), 4 warps, kWarpsPerRow of them per query row
+// and chunk of 512 / chunks columns. With >= 2048 rows in the batch each warp merges a row of its
+// own, with no barrier (at h_q 128 a CTA per row took two waves of CTAs and 10-20 us for 32-128
+// split requests); with fewer, a row's splits are spread over the 4 warps of a CTA (one row per CTA),
+// and the launcher picks chunks so that a batch of few rows still spreads over the SMs. Each warp writes the split weights
+// exp(lse_s - lse) of its row to shared memory; lanes form groups of kThreadsPerSplit (a split's
+// chunk, float4 loads, coalesced), each group sums splits g, g + groups, ..., and the groups' sums are
+// added by shuffles (and across warps through shared memory). Launched with programmatic dependent
+// launch right behind the split kernel; griddepcontrol.wait makes the partials visible (plain loads,
+// never __ldg, because the predecessor wrote them).
 #pragma once
 #include <cuda_runtime.h>
 #include <cutlass/numeric_types.h>
@@ -20,29 +22,34 @@ namespace mla_decode {
 
 constexpr int kCombineWarps = 4;
 constexpr int kCombineThreads = kCombineWarps * 32;
-constexpr int kCombineMaxChunks = 32;  // 16 columns (4 threads) per split row at most
+constexpr int kCombineMaxChunks = 32;  // 16 columns (4 lanes) per split row at most
 
-// Column chunks per row: enough CTAs for ~4 per SM when the batch has few rows (a power of 2).
+// Column chunks per row: enough (row, chunk) pairs for ~4 CTAs per SM when the batch has few rows
+// (a power of 2).
 inline int combine_chunks(int batch, int max_rows) {
   int chunks = 1;
   while (chunks < kCombineMaxChunks && int64_t(batch) * max_rows * chunks < 512) chunks *= 2;
   return chunks;
 }
+// A warp per row once that still makes >= 512 CTAs; otherwise the 4 warps of a CTA share a row.
+inline int combine_warps_per_row(int batch, int max_rows) {
+  return int64_t(batch) * max_rows >= 512 * kCombineWarps ? 1 : kCombineWarps;
+}
 
-template <typename Element, int kChunks>
+template <typename Element, int kChunks, int kWarpsPerRow>
 __global__ void __launch_bounds__(kCombineThreads)
     mla_combine_kernel(__grid_constant__ const DecodeParams p) {
-  // A split's chunk is kColumns float4 columns, summed by kThreadsPerSplit threads (a warp at most)
-  // with kPerThread columns each; kSplitsPerPass splits are in flight per pass over the threads.
+  // A split's chunk is kColumns float4 columns, summed by kThreadsPerSplit lanes with kPerThread
+  // columns each; kSplitsPerPass splits are in flight per pass over the row's warps.
   constexpr int kColumns = kHeadDimV / 4 / kChunks;
   constexpr int kThreadsPerSplit = kColumns < 32 ? kColumns : 32;
-  constexpr int kPerThread = kColumns / kThreadsPerSplit, kSplitsPerPass = kCombineThreads / kThreadsPerSplit;
-  __shared__ float weights[kMaxSmParts];  // a request has at most num_sm_parts splits
-  __shared__ float reduce[kCombineWarps];
-  __shared__ float4 sums[kSplitsPerPass][kColumns];
+  constexpr int kGroupsPerWarp = 32 / kThreadsPerSplit;
+  constexpr int kPerThread = kColumns / kThreadsPerSplit, kSplitsPerPass = kWarpsPerRow * kGroupsPerWarp;
+  __shared__ float warp_weights[kCombineWarps][kMaxSmParts];  // a request has at most num_sm_parts splits
+  __shared__ float4 warp_sums[kWarpsPerRow > 1 ? kCombineWarps : 1][kColumns];
   mla_common::grid_dependency_wait();
-  const int b = blockIdx.x, row = blockIdx.y, chunk = blockIdx.z, tid = threadIdx.x;
-  const int warp = tid / 32, lane = tid % 32;
+  const int b = blockIdx.x, chunk = blockIdx.z, warp = threadIdx.x / 32, lane = threadIdx.x % 32;
+  const int row = blockIdx.y * (kCombineWarps / kWarpsPerRow) + warp / kWarpsPerRow;
   const int num_splits = p.req_splits[2 * b];
   if (num_splits <= 1) return;  // written directly by the split kernel
   const int first_token = p.cu_seqlens_q ? p.cu_seqlens_q[b] : 0;
@@ -54,38 +61,45 @@ __global__ void __launch_bounds__(kCombineThreads)
   auto partial_row = [&](int split) {
     return (int64_t(slot0 + split) * p.num_q_tiles + m_block) * kBlockM + row_in_tile;
   };
-  auto block_reduce = [&](float v, bool is_max) {
+  auto warp_reduce = [](float v, bool is_max) {
 #pragma unroll
     for (int o = 16; o > 0; o /= 2) {
       const float other = __shfl_xor_sync(0xffffffff, v, o);
       v = is_max ? fmaxf(v, other) : v + other;
     }
-    if (lane == 0) reduce[warp] = v;
-    __syncthreads();
-    float r = reduce[0];
-#pragma unroll
-    for (int w = 1; w < kCombineWarps; ++w) r = is_max ? fmaxf(r, reduce[w]) : r + reduce[w];
-    __syncthreads();
-    return r;
+    return v;
   };
 
+  float* weights = warp_weights[warp];
   float max_lse = -INFINITY;
-  for (int s = tid; s < num_splits; s += kCombineThreads) {
-    weights[s] = p.partial_lse[partial_row(s)];
-    max_lse = fmaxf(max_lse, weights[s]);
+  constexpr int kLseInFlight = 4;  // loads per lane issued together (up to 132 splits at batch 1)
+  for (int s0 = lane; s0 < num_splits; s0 += 32 * kLseInFlight) {
+    float lse[kLseInFlight];
+#pragma unroll
+    for (int i = 0; i < kLseInFlight; ++i) {
+      const int s = s0 + 32 * i;
+      lse[i] = s < num_splits ? p.partial_lse[partial_row(s)] : -INFINITY;
+    }
+#pragma unroll
+    for (int i = 0; i < kLseInFlight; ++i) {
+      if (s0 + 32 * i < num_splits) weights[s0 + 32 * i] = lse[i];
+      max_lse = fmaxf(max_lse, lse[i]);
+    }
   }
-  max_lse = block_reduce(max_lse, true);
+  max_lse = warp_reduce(max_lse, true);
   const bool empty = max_lse == -INFINITY;  // no split saw a key
   float sum = 0.f;
-  for (int s = tid; s < num_splits; s += kCombineThreads) {
+  for (int s = lane; s < num_splits; s += 32) {
     weights[s] = empty ? 0.f : expf(weights[s] - max_lse);  // 0 for empty splits (lse -inf)
     sum += weights[s];
   }
-  sum = block_reduce(sum, false);  // also orders the weight writes before the reads below
+  sum = warp_reduce(sum, false);
+  __syncwarp();  // the weights are read by other lanes below
   const float inv_sum = empty ? 0.f : 1.f / sum;
 
   // An empty split's partial is 0 (it wrote O * 0), so every split can be summed unconditionally.
-  const int lane_in_split = tid % kThreadsPerSplit, first_split = tid / kThreadsPerSplit;
+  const int lane_in_split = lane % kThreadsPerSplit;
+  const int first_split = (warp % kWarpsPerRow) * kGroupsPerWarp + lane / kThreadsPerSplit;
   float4 acc[kPerThread] = {};
 #pragma unroll 4
   for (int s = first_split; s < num_splits; s += kSplitsPerPass) {
@@ -98,20 +112,41 @@ __global__ void __launch_bounds__(kCombineThreads)
     }
   }
 #pragma unroll
-  for (int j = 0; j < kPerThread; ++j) sums[first_split][lane_in_split + kThreadsPerSplit * j] = acc[j];
-  __syncthreads();
-  if (tid >= kColumns) return;
-  float4 total = sums[0][tid];
+  for (int o = kThreadsPerSplit; o < 32; o *= 2) {  // add the split groups' sums
 #pragma unroll
-  for (int k = 1; k < kSplitsPerPass; ++k) {
-    const float4 v = sums[k][tid];
-    total.x += v.x; total.y += v.y; total.z += v.z; total.w += v.w;
+    for (int j = 0; j < kPerThread; ++j) {
+      acc[j].x += __shfl_xor_sync(0xffffffff, acc[j].x, o);
+      acc[j].y += __shfl_xor_sync(0xffffffff, acc[j].y, o);
+      acc[j].z += __shfl_xor_sync(0xffffffff, acc[j].z, o);
+      acc[j].w += __shfl_xor_sync(0xffffffff, acc[j].w, o);
+    }
   }
+  if constexpr (kWarpsPerRow > 1) {  // the CTA is one row: add the warps' sums
+    if (lane < kThreadsPerSplit) {
+#pragma unroll
+      for (int j = 0; j < kPerThread; ++j) warp_sums[warp][lane + kThreadsPerSplit * j] = acc[j];
+    }
+    __syncthreads();
+    if (warp != 0) return;
+#pragma unroll
+    for (int j = 0; j < kPerThread; ++j) {
+#pragma unroll
+      for (int w = 1; w < kWarpsPerRow; ++w) {
+        const float4 v = warp_sums[w][lane_in_split + kThreadsPerSplit * j];
+        acc[j].x += v.x; acc[j].y += v.y; acc[j].z += v.z; acc[j].w += v.w;
+      }
+    }
+  }
+  if (first_split != 0) return;
   const int t = row / p.num_heads_q, h = row % p.num_heads_q;
-  Element* out = static_cast<Element*>(p.out) + b * p.out_batch_stride +
-                 (first_token + t) * p.out_token_stride + h * p.out_head_stride + 4 * (chunk * kColumns + tid);
-  out[0] = Element(total.x); out[1] = Element(total.y); out[2] = Element(total.z); out[3] = Element(total.w);
-  if (chunk == 0 && tid == 0) {
+  Element* out = static_cast<Element*>(p.out) + b * p.out_batch_stride + (first_token + t) * p.out_token_stride +
+                 h * p.out_head_stride + 4 * chunk * kColumns;
+#pragma unroll
+  for (int j = 0; j < kPerThread; ++j) {
+    Element* o = out + 4 * (lane_in_split + kThreadsPerSplit * j);
+    o[0] = Element(acc[j].x); o[1] = Element(acc[j].y); o[2] = Element(acc[j].z); o[3] = Element(acc[j].w);
+  }
+  if (chunk == 0 && lane == 0) {
     p.lse[b * p.lse_batch_stride + (first_token + t) * p.lse_token_stride + h * p.lse_head_stride] =
         empty ? INFINITY : max_lse + logf(sum);
   }

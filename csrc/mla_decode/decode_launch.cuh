@@ -27,8 +27,10 @@ cudaError_t launch_split_and_combine(Kernel kernel, const DecodeParams& params, 
 
   const int max_rows = params.max_seqlen_q * params.num_heads_q;
   const int chunks = combine_chunks(params.batch, max_rows);
+  const int warps_per_row = combine_warps_per_row(params.batch, max_rows);
+  const int rows_per_cta = kCombineWarps / warps_per_row;
   cudaLaunchConfig_t config = {};
-  config.gridDim = dim3(params.batch, max_rows, chunks);
+  config.gridDim = dim3(params.batch, (max_rows + rows_per_cta - 1) / rows_per_cta, chunks);
   config.blockDim = dim3(kCombineThreads);
   config.stream = stream;
   cudaLaunchAttribute pdl[1];
@@ -42,14 +44,16 @@ cudaError_t launch_split_and_combine(Kernel kernel, const DecodeParams& params, 
                                                   int(cudaSharedmemCarveoutMaxShared));
     return attr != cudaSuccess ? attr : cudaLaunchKernelEx(&config, combine, params);
   };
+  // A warp per row only with >= 512 rows, hence one chunk.
+  if (warps_per_row == 1) return launch(mla_combine_kernel<Element, 1, 1>);
   static_assert(kCombineMaxChunks == 32, "one instantiation per chunk count");
   switch (chunks) {
-    case 1: return launch(mla_combine_kernel<Element, 1>);
-    case 2: return launch(mla_combine_kernel<Element, 2>);
-    case 4: return launch(mla_combine_kernel<Element, 4>);
-    case 8: return launch(mla_combine_kernel<Element, 8>);
-    case 16: return launch(mla_combine_kernel<Element, 16>);
-    default: return launch(mla_combine_kernel<Element, 32>);
+    case 1: return launch(mla_combine_kernel<Element, 1, kCombineWarps>);
+    case 2: return launch(mla_combine_kernel<Element, 2, kCombineWarps>);
+    case 4: return launch(mla_combine_kernel<Element, 4, kCombineWarps>);
+    case 8: return launch(mla_combine_kernel<Element, 8, kCombineWarps>);
+    case 16: return launch(mla_combine_kernel<Element, 16, kCombineWarps>);
+    default: return launch(mla_combine_kernel<Element, 32, kCombineWarps>);
   }
 }
 

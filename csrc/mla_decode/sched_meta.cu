@@ -10,7 +10,9 @@ namespace mla_decode {
 constexpr int kMetadataThreads = 256;
 
 // One CTA: all threads stage the per-request block counts in shared memory and sum their cost;
-// thread 0 then walks the requests (inherently sequential) without touching global memory.
+// a few threads test the capacities of a whole-request partition (metadata.py:
+// whole_request_capacity), one each; thread 0 then walks the requests (inherently sequential)
+// without touching global memory.
 // deterministic: a part never cuts a request; a part that is still empty takes its next request
 // whole, however long, so every request is summed by one CTA in key order, whatever the batch.
 __global__ void __launch_bounds__(kMetadataThreads)
@@ -18,24 +20,58 @@ __global__ void __launch_bounds__(kMetadataThreads)
                            bool deterministic, int* tile_sched, int* req_splits) {
   extern __shared__ int num_blocks[];  // [batch]
   __shared__ long long warp_totals[kMetadataThreads / 32];
+  __shared__ int warp_max_cost[kMetadataThreads / 32];
+  __shared__ int whole_capacity;
   const int tid = threadIdx.x;
   long long total = 0;
+  int max_cost = 0;
   for (int b = tid; b < batch; b += kMetadataThreads) {
     num_blocks[b] = mla_common::ceil_div(max(cache_seqlens[b], 0), kBlockN);
     total += num_blocks[b] + kFixedSplitCost;
+    max_cost = max(max_cost, num_blocks[b] + kFixedSplitCost);
   }
 #pragma unroll
-  for (int o = 16; o > 0; o /= 2) total += __shfl_xor_sync(0xffffffff, total, o);
-  if (tid % 32 == 0) warp_totals[tid / 32] = total;
+  for (int o = 16; o > 0; o /= 2) {
+    total += __shfl_xor_sync(0xffffffff, total, o);
+    max_cost = max(max_cost, __shfl_xor_sync(0xffffffff, max_cost, o));
+  }
+  if (tid % 32 == 0) {
+    warp_totals[tid / 32] = total;
+    warp_max_cost[tid / 32] = max_cost;
+  }
+  if (tid == 0) whole_capacity = INT_MAX;
   for (int part = num_sm_parts + tid; part < num_sms; part += kMetadataThreads) {
     int* row = tile_sched + part * 8;
     row[0] = 0; row[1] = 0; row[2] = -1; row[3] = 0; row[4] = 0; row[5] = 0; row[6] = 0; row[7] = 0;
   }
   __syncthreads();
-  if (tid != 0) return;
   total = 0;
-  for (int w = 0; w < kMetadataThreads / 32; ++w) total += warp_totals[w];
-  const long long payload = (total + num_sm_parts - 1) / num_sm_parts + kFixedSplitCost;
+  max_cost = 0;
+  for (int w = 0; w < kMetadataThreads / 32; ++w) {
+    total += warp_totals[w];
+    max_cost = max(max_cost, warp_max_cost[w]);
+  }
+  long long payload = (total + num_sm_parts - 1) / num_sm_parts + kFixedSplitCost;
+  // Thread t tests capacity lo + t: do whole requests, taken in order, fit in num_sm_parts parts?
+  const long long lo = max((long long)max_cost, (total + num_sm_parts - 1) / num_sm_parts);
+  const long long capacity = lo + tid;
+  static_assert(kFixedSplitCost + kNoSplitSlack < kMetadataThreads, "one thread per candidate capacity");
+  if (batch > 0 && capacity <= payload + kNoSplitSlack) {
+    int parts = 1;
+    long long load = 0;
+    for (int b = 0; b < batch && parts <= num_sm_parts; ++b) {
+      const int cost = num_blocks[b] + kFixedSplitCost;
+      if (load + cost > capacity) { ++parts; load = 0; }
+      load += cost;
+    }
+    if (parts <= num_sm_parts) atomicMin(&whole_capacity, int(capacity));
+  }
+  __syncthreads();
+  if (tid != 0) return;
+  if (whole_capacity != INT_MAX) {  // no request is cut: the walk below with that payload never splits
+    payload = whole_capacity;
+    deterministic = true;
+  }
   int b = 0, blk = 0, split = 0, slot = 0;
   for (int part = 0; part < num_sm_parts; ++part) {
     int* row = tile_sched + part * 8;

@@ -11,6 +11,10 @@ import torch
 BLOCK_M = 64  # query rows (token x head) per tile
 BLOCK_N = 64  # keys per KV block
 FIXED_COST = 5  # per-segment overhead, in blocks, charged by the scheduler
+# A partition of whole requests is taken when its largest part costs at most this many blocks more
+# than a split part: a split also writes fp32 partials and needs the combine kernel (10-20 us at h_q
+# 128 with 64+ split requests, measured).
+NO_SPLIT_SLACK = 2
 CPU_NUM_SMS = 132  # H200: CPU schedules mirror what the GPU would do
 
 
@@ -56,12 +60,34 @@ class DecodeMetadata(NamedTuple):
 _EMPTY_PART = (0, 0, -1, 0, 0, 0, 0, 0)
 
 
+def whole_request_capacity(num_blocks, num_sm_parts, split_payload):
+    """The smallest part cost C <= split_payload + NO_SPLIT_SLACK at which whole requests, taken in order
+    while a part's cost stays <= C, fit in num_sm_parts parts; None if there is none (then requests
+    are split). A request costs its blocks + FIXED_COST. The device tests each candidate C on a thread
+    of its own (at most FIXED_COST + NO_SPLIT_SLACK + 1 of them)."""
+    costs = [k + FIXED_COST for k in num_blocks]
+    if not costs:
+        return None
+    lo = max(max(costs), _cdiv(sum(costs), num_sm_parts))
+    for capacity in range(lo, split_payload + NO_SPLIT_SLACK + 1):
+        parts, load = 1, 0
+        for c in costs:
+            if load + c > capacity:
+                parts, load = parts + 1, 0
+            load += c
+        if parts <= num_sm_parts:
+            return capacity
+    return None
+
+
 def schedule_cpu(cache_seqlens, cu_seqlens_q, max_seqlen_q, num_heads_q, num_sm_parts, num_sms,
                  deterministic=False):
     """The contract's sequential walk. Returns (tile_sched int32 [num_sms, 8], req_splits int32 [B, 2]).
 
     The partition depends only on KV lengths (every q tile of a request walks the same KV blocks),
     so cu_seqlens_q / max_seqlen_q / num_heads_q are accepted for signature parity but unused.
+    When whole requests balance nearly as well as split ones (whole_request_capacity), no request is
+    split, deterministic or not.
     deterministic: a part never cuts a request (an empty part takes its next request whole, however
     long), so each request is summed by one CTA in key order and its result does not depend on the
     batch; the price is load balance when one request dominates.
@@ -71,6 +97,9 @@ def schedule_cpu(cache_seqlens, cu_seqlens_q, max_seqlen_q, num_heads_q, num_sm_
     n = [_cdiv(max(int(l), 0), BLOCK_N) for l in cache_seqlens.tolist()]
     B, P = len(n), num_sm_parts
     payload = _cdiv(sum(n) + B * FIXED_COST, P) + FIXED_COST
+    capacity = whole_request_capacity(n, P, payload)
+    if capacity is not None:  # no request is cut: the walk below with that payload never splits
+        payload, deterministic = capacity, True
     sched = [_EMPTY_PART] * num_sms
     num_splits = [0] * B
     b = blk = k = 0

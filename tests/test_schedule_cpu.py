@@ -1,0 +1,60 @@
+"""The split-KV scheduler's whole-request partition (metadata.py: whole_request_capacity), on the CPU
+twin; test_decode_gpu.py checks the device kernel against it bit for bit."""
+import torch
+
+from mla_attn.metadata import BLOCK_N, FIXED_COST, NO_SPLIT_SLACK, schedule_cpu, whole_request_capacity
+
+
+def _part_costs(tile_sched, parts, n):
+    costs = []
+    for p in range(parts):
+        b0, blk0, b1, hi1, _ = tile_sched[p, :5].tolist()
+        costs.append(sum((hi1 if b == b1 else n[b]) - (blk0 if b == b0 else 0) + FIXED_COST
+                         for b in range(b0, b1 + 1)))
+    return costs
+
+
+def _split_payload(n, parts):
+    return -(-(sum(n) + FIXED_COST * len(n)) // parts) + FIXED_COST
+
+
+def test_uniform_batch_is_not_split():
+    # 128 requests of 16 blocks over 66 parts: whole requests cost 21, two per part is 42, a split
+    # part 41 + 5. Without the rule every part boundary cut a request (130 fp32 partials).
+    lens = torch.full((128,), 1024, dtype=torch.int32)
+    ts, rs = schedule_cpu(lens, None, 1, 128, 66, 132)
+    assert rs[:, 0].tolist() == [1] * 128
+    assert max(_part_costs(ts, 66, [16] * 128)) == 42 == whole_request_capacity([16] * 128, 66, 46)
+
+
+def test_few_requests_are_still_split():
+    # 32 requests over 132 parts: a whole request (21) is twice a fair part (6 + 5).
+    ts, rs = schedule_cpu(torch.full((32,), 1024, dtype=torch.int32), None, 1, 16, 132, 132)
+    assert rs[:, 0].max() > 1
+    assert whole_request_capacity([16] * 32, 132, _split_payload([16] * 32, 132)) is None
+
+
+def test_whole_request_partition_is_tight():
+    g = torch.Generator().manual_seed(0)
+    taken = 0
+    for _ in range(400):
+        B = int(torch.randint(1, 400, (1,), generator=g))
+        parts = int(torch.randint(1, 133, (1,), generator=g))
+        low = int(torch.randint(0, 10000, (1,), generator=g))  # ragged or nearly uniform batches
+        high = low + int(torch.randint(1, 10000, (1,), generator=g)) // int(torch.randint(1, 100, (1,), generator=g))
+        lens = torch.randint(low, high + 1, (B,), generator=g, dtype=torch.int32)
+        n = [-(-l // BLOCK_N) for l in lens.tolist()]
+        payload = _split_payload(n, parts)
+        capacity = whole_request_capacity(n, parts, payload)
+        ts, rs = schedule_cpu(lens, None, 1, 16, parts, 132)
+        if capacity is None:
+            continue
+        taken += 1
+        assert rs[:, 0].tolist() == [1] * B, "no request is cut"
+        costs = _part_costs(ts, parts, n)
+        assert max(costs) <= capacity <= payload + NO_SPLIT_SLACK
+        assert sum(costs) == sum(n) + FIXED_COST * B, "every request in exactly one part"
+        # capacity is the smallest that fits: one less needs more parts.
+        if capacity > max(max(n) + FIXED_COST, -(-sum(k + FIXED_COST for k in n) // parts)):
+            assert whole_request_capacity(n, parts, capacity - 1 - NO_SPLIT_SLACK) is None
+    assert taken > 20, "the sample exercises the rule"
