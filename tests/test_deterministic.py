@@ -41,7 +41,7 @@ def test_deterministic_schedule_hand_worked():
     # n = [30, 2, 2], P = 3, payload 22: part 0 takes request 0 whole (35 > 22, but the part is empty),
     # part 1 takes requests 1 and 2 (7 + 7 <= 22), part 2 is empty.
     ts, rs = schedule_cpu(torch.tensor([1920, 100, 70], dtype=torch.int32), None, 1, 1, 3, 4, deterministic=True)
-    assert ts.tolist() == [[0, 0, 0, 30, 0, 0, 0, 0], [1, 0, 2, 2, 0, 0, 0, 0]] + [[0, 0, -1, 0, 0, 0, 0, 0]] * 2
+    assert ts.tolist() == [[0, 0, 0, 30, 0, 1920, 0, 0], [1, 0, 2, 2, 0, 100, 0, 0]] + [[0, 0, -1, 0, 0, 0, 0, 0]] * 2
     assert rs.tolist() == [[1, 0]] * 3
 
 

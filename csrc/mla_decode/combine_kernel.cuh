@@ -45,7 +45,9 @@ __global__ void __launch_bounds__(kCombineThreads)
   constexpr int kThreadsPerSplit = kColumns < 32 ? kColumns : 32;
   constexpr int kGroupsPerWarp = 32 / kThreadsPerSplit;
   constexpr int kPerThread = kColumns / kThreadsPerSplit, kSplitsPerPass = kWarpsPerRow * kGroupsPerWarp;
-  __shared__ float warp_weights[kCombineWarps][kMaxSmParts];  // a request has at most num_sm_parts splits
+  constexpr int kRowsPerCta = kCombineWarps / kWarpsPerRow;
+  __shared__ float row_weights[kRowsPerCta][kMaxSmParts];  // a request has at most num_sm_parts splits
+  __shared__ float row_reduce_buffer[kWarpsPerRow > 1 ? kCombineWarps : 1];
   __shared__ float4 warp_sums[kWarpsPerRow > 1 ? kCombineWarps : 1][kColumns];
   mla_common::grid_dependency_wait();
   const int b = blockIdx.x, chunk = blockIdx.z, warp = threadIdx.x / 32, lane = threadIdx.x % 32;
@@ -61,40 +63,52 @@ __global__ void __launch_bounds__(kCombineThreads)
   auto partial_row = [&](int split) {
     return (int64_t(slot0 + split) * p.num_q_tiles + m_block) * kBlockM + row_in_tile;
   };
-  auto warp_reduce = [](float v, bool is_max) {
+  // Max or sum over the row's warps (for several, the CTA is one row: block-wide barriers).
+  auto row_reduce = [&](float v, bool is_max) {
 #pragma unroll
     for (int o = 16; o > 0; o /= 2) {
       const float other = __shfl_xor_sync(0xffffffff, v, o);
       v = is_max ? fmaxf(v, other) : v + other;
     }
+    if constexpr (kWarpsPerRow > 1) {
+      if (lane == 0) row_reduce_buffer[warp] = v;
+      __syncthreads();
+      v = row_reduce_buffer[0];
+#pragma unroll
+      for (int w = 1; w < kWarpsPerRow; ++w) v = is_max ? fmaxf(v, row_reduce_buffer[w]) : v + row_reduce_buffer[w];
+      __syncthreads();
+    }
     return v;
   };
 
-  float* weights = warp_weights[warp];
+  // The row's warps load the split LSEs once between them, several loads per lane in flight (up to
+  // 132 splits at batch 1; each warp loading all of them cost 1-2 us there).
+  float* weights = row_weights[warp / kWarpsPerRow];
+  const int row_lane = (warp % kWarpsPerRow) * 32 + lane;
+  constexpr int kRowThreads = 32 * kWarpsPerRow, kLseInFlight = 4;
   float max_lse = -INFINITY;
-  constexpr int kLseInFlight = 4;  // loads per lane issued together (up to 132 splits at batch 1)
-  for (int s0 = lane; s0 < num_splits; s0 += 32 * kLseInFlight) {
+  for (int s0 = row_lane; s0 < num_splits; s0 += kRowThreads * kLseInFlight) {
     float lse[kLseInFlight];
 #pragma unroll
     for (int i = 0; i < kLseInFlight; ++i) {
-      const int s = s0 + 32 * i;
+      const int s = s0 + kRowThreads * i;
       lse[i] = s < num_splits ? p.partial_lse[partial_row(s)] : -INFINITY;
     }
 #pragma unroll
     for (int i = 0; i < kLseInFlight; ++i) {
-      if (s0 + 32 * i < num_splits) weights[s0 + 32 * i] = lse[i];
+      if (s0 + kRowThreads * i < num_splits) weights[s0 + kRowThreads * i] = lse[i];
       max_lse = fmaxf(max_lse, lse[i]);
     }
   }
-  max_lse = warp_reduce(max_lse, true);
+  max_lse = row_reduce(max_lse, true);
   const bool empty = max_lse == -INFINITY;  // no split saw a key
   float sum = 0.f;
-  for (int s = lane; s < num_splits; s += 32) {
+  for (int s = row_lane; s < num_splits; s += kRowThreads) {
     weights[s] = empty ? 0.f : expf(weights[s] - max_lse);  // 0 for empty splits (lse -inf)
     sum += weights[s];
   }
-  sum = warp_reduce(sum, false);
-  __syncwarp();  // the weights are read by other lanes below
+  sum = row_reduce(sum, false);  // its barrier (or this one) orders the weight writes before the reads below
+  __syncwarp();
   const float inv_sum = empty ? 0.f : 1.f / sum;
 
   // An empty split's partial is 0 (it wrote O * 0), so every split can be summed unconditionally.

@@ -37,7 +37,7 @@ struct DecodeParams {
   bool causal;
 
   // Split-KV schedule (see python/mla_attn/metadata.py) and the fp32 workspace for split partials.
-  const int* tile_sched;  // [num_sms, 8]: begin_b, begin_blk, last_b, last_hi, begin_split
+  const int* tile_sched;  // [num_sms, 8]: begin_b, begin_blk, last_b, last_hi, begin_split, seqlen of begin_b
   const int* req_splits;  // [batch, 2]: num_splits, first workspace slot
   int num_sm_parts, num_q_tiles;
   float* partial_out;  // [slots * num_q_tiles * 64, 512]

@@ -12,7 +12,7 @@ constexpr int kMetadataThreads = 256;
 // One CTA: all threads stage the per-request block counts in shared memory and sum their cost;
 // a few threads test the capacities of a whole-request partition (metadata.py:
 // whole_request_capacity), one each; thread 0 then walks the requests (inherently sequential)
-// without touching global memory.
+// without reading global memory.
 // deterministic: a part never cuts a request; a part that is still empty takes its next request
 // whole, however long, so every request is summed by one CTA in key order, whatever the batch.
 __global__ void __launch_bounds__(kMetadataThreads)
@@ -67,38 +67,47 @@ __global__ void __launch_bounds__(kMetadataThreads)
     if (parts <= num_sm_parts) atomicMin(&whole_capacity, int(capacity));
   }
   __syncthreads();
-  if (tid != 0) return;
-  if (whole_capacity != INT_MAX) {  // no request is cut: the walk below with that payload never splits
-    payload = whole_capacity;
-    deterministic = true;
-  }
-  int b = 0, blk = 0, split = 0, slot = 0;
-  for (int part = 0; part < num_sm_parts; ++part) {
-    int* row = tile_sched + part * 8;
-    row[0] = b < batch ? b : 0; row[1] = b < batch ? blk : 0; row[4] = b < batch ? split : 0;
-    row[5] = 0; row[6] = 0; row[7] = 0;
-    const int first_b = b;
-    int last_b = b < batch ? b - 1 : -1, last_hi = 0;
-    long long remain = payload;
-    while (b < batch) {
-      const int n = num_blocks[b];
-      const int rest = n - blk;
-      if (rest + kFixedSplitCost <= remain || part == num_sm_parts - 1 ||
-          (deterministic && last_b < first_b)) {
-        remain -= rest + kFixedSplitCost;
-        const int num_splits = split + 1;
-        req_splits[2 * b] = num_splits;
-        req_splits[2 * b + 1] = slot;
-        if (num_splits > 1) slot += num_splits;
-        last_b = b; last_hi = n;
-        ++b; blk = 0; split = 0;
-      } else {
-        const long long take = deterministic ? 0 : remain - kFixedSplitCost;
-        if (take > 0) { last_b = b; last_hi = blk + int(take); blk += int(take); ++split; }
-        break;
-      }
+  if (tid == 0) {
+    if (whole_capacity != INT_MAX) {  // no request is cut: the walk below with that payload never splits
+      payload = whole_capacity;
+      deterministic = true;
     }
-    row[2] = last_b; row[3] = last_hi;
+    int b = 0, blk = 0, split = 0, slot = 0;
+    for (int part = 0; part < num_sm_parts; ++part) {
+      int* row = tile_sched + part * 8;
+      row[0] = b < batch ? b : 0; row[1] = b < batch ? blk : 0; row[4] = b < batch ? split : 0;
+      row[5] = 0; row[6] = 0; row[7] = 0;
+      const int first_b = b;
+      int last_b = b < batch ? b - 1 : -1, last_hi = 0;
+      long long remain = payload;
+      while (b < batch) {
+        const int n = num_blocks[b];
+        const int rest = n - blk;
+        if (rest + kFixedSplitCost <= remain || part == num_sm_parts - 1 ||
+            (deterministic && last_b < first_b)) {
+          remain -= rest + kFixedSplitCost;
+          const int num_splits = split + 1;
+          req_splits[2 * b] = num_splits;
+          req_splits[2 * b + 1] = slot;
+          if (num_splits > 1) slot += num_splits;
+          last_b = b; last_hi = n;
+          ++b; blk = 0; split = 0;
+        } else {
+          const long long take = deterministic ? 0 : remain - kFixedSplitCost;
+          if (take > 0) { last_b = b; last_hi = blk + int(take); blk += int(take); ++split; }
+          break;
+        }
+      }
+      row[2] = last_b; row[3] = last_hi;
+    }
+  }
+  __syncthreads();  // thread 0's rows are visible to the block
+  // The length of each part's first request rides along in row[5]: at the split kernel's start a
+  // CTA needs it for its first Q and K addresses, and reading cache_seqlens there was one more
+  // dependent global load before them.
+  for (int part = tid; part < num_sm_parts; part += kMetadataThreads) {
+    int* row = tile_sched + part * 8;
+    row[5] = row[2] >= row[0] ? cache_seqlens[row[0]] : 0;  // 0 for a part with no request
   }
 }
 

@@ -33,10 +33,11 @@ struct QRow {
 
 struct PartRange {
   int begin_b, begin_blk, last_b, last_hi, begin_split;
+  int begin_seqlen;  // cache_seqlens[begin_b], from the schedule: one dependent load less at the start
 
   __device__ static PartRange load(const DecodeParams& p, int part) {
     const int* s = p.tile_sched + part * 8;
-    return {s[0], s[1], s[2], s[3], s[4]};
+    return {s[0], s[1], s[2], s[3], s[4], s[5]};
   }
 
   // Fills `seg` for request b; returns false when this CTA's q-tile has no rows in request b.
@@ -45,7 +46,7 @@ struct PartRange {
     seg.first_token = p.cu_seqlens_q ? p.cu_seqlens_q[b] : 0;
     seg.seqlen_q = p.cu_seqlens_q ? p.cu_seqlens_q[b + 1] - seg.first_token : p.max_seqlen_q;
     if (m_block * kBlockM >= seg.seqlen_q * p.num_heads_q) return false;
-    int seqlen = p.cache_seqlens[b];
+    const int seqlen = b == begin_b ? begin_seqlen : p.cache_seqlens[b];
     seg.seqlen_k = min(max(seqlen, 0), p.max_pages * p.page_size);
     seg.blk_lo = b == begin_b ? begin_blk : 0;
     seg.blk_hi = b == last_b ? last_hi : mla_common::ceil_div(max(seqlen, 0), kBlockN);

@@ -184,7 +184,9 @@ def get_decode_metadata(cache_seqlens, num_heads_q, *, s_q=None, cu_seqlens_q=No
     """Split-KV schedule for mla_decode; computed on cache_seqlens' device without a host sync.
 
     Uniform batches pass s_q (tokens per request); varlen batches pass cu_seqlens_q and max_seqlen_q.
-    Reuse the result across layers/steps that share cache_seqlens, heads, query lengths and causal.
+    Reuse the result across layers/steps that share cache_seqlens, heads, query lengths and causal;
+    it holds values of cache_seqlens (the first request of each part's length, read at the split
+    kernel's start), so recompute it (in the CUDA graph, if captured) whenever they change.
     deterministic=True never splits a request across CTAs, so each row's result is bit-identical
     whatever else is in the batch (batch invariance), at the cost of load balance for long requests.
     """

@@ -83,6 +83,9 @@ def whole_request_capacity(num_blocks, num_sm_parts, split_payload):
 def schedule_cpu(cache_seqlens, cu_seqlens_q, max_seqlen_q, num_heads_q, num_sm_parts, num_sms,
                  deterministic=False):
     """The contract's sequential walk. Returns (tile_sched int32 [num_sms, 8], req_splits int32 [B, 2]).
+    A tile_sched row is (first request, its first block, last request, its end block, split index of
+    the first piece, cache_seqlens of the first request, 0, 0); a part with no request is
+    (0, 0, -1, 0, 0, 0, 0, 0).
 
     The partition depends only on KV lengths (every q tile of a request walks the same KV blocks),
     so cu_seqlens_q / max_seqlen_q / num_heads_q are accepted for signature parity but unused.
@@ -94,7 +97,8 @@ def schedule_cpu(cache_seqlens, cu_seqlens_q, max_seqlen_q, num_heads_q, num_sm_
     """
     if not 1 <= num_sm_parts <= num_sms:
         raise ValueError(f"num_sm_parts={num_sm_parts} must be in [1, num_sms={num_sms}]")
-    n = [_cdiv(max(int(l), 0), BLOCK_N) for l in cache_seqlens.tolist()]
+    lens = cache_seqlens.tolist()
+    n = [_cdiv(max(int(l), 0), BLOCK_N) for l in lens]
     B, P = len(n), num_sm_parts
     payload = _cdiv(sum(n) + B * FIXED_COST, P) + FIXED_COST
     capacity = whole_request_capacity(n, P, payload)
@@ -120,7 +124,8 @@ def schedule_cpu(cache_seqlens, cu_seqlens_q, max_seqlen_q, num_heads_q, num_sm_
                     last_b, last_hi = b, blk + take
                     blk, k = blk + take, k + 1
                 break
-        sched[p] = (begin[0], begin[1], last_b, last_hi, begin[2], 0, 0, 0)
+        first_len = int(lens[begin[0]]) if last_b >= begin[0] else 0  # the kernel's first addresses need it
+        sched[p] = (begin[0], begin[1], last_b, last_hi, begin[2], first_len, 0, 0)
     slots, slot = [], 0
     for s in num_splits:
         slots.append(slot)
