@@ -135,6 +135,20 @@ def test_metadata_matches_cpu_schedule():
         assert torch.equal(md.req_splits.cpu(), splits_cpu)
 
 
+def test_more_requests_than_part_boundaries():
+    # h_q 128, s_q 4: 8 q-tiles, 16 parts; 24 requests, 11 of them split. The combine kernel's grid
+    # then covers the scheduler's split list (tile_sched column 6) instead of the batch.
+    g = torch.Generator().manual_seed(7)
+    lens = torch.randint(1, 3000, (24,), generator=g, dtype=torch.int32)
+    lens[3] = 9000
+    case = to_cuda(make_decode_case(lens.tolist(), 4, 128, 64, seed=13))
+    md = mla_attn.get_decode_metadata(case["cache_seqlens"], 128, s_q=4, causal=True)
+    num_splits = md.req_splits[:, 0].cpu()
+    assert md.num_sm_parts - 1 < 24 and (num_splits > 1).sum() > 1
+    out, lse = run(case, True, metadata=md)
+    check_unit_scale(case, True, out, lse)
+
+
 def test_two_runs_bit_identical():
     case = to_cuda(make_decode_case([5000, 3000, 20], 2, 64, 32, seed=11))
     a = run(case, True)

@@ -135,6 +135,10 @@ def test_schedule_properties(parts, seed):
     for p in range(parts):  # column 5: the length of the part's first request (0 for an empty part)
         b0, _, b1 = tile_sched[p, :3].tolist()
         assert tile_sched[p, 5] == (lens[b0] if b1 >= b0 else 0)
+    # Column 6: b + 1 of each split request in order (at most parts - 1 of them), then zeros.
+    split_list = [b + 1 for b in range(B) if num_splits[b] > 1]
+    assert len(split_list) <= parts - 1 or not split_list
+    assert tile_sched[:, 6].tolist() == split_list + [0] * (132 - len(split_list))
 
 
 def test_schedule_hand_worked():
@@ -145,7 +149,8 @@ def test_schedule_hand_worked():
     assert rs.tolist() == [[1, 0], [1, 0]]
     # n = [30], P = 3: payload 17, so 12-block pieces with split indices 0, 1, 2.
     ts, rs = schedule_cpu(torch.tensor([1920], dtype=torch.int32), None, 1, 1, 3, 3)
-    assert ts.tolist() == [[0, 0, 0, 12, 0, 1920, 0, 0], [0, 12, 0, 24, 1, 1920, 0, 0], [0, 24, 0, 30, 2, 1920, 0, 0]]
+    # Column 6 of row 0: request 0 (+ 1) is the first split request.
+    assert ts.tolist() == [[0, 0, 0, 12, 0, 1920, 1, 0], [0, 12, 0, 24, 1, 1920, 0, 0], [0, 24, 0, 30, 2, 1920, 0, 0]]
     assert rs.tolist() == [[3, 0]]
     # empty batch: all parts empty
     ts, rs = schedule_cpu(torch.zeros(0, dtype=torch.int32), None, 1, 1, 2, 2)

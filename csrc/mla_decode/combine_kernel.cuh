@@ -1,6 +1,9 @@
 // Merges the fp32 partials of split requests by their LSE into the final out / lse.
 //
-// Grid (batch, ceil(max_rows / rows per CTA), chunks), 4 warps, kWarpsPerRow of them per query row
+// At most num_sm_parts - 1 requests are split (one per part boundary): with more requests than that
+// the grid covers the scheduler's list of split requests instead of the batch (a CTA for every row of
+// 128 unsplit requests took 3-6 us just to start and exit).
+// Grid (requests, ceil(max_rows / rows per CTA), chunks), 4 warps, kWarpsPerRow of them per query row
 // and chunk of 512 / chunks columns. With >= 2048 rows in the batch each warp merges a row of its
 // own, with no barrier (at h_q 128 a CTA per row took two waves of CTAs and 10-20 us for 32-128
 // split requests); with fewer, a row's splits are spread over the 4 warps of a CTA (one row per CTA),
@@ -50,7 +53,11 @@ __global__ void __launch_bounds__(kCombineThreads)
   __shared__ float row_reduce_buffer[kWarpsPerRow > 1 ? kCombineWarps : 1];
   __shared__ float4 warp_sums[kWarpsPerRow > 1 ? kCombineWarps : 1][kColumns];
   mla_common::grid_dependency_wait();
-  const int b = blockIdx.x, chunk = blockIdx.z, warp = threadIdx.x / 32, lane = threadIdx.x % 32;
+  // blockIdx.x: the request, or with fewer CTAs than requests the entry of the split list
+  // (tile_sched column 6: b + 1 of the x-th split request, 0 past the last).
+  const int b = int(gridDim.x) == p.batch ? int(blockIdx.x) : p.tile_sched[8 * blockIdx.x + 6] - 1;
+  if (b < 0) return;
+  const int chunk = blockIdx.z, warp = threadIdx.x / 32, lane = threadIdx.x % 32;
   const int row = blockIdx.y * (kCombineWarps / kWarpsPerRow) + warp / kWarpsPerRow;
   const int num_splits = p.req_splits[2 * b];
   if (num_splits <= 1) return;  // written directly by the split kernel

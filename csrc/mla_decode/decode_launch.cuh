@@ -3,6 +3,8 @@
 #pragma once
 #include <cuda_runtime.h>
 
+#include <algorithm>
+
 #include "mla_decode/combine_kernel.cuh"
 #include "mla_decode/decode.h"
 #include "mla_decode/decode_kernel.cuh"
@@ -26,11 +28,12 @@ cudaError_t launch_split_and_combine(Kernel kernel, const DecodeParams& params, 
   if (err != cudaSuccess || params.num_sm_parts == 1) return err;  // one part: nothing is split
 
   const int max_rows = params.max_seqlen_q * params.num_heads_q;
-  const int chunks = combine_chunks(params.batch, max_rows);
-  const int warps_per_row = combine_warps_per_row(params.batch, max_rows);
+  const int requests = std::min(params.batch, params.num_sm_parts - 1);  // that may be split
+  const int chunks = combine_chunks(requests, max_rows);
+  const int warps_per_row = combine_warps_per_row(requests, max_rows);
   const int rows_per_cta = kCombineWarps / warps_per_row;
   cudaLaunchConfig_t config = {};
-  config.gridDim = dim3(params.batch, (max_rows + rows_per_cta - 1) / rows_per_cta, chunks);
+  config.gridDim = dim3(requests, (max_rows + rows_per_cta - 1) / rows_per_cta, chunks);
   config.blockDim = dim3(kCombineThreads);
   config.stream = stream;
   cudaLaunchAttribute pdl[1];

@@ -72,7 +72,7 @@ __global__ void __launch_bounds__(kMetadataThreads)
       payload = whole_capacity;
       deterministic = true;
     }
-    int b = 0, blk = 0, split = 0, slot = 0;
+    int b = 0, blk = 0, split = 0, slot = 0, split_requests = 0;
     for (int part = 0; part < num_sm_parts; ++part) {
       int* row = tile_sched + part * 8;
       row[0] = b < batch ? b : 0; row[1] = b < batch ? blk : 0; row[4] = b < batch ? split : 0;
@@ -89,7 +89,12 @@ __global__ void __launch_bounds__(kMetadataThreads)
           const int num_splits = split + 1;
           req_splits[2 * b] = num_splits;
           req_splits[2 * b + 1] = slot;
-          if (num_splits > 1) slot += num_splits;
+          if (num_splits > 1) {
+            slot += num_splits;
+            // The split list (column 6, metadata.py): a split request ends in a part after its i-th
+            // boundary, so row i has been initialised by then.
+            tile_sched[split_requests++ * 8 + 6] = b + 1;
+          }
           last_b = b; last_hi = n;
           ++b; blk = 0; split = 0;
         } else {

@@ -84,8 +84,9 @@ def schedule_cpu(cache_seqlens, cu_seqlens_q, max_seqlen_q, num_heads_q, num_sm_
                  deterministic=False):
     """The contract's sequential walk. Returns (tile_sched int32 [num_sms, 8], req_splits int32 [B, 2]).
     A tile_sched row is (first request, its first block, last request, its end block, split index of
-    the first piece, cache_seqlens of the first request, 0, 0); a part with no request is
-    (0, 0, -1, 0, 0, 0, 0, 0).
+    the first piece, cache_seqlens of the first request, split list, 0); a part with no request is
+    (0, 0, -1, 0, 0, 0, split list, 0). Split list: column 6 of row i is b + 1 of the i-th request that
+    is split (for the combine kernel), 0 past the last.
 
     The partition depends only on KV lengths (every q tile of a request walks the same KV blocks),
     so cu_seqlens_q / max_seqlen_q / num_heads_q are accepted for signature parity but unused.
@@ -130,6 +131,10 @@ def schedule_cpu(cache_seqlens, cu_seqlens_q, max_seqlen_q, num_heads_q, num_sm_
     for s in num_splits:
         slots.append(slot)
         slot += s if s > 1 else 0
+    # Column 6 lists the split requests (b + 1, in order; at most P - 1 of them, one per part boundary)
+    # for the combine kernel, which then needs no CTA per request that was not split.
+    for i, b in enumerate(b for b in range(B) if num_splits[b] > 1):
+        sched[i] = sched[i][:6] + (b + 1, 0)
     tile_sched = torch.tensor(sched, dtype=torch.int32).reshape(num_sms, 8)
     req_splits = torch.tensor(list(zip(num_splits, slots)), dtype=torch.int32).reshape(B, 2)
     return tile_sched, req_splits
