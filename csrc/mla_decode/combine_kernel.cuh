@@ -3,16 +3,16 @@
 // At most num_sm_parts - 1 requests are split (one per part boundary): with more requests than that
 // the grid covers the scheduler's list of split requests instead of the batch (a CTA for every row of
 // 128 unsplit requests took 3-6 us just to start and exit).
-// Grid (requests, ceil(max_rows / rows per CTA), chunks), 4 warps, kWarpsPerRow of them per query row
-// and chunk of 512 / chunks columns. With >= 2048 rows in the batch each warp merges a row of its
-// own, with no barrier (at h_q 128 a CTA per row took two waves of CTAs and 10-20 us for 32-128
-// split requests); with fewer, a row's splits are spread over the 4 warps of a CTA (one row per CTA),
-// and the launcher picks chunks so that a batch of few rows still spreads over the SMs. Each warp writes the split weights
-// exp(lse_s - lse) of its row to shared memory; lanes form groups of kThreadsPerSplit (a split's
-// chunk, float4 loads, coalesced), each group sums splits g, g + groups, ..., and the groups' sums are
-// added by shuffles (and across warps through shared memory). Launched with programmatic dependent
-// launch right behind the split kernel; griddepcontrol.wait makes the partials visible (plain loads,
-// never __ldg, because the predecessor wrote them).
+// Grid (requests, ceil(max_rows / rows per CTA), chunks), 4 warps, kWarpsPerRow of them per query
+// row and chunk of 512 / chunks columns. With >= 2048 rows in those requests each warp merges a row
+// of its own, with no barrier (at h_q 128 a CTA per row took two waves of CTAs and 10-20 us for
+// 32-128 split requests); with fewer, a row's splits are spread over the 4 warps of a CTA (one row
+// per CTA), and the launcher picks chunks so that a batch of few rows still spreads over the SMs.
+// The row's warps write its split weights exp(lse_s - lse) to shared memory; lanes form groups of
+// kThreadsPerSplit (a split's chunk, float4 loads, coalesced), each group sums splits g, g + groups,
+// ..., and the groups' sums are added by shuffles (and across warps through shared memory).
+// Launched with programmatic dependent launch right behind the split kernel; griddepcontrol.wait
+// makes the partials visible (plain loads, never __ldg, because the predecessor wrote them).
 #pragma once
 #include <cuda_runtime.h>
 #include <cutlass/numeric_types.h>
@@ -29,14 +29,14 @@ constexpr int kCombineMaxChunks = 32;  // 16 columns (4 lanes) per split row at 
 
 // Column chunks per row: enough (row, chunk) pairs for ~4 CTAs per SM when the batch has few rows
 // (a power of 2).
-inline int combine_chunks(int batch, int max_rows) {
+inline int combine_chunks(int requests, int max_rows) {
   int chunks = 1;
-  while (chunks < kCombineMaxChunks && int64_t(batch) * max_rows * chunks < 512) chunks *= 2;
+  while (chunks < kCombineMaxChunks && int64_t(requests) * max_rows * chunks < 512) chunks *= 2;
   return chunks;
 }
 // A warp per row once that still makes >= 512 CTAs; otherwise the 4 warps of a CTA share a row.
-inline int combine_warps_per_row(int batch, int max_rows) {
-  return int64_t(batch) * max_rows >= 512 * kCombineWarps ? 1 : kCombineWarps;
+inline int combine_warps_per_row(int requests, int max_rows) {
+  return int64_t(requests) * max_rows >= 512 * kCombineWarps ? 1 : kCombineWarps;
 }
 
 template <typename Element, int kChunks, int kWarpsPerRow>
@@ -58,7 +58,7 @@ __global__ void __launch_bounds__(kCombineThreads)
   const int b = int(gridDim.x) == p.batch ? int(blockIdx.x) : p.tile_sched[8 * blockIdx.x + 6] - 1;
   if (b < 0) return;
   const int chunk = blockIdx.z, warp = threadIdx.x / 32, lane = threadIdx.x % 32;
-  const int row = blockIdx.y * (kCombineWarps / kWarpsPerRow) + warp / kWarpsPerRow;
+  const int row = blockIdx.y * kRowsPerCta + warp / kWarpsPerRow;
   const int num_splits = p.req_splits[2 * b];
   if (num_splits <= 1) return;  // written directly by the split kernel
   const int first_token = p.cu_seqlens_q ? p.cu_seqlens_q[b] : 0;
