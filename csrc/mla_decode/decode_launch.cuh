@@ -47,7 +47,7 @@ cudaError_t launch_split_and_combine(Kernel kernel, const DecodeParams& params, 
                                                   int(cudaSharedmemCarveoutMaxShared));
     return attr != cudaSuccess ? attr : cudaLaunchKernelEx(&config, combine, params);
   };
-  // A warp per row only with >= 512 rows, hence one chunk.
+  // A warp per row only with >= 2048 rows, hence one chunk.
   if (warps_per_row == 1) return launch(mla_combine_kernel<Element, 1, 1>);
   static_assert(kCombineMaxChunks == 32, "one instantiation per chunk count");
   switch (chunks) {
