@@ -5,7 +5,7 @@ import torch
 from cases import D_V, make_decode_case
 
 import mla_attn
-from mla_attn.metadata import BLOCK_N, FIXED_COST, NO_SPLIT_SLACK, num_sm_parts, schedule_cpu
+from mla_attn.metadata import BLOCK_N, FIXED_COST, NO_SPLIT_SLACK, num_sm_parts, schedule_cpu, split_payload
 from mla_attn.reference import mla_decode_ref
 
 OPS = torch.ops.mla_attn
@@ -129,7 +129,7 @@ def test_schedule_properties(parts, seed):
     slots = [s if s > 1 else 0 for s in num_splits]
     assert slot_start == [sum(slots[:b]) for b in range(B)]
     assert sum(slots) <= 2 * (parts - 1)  # each cut adds one split; a split request has >= 2
-    payload = -(-(sum(n) + B * FIXED_COST) // parts) + FIXED_COST
+    payload = split_payload(n, parts)
     # Balanced: only the last part takes the remainder (whole requests: at most NO_SPLIT_SLACK more).
     assert max(cost[:-1], default=0) <= payload + (NO_SPLIT_SLACK if max(num_splits, default=1) <= 1 else 0)
     for p in range(parts):  # column 5: the length of the part's first request (0 for an empty part)
@@ -142,15 +142,17 @@ def test_schedule_properties(parts, seed):
 
 
 def test_schedule_hand_worked():
-    # n = [10, 3], P = 2: total 23, payload 17; whole requests fit at capacity 15: part 0 takes request
+    # n = [10, 3], P = 2: total 23, payload 14 (split_payload: 12 and 13 leave blocks over); whole
+    # requests fit at capacity 15 <= 14 + NO_SPLIT_SLACK: part 0 takes request
     # 0 (15), request 1 (8) no longer fits. Column 5 is the length of the part's first request.
     ts, rs = schedule_cpu(torch.tensor([640, 130], dtype=torch.int32), None, 1, 1, 2, 4)
     assert ts.tolist() == [[0, 0, 0, 10, 0, 640, 0, 0], [1, 0, 1, 3, 0, 130, 0, 0]] + [[0, 0, -1, 0, 0, 0, 0, 0]] * 2
     assert rs.tolist() == [[1, 0], [1, 0]]
-    # n = [30], P = 3: payload 17, so 12-block pieces with split indices 0, 1, 2.
+    # n = [30], P = 3: total 35, payload 15 (the smallest that fits), so 10-block pieces with split
+    # indices 0, 1, 2.
     ts, rs = schedule_cpu(torch.tensor([1920], dtype=torch.int32), None, 1, 1, 3, 3)
     # Column 6 of row 0: request 0 (+ 1) is the first split request.
-    assert ts.tolist() == [[0, 0, 0, 12, 0, 1920, 1, 0], [0, 12, 0, 24, 1, 1920, 0, 0], [0, 24, 0, 30, 2, 1920, 0, 0]]
+    assert ts.tolist() == [[0, 0, 0, 10, 0, 1920, 1, 0], [0, 10, 0, 20, 1, 1920, 0, 0], [0, 20, 0, 30, 2, 1920, 0, 0]]
     assert rs.tolist() == [[3, 0]]
     # empty batch: all parts empty
     ts, rs = schedule_cpu(torch.zeros(0, dtype=torch.int32), None, 1, 1, 2, 2)

@@ -2,7 +2,8 @@
 twin; test_decode_gpu.py checks the device kernel against it bit for bit."""
 import torch
 
-from mla_attn.metadata import BLOCK_N, FIXED_COST, NO_SPLIT_SLACK, schedule_cpu, whole_request_capacity
+from mla_attn.metadata import (BLOCK_N, FIXED_COST, MIN_SEARCHED_PIECE, NO_SPLIT_SLACK, _split_walk_fits,
+                               schedule_cpu, split_payload, whole_request_capacity)
 
 
 def _part_costs(tile_sched, parts, n):
@@ -14,24 +15,48 @@ def _part_costs(tile_sched, parts, n):
     return costs
 
 
-def _split_payload(n, parts):
-    return -(-(sum(n) + FIXED_COST * len(n)) // parts) + FIXED_COST
-
-
 def test_uniform_batch_is_not_split():
     # 128 requests of 16 blocks over 66 parts: whole requests cost 21, two per part is 42, a split
     # part 41 + 5. Without the rule every part boundary cut a request (130 fp32 partials).
     lens = torch.full((128,), 1024, dtype=torch.int32)
     ts, rs = schedule_cpu(lens, None, 1, 128, 66, 132)
     assert rs[:, 0].tolist() == [1] * 128
-    assert max(_part_costs(ts, 66, [16] * 128)) == 42 == whole_request_capacity([16] * 128, 66, 46)
+    assert split_payload([16] * 128, 66) == 42
+    assert max(_part_costs(ts, 66, [16] * 128)) == 42 == whole_request_capacity([16] * 128, 66, 42)
 
 
 def test_few_requests_are_still_split():
-    # 32 requests over 132 parts: a whole request (21) is twice a fair part (6 + 5).
+    # 32 requests over 132 parts: a whole request (21) is twice a fair part (4 + 5).
     ts, rs = schedule_cpu(torch.full((32,), 1024, dtype=torch.int32), None, 1, 16, 132, 132)
     assert rs[:, 0].max() > 1
-    assert whole_request_capacity([16] * 32, 132, _split_payload([16] * 32, 132)) is None
+    assert whole_request_capacity([16] * 32, 132, split_payload([16] * 32, 132)) is None
+
+
+def test_split_payload_is_the_smallest_that_fits():
+    # 32 x 16 blocks over 132 parts: total 672, ceil(672 / 132) = 6. At 9 every request is cut into
+    # four 4-block pieces (128 parts busy); at the upper end (11) the pieces had 6 blocks, 96 parts.
+    ts, rs = schedule_cpu(torch.full((32,), 1024, dtype=torch.int32), None, 1, 16, 132, 132)
+    assert split_payload([16] * 32, 132) == 9
+    costs = _part_costs(ts, 132, [16] * 32)
+    assert max(costs) == 9 and sum(c > 0 for c in costs) == 128 and rs[:, 0].tolist() == [4] * 32
+    g = torch.Generator().manual_seed(1)
+    searched = 0
+    for _ in range(300):
+        B = int(torch.randint(1, 300, (1,), generator=g))
+        parts = int(torch.randint(1, 133, (1,), generator=g))
+        lens = torch.randint(0, int(torch.randint(1, 20000, (1,), generator=g)), (B,), generator=g, dtype=torch.int32)
+        n = [-(-l // BLOCK_N) for l in lens.tolist()]
+        payload = split_payload(n, parts)
+        base = -(-(sum(n) + FIXED_COST * B) // parts)
+        assert base <= payload <= base + FIXED_COST
+        ts, rs = schedule_cpu(lens, None, 1, 16, parts, 132)
+        if rs[:, 0].max() > 1 and payload < base + FIXED_COST:
+            # a searched cost fits: no part, the last included, costs more; one less would not fit
+            searched += 1
+            assert max(_part_costs(ts, parts, n)) <= payload
+            if payload > max(base, MIN_SEARCHED_PIECE + FIXED_COST):
+                assert not _split_walk_fits(n, parts, payload - 1)
+    assert searched > 50, "the sample exercises the search"
 
 
 def test_whole_request_partition_is_tight():
@@ -44,7 +69,7 @@ def test_whole_request_partition_is_tight():
         high = low + int(torch.randint(1, 10000, (1,), generator=g)) // int(torch.randint(1, 100, (1,), generator=g))
         lens = torch.randint(low, high + 1, (B,), generator=g, dtype=torch.int32)
         n = [-(-l // BLOCK_N) for l in lens.tolist()]
-        payload = _split_payload(n, parts)
+        payload = split_payload(n, parts)
         capacity = whole_request_capacity(n, parts, payload)
         ts, rs = schedule_cpu(lens, None, 1, 16, parts, 132)
         if capacity is None:

@@ -24,7 +24,7 @@ void mla_decode_cuda_impl(const Tensor& q, const std::optional<Tensor>& q_pe, co
                           const std::optional<Tensor>& cu_seqlens_q, int64_t max_seqlen_q,
                           double softmax_scale, bool causal, const Tensor& tile_sched,
                           const Tensor& req_splits, int64_t num_sm_parts, Tensor& out, Tensor& lse,
-                          const std::optional<Tensor>& k_scale) {
+                          const std::optional<Tensor>& k_scale, bool deterministic) {
   using namespace mla_decode;
   check_sm90(q, "decode");
   const bool fp8_kv = kv_cache.scalar_type() == at::kFloat8_e4m3fn;
@@ -136,27 +136,33 @@ void mla_decode_cuda_impl(const Tensor& q, const std::optional<Tensor>& q_pe, co
   TORCH_CHECK(tma_error == nullptr, "mla_attn: ", tma_error ? tma_error : "");
   const cudaError_t err = dispatch_half_type<cutlass::bfloat16_t, cutlass::half_t>(
       q.scalar_type(), "decode", [&]<typename Element>() {
-        // 16-bit cache: the seesaw kernel overlaps one warpgroup's softmax with the other's MMAs,
-        // which pays where the MMAs bound the time: every token's heads fill two or more q-tiles,
-        // which share each KV tile (measured, H200, h_q 128: 5-12 % faster with 32+ requests of
-        // 4k+ keys; 2-7 % slower for a single request, whose short split segments pay its deeper
-        // start-up). At one q-tile the 64-row kernel's earlier stage release keeps more loads in
-        // flight. Chosen by h_q alone, so that a request's result does not depend on the batch it
-        // is in (deterministic=True promises that).
+        // Few query rows (those of the longest request): the transposed (narrow) kernel, whose MMAs
+        // have N = rows instead of 64 padded rows and whose Q tile is 18-36 KB. Not with
+        // deterministic=True: rows depends on the batch's max_seqlen_q, and a request's result must
+        // not depend on the batch it is in.
+        const int rows = p.max_seqlen_q * p.num_heads_q;
+        const bool narrow = !deterministic && rows <= kNarrowMaxRows;
         if (!fp8_kv) {
+          // 16-bit: 16 rows only. 32 rows measured slower than the 64-row kernel (H200, cold, h16
+          // s2 b1 L1024: 25.2 vs 16.1 us; warm 16.4 vs 15.3; b128 L1024 56.7 vs 50.2).
+          if (narrow && rows <= 16) return run_mla_decode_narrow<Element, 16, 2, false>(p, tma, stream);
+          // The seesaw kernel overlaps one warpgroup's softmax with the other's MMAs, which pays
+          // where the MMAs bound the time: every token's heads fill two or more q-tiles, which share
+          // each KV tile (measured, H200, h_q 128: 5-12 % faster with 32+ requests of 4k+ keys; 2-7 %
+          // slower for a single request, whose short split segments pay its deeper start-up). At one
+          // q-tile the 64-row kernel's earlier stage release keeps more loads in flight. Chosen by
+          // h_q alone, so that a request's result does not depend on the batch it is in.
           if (p.num_heads_q > kBlockM) return run_mla_decode_seesaw<Element>(p, tma, stream);
           return run_mla_decode<Element, false>(p, tma, stream);
         }
-        // fp8 and few query rows: the transposed kernel converts in registers and has N = rows.
-        // At 32 rows its per-tile latency is higher (few registers to load ahead): measured slower
-        // than the 64-row kernel for a single request (H200, h16 s2 b1 L 1024: 30.1 vs 24.6 us).
-        // At 16 rows, three math warpgroups keep more tiles in flight but each tile takes longer:
-        // measured faster from batch 2 up, slower for a single request (h16 s1 b128 L16384: 319 vs
-        // 347 us; b1 L1024: 18.1 vs 16.2 us).
-        const int rows = p.max_seqlen_q * p.num_heads_q;
-        if (rows <= 16 && p.batch > 1) return run_mla_decode_narrow<Element, 16, 3>(p, tma, stream);
-        if (rows <= 16) return run_mla_decode_narrow<Element, 16, 2>(p, tma, stream);
-        if (rows <= kNarrowMaxRows && p.batch > 1) return run_mla_decode_narrow<Element, kNarrowMaxRows, 2>(p, tma, stream);
+        // fp8: the narrow kernel converts in registers. At 32 rows its per-tile latency is higher
+        // (few registers to load ahead): measured slower than the 64-row kernel for a single request
+        // (H200, h16 s2 b1 L 1024: 30.1 vs 24.6 us). At 16 rows, three math warpgroups keep more
+        // tiles in flight but each tile takes longer: measured faster from batch 2 up, slower for a
+        // single request (h16 s1 b128 L16384: 319 vs 347 us; b1 L1024: 18.1 vs 16.2 us).
+        if (narrow && rows <= 16 && p.batch > 1) return run_mla_decode_narrow<Element, 16, 3, true>(p, tma, stream);
+        if (narrow && rows <= 16) return run_mla_decode_narrow<Element, 16, 2, true>(p, tma, stream);
+        if (narrow && p.batch > 1) return run_mla_decode_narrow<Element, kNarrowMaxRows, 2, true>(p, tma, stream);
         return run_mla_decode<Element, true>(p, tma, stream);
       });
   C10_CUDA_CHECK(err);
@@ -168,13 +174,15 @@ std::tuple<Tensor, Tensor> mla_decode_cuda(const Tensor& q, const std::optional<
                                            const std::optional<Tensor>& cu_seqlens_q,
                                            int64_t max_seqlen_q, double softmax_scale, bool causal,
                                            const Tensor& tile_sched, const Tensor& req_splits,
-                                           int64_t num_sm_parts, const std::optional<Tensor>& k_scale) {
+                                           int64_t num_sm_parts, const std::optional<Tensor>& k_scale,
+                                           bool deterministic) {
   auto out_shape = q.sizes().vec();
   out_shape.back() = mla_decode::kHeadDimV;
   Tensor out = at::empty(out_shape, q.options());
   Tensor lse = at::empty(q.sizes().slice(0, q.dim() - 1), q.options().dtype(at::kFloat));
   mla_decode_cuda_impl(q, q_pe, kv_cache, block_table, cache_seqlens, cu_seqlens_q, max_seqlen_q,
-                       softmax_scale, causal, tile_sched, req_splits, num_sm_parts, out, lse, k_scale);
+                       softmax_scale, causal, tile_sched, req_splits, num_sm_parts, out, lse, k_scale,
+                       deterministic);
   return {out, lse};
 }
 
@@ -183,13 +191,14 @@ void mla_decode_out_cuda(const Tensor& q, const std::optional<Tensor>& q_pe, con
                          const std::optional<Tensor>& cu_seqlens_q, int64_t max_seqlen_q,
                          double softmax_scale, bool causal, const Tensor& tile_sched,
                          const Tensor& req_splits, int64_t num_sm_parts, Tensor out, Tensor lse,
-                         const std::optional<Tensor>& k_scale) {
+                         const std::optional<Tensor>& k_scale, bool deterministic) {
   TORCH_CHECK(out.scalar_type() == q.scalar_type() && out.size(-1) == mla_decode::kHeadDimV &&
                   out.stride(-1) == 1,
               "mla_attn: out must be [.., h_q, 512] of q's dtype, contiguous in the last dim");
   TORCH_CHECK(lse.scalar_type() == at::kFloat, "mla_attn: lse must be float32");
   mla_decode_cuda_impl(q, q_pe, kv_cache, block_table, cache_seqlens, cu_seqlens_q, max_seqlen_q,
-                       softmax_scale, causal, tile_sched, req_splits, num_sm_parts, out, lse, k_scale);
+                       softmax_scale, causal, tile_sched, req_splits, num_sm_parts, out, lse, k_scale,
+                       deterministic);
 }
 
 std::tuple<Tensor, Tensor> get_decode_metadata_cuda(const Tensor& cache_seqlens,

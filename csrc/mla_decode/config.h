@@ -27,6 +27,7 @@ constexpr int kSlabs = kHeadDimK / kTmaColumns;  // a K tile arrives as 9 slabs,
 constexpr int kMaxSmParts = 1024;    // bound on num_sm_parts (split count of a request)
 constexpr int kFixedSplitCost = 5;   // scheduler: cost of a split in blocks (metadata.py: FIXED_COST)
 constexpr int kNoSplitSlack = 2;     // scheduler: whole requests if no worse by this (metadata.py: NO_SPLIT_SLACK)
+constexpr int kMinSearchedPiece = 2;  // scheduler: smallest pieces its cost search tries (metadata.py: MIN_SEARCHED_PIECE)
 
 static_assert(kHeadDimK % kTmaColumns == 0, "K head dim must be whole swizzle atoms");
 static_assert(kHeadDimV == kNumMathWarpgroups * 256, "each math warpgroup owns 256 output columns");

@@ -25,10 +25,10 @@ cudaError_t run_mla_decode(const DecodeParams& params, const DecodeTma& tma, cud
 template <typename Element>
 cudaError_t run_mla_decode_seesaw(const DecodeParams& params, const DecodeTma& tma, cudaStream_t stream);
 
-// The same for an fp8 cache and at most kRows (16 or 32) query rows per request (max_seqlen_q x
-// heads): the narrow kernel, whose MMAs have N = kRows, with kMathWarpgroups (2, or 3 at 16 rows)
-// consuming tiles (narrow_kernel.cuh, narrow_traits.h).
-template <typename Element, int kRows, int kMathWarpgroups>
+// The same for at most kRows (16 or 32) query rows per request (max_seqlen_q x heads): the narrow
+// kernel, whose MMAs have N = kRows, with kMathWarpgroups (2, or 3 at 16 rows with an fp8 cache)
+// consuming tiles (narrow_kernel.cuh, narrow_traits.h). kFp8Kv as above.
+template <typename Element, int kRows, int kMathWarpgroups, bool kFp8Kv>
 cudaError_t run_mla_decode_narrow(const DecodeParams& params, const DecodeTma& tma, cudaStream_t stream);
 
 // One-warp scheduler kernel: fills tile_sched [num_sms, 8] and req_splits [batch, 2]. The partition

@@ -72,9 +72,9 @@ cudaError_t run_mla_decode_seesaw(const DecodeParams& params, const DecodeTma& t
   return launch_split_and_combine<Element, Traits>(mla_decode_seesaw_kernel<Traits>, params, tma, stream);
 }
 
-template <typename Element, int kRows, int kMathWarpgroups>
+template <typename Element, int kRows, int kMathWarpgroups, bool kFp8Kv>
 cudaError_t run_mla_decode_narrow(const DecodeParams& params, const DecodeTma& tma, cudaStream_t stream) {
-  using Traits = NarrowTraits<Element, kRows, kMathWarpgroups>;
+  using Traits = NarrowTraits<Element, kRows, kMathWarpgroups, kFp8Kv>;
   return launch_split_and_combine<Element, Traits>(mla_decode_narrow_kernel<Traits>, params, tma, stream);
 }
 

@@ -1,13 +1,15 @@
-// Split-KV paged MLA decode for an fp8 (e4m3) cache and few query rows (<= 32 per request), sm_90a.
+// Split-KV paged MLA decode for few query rows (<= 32 per request), sm_90a: an fp8 (e4m3) or a
+// 16-bit cache.
 //
 // Same grid, schedule, producer and partials as decode_kernel.cuh (one q-tile: blockIdx.x = 0), but
-// the MMAs are transposed so that the fp8 tile never needs a 16-bit copy in shared memory:
-//   S^T [64 keys, kRows]  = K [64 keys, 576] . Q^T     A = K from registers, B = Q (smem)
-//   O^T [512, kRows]     += V^T [512, 64 keys] . P^T   A = V^T from registers, B = P^T (smem)
-// Each math thread loads its A fragments from the fp8 tile (LDS for K, ldmatrix.trans for V^T),
-// converts them to fp16 in registers (exact; the MMAs run in fp16 for bf16 q too, see
-// narrow_traits.h), and issues register-A WGMMAs. With no 72 KB bf16 tile,
-// shared memory holds 5 fp8 stages, and N = kRows instead of 64 padded rows cuts the MMA work 2-4x.
+// the MMAs are transposed, so that N = kRows instead of 64 padded rows (2-4x less MMA work, and a Q
+// tile of 18-36 KB instead of 72 KB):
+//   S^T [64 keys, kRows]  = K [64 keys, 576] . Q^T     A = K, B = Q (smem)
+//   O^T [512, kRows]     += V^T [512, 64 keys] . P^T   A = V^T, B = P^T (smem)
+// 16-bit cache: A is the stage itself (V^T seen MN-major); two 72 KB stages. fp8 cache: the fp8 tile
+// never needs a 16-bit copy in shared memory: each math thread loads its A fragments from it (LDS
+// for K, ldmatrix.trans for V^T), converts them to fp16 in registers (exact; the MMAs run in fp16
+// for bf16 q too, see narrow_traits.h), and issues register-A WGMMAs; shared memory holds 5 fp8 stages.
 //
 // Warpgroup roles (W = Traits::kMathWarpgroups, 2 or 3 (16 rows, batch > 1); (W + 1) x 128 threads):
 //   WG W  producer: its 4 warps issue the TMA copies (kv_producer.cuh), slabs w, w + 4, w + 8.
@@ -16,7 +18,7 @@
 //         the states are merged through shared memory (the Q buffer) into warpgroups 0 and 1, which
 //         store half of the output dims each.
 //
-// Operand layouts (64 x N x 16 WGMMA, thread = (warp w, lane = 4g + c)):
+// Operand layouts of the fp8 path (64 x N x 16 WGMMA, thread = (warp w, lane = 4g + c)):
 //   A (K): row 16w + g (+8), k = 2c, 2c + 1 (+8). A thread loads 16 contiguous bytes of a row per
 //     slab, so logical k of the MMA is a permuted dim: within a slab, logical 16t + 2c + 8h + e is
 //     dim 16c + 4t + 2h + e. Q is stored with the same permutation (q_column), so S is exact.
@@ -62,14 +64,16 @@ __device__ void consume_narrow_tiles(const DecodeParams& p, typename Traits::Sha
   constexpr int kAheadK = Traits::kAheadK, kAheadV = Traits::kAheadV;
   const int tid = threadIdx.x % 128, warp = tid / 32, lane = tid % 32, g = lane / 4, c = lane % 4;
 
-  typename Traits::TiledMma mma_qk, mma_pv;
+  typename Traits::TiledMmaQK mma_qk;
+  typename Traits::TiledMmaPV mma_pv;
   mma_pv.accumulate_ = GMMA::ScaleOut::One;
   auto thr = mma_qk.get_thread_slice(tid);
+  auto thr_pv = mma_pv.get_thread_slice(tid);
   Tensor sQ = make_tensor(make_smem_ptr(ss.q), typename Traits::SmemLayoutQ{});
   Tensor sPt = make_tensor(make_smem_ptr(ss.pt[warpgroup]), typename Traits::SmemLayoutPt{});
   Tensor tSrS = partition_fragment_C(mma_qk, Shape<Int<kBlockN>, Int<kRows>>{});    // (MMA, 1, 1)
   Tensor tOrO = partition_fragment_C(mma_pv, Shape<Int<kHeadDimV>, Int<kRows>>{});  // (MMA, 8, 1)
-  // A operands, two slabs (QK) or two m-tiles (PV) deep: the next is converted while the WGMMAs
+  // fp8: A operands, two slabs (QK) or two m-tiles (PV) deep: the next is converted while the WGMMAs
   // of the previous run. Register j of k-step t is element pair (2j, 2j + 1) of A(_, 0, t).
   Tensor tA = make_tensor<MmaElement>(Shape<Shape<_2, _2, _2>, _1, Int<2 * kSteps>>{});
   uint32_t* a_regs = reinterpret_cast<uint32_t*>(raw_pointer_cast(tA.data()));
@@ -84,9 +88,9 @@ __device__ void consume_narrow_tiles(const DecodeParams& p, typename Traits::Sha
     else named_barrier_sync<kId0 + 2, 128>();
   };
 
-  // ---- Q [kRows, 576] as fp16 into the permuted layout (rows past the request are zero). The T
-  // threads of a row (lanes of one warp) load its 16-byte chunks t, t + T, ...; a bf16 row is scaled
-  // by fp16_row_scale, undone in the row's score scale (ss.score_scale).
+  // ---- Q [kRows, 576] into sQ (rows past the request are zero). The T threads of a row (lanes of
+  // one warp) load its 16-byte chunks t, t + T, ... fp8: as fp16 into the permuted layout, a bf16
+  // row scaled by fp16_row_scale, undone in the row's score scale (ss.score_scale).
   auto load_q = [&](const Segment& s) {
     // The first 256 math threads load it (a power of two per row, for the shuffles below).
     constexpr int kChunks = kHeadDimK / 8, kThreadsPerRow = 256 / kRows;
@@ -96,7 +100,7 @@ __device__ void consume_narrow_tiles(const DecodeParams& p, typename Traits::Sha
     // held (spilled) across the whole tile loop. k_scale is read here, in flight with Q, and kept in
     // shared memory for the epilogue rather than in a register across the tile loop.
     const int thread = mla_common::opaque(int(threadIdx.x));
-    const float k_scale = *mla_common::opaque(p.k_scale);
+    const float k_scale = Traits::kFp8Kv ? *mla_common::opaque(p.k_scale) : 1.f;
     const int row = thread / kThreadsPerRow, first = thread % kThreadsPerRow;
     const bool valid = row < s.seqlen_q * p.num_heads_q;
     const int t = valid ? row / p.num_heads_q : 0;
@@ -128,6 +132,10 @@ __device__ void consume_narrow_tiles(const DecodeParams& p, typename Traits::Sha
     for (int i = 0; i < kChunksPerThread; ++i) {
       const int d0 = (first + i * kThreadsPerRow) * 8;
       if (d0 >= kHeadDimK) continue;
+      if constexpr (!Traits::kFp8Kv) {
+        *reinterpret_cast<uint4*>(&sQ(row, d0)) = chunk[i];
+        continue;
+      }
       const uint32_t w[4] = {chunk[i].x, chunk[i].y, chunk[i].z, chunk[i].w};
       for (int k = 0; k < 4; ++k) {
         uint32_t pair = w[k];
@@ -154,63 +162,24 @@ __device__ void consume_narrow_tiles(const DecodeParams& p, typename Traits::Sha
       if (iteration % kMathWarpgroups != warpgroup) continue;
       const int stage = iteration % Traits::kStages;
       const uint32_t phase = (iteration / Traits::kStages) & 1;
-      uint8_t* tile = ss.kv[stage];
+      uint8_t* tile = reinterpret_cast<uint8_t*>(ss.kv[stage]);
       const uint32_t tile_addr = static_cast<uint32_t>(__cvta_generic_to_shared(tile));
       // -- Tail tile: zero the key rows past the sequence end (never loaded, or slots past L), so
       // that 0-probability keys cannot inject NaN/Inf through P V.
       const int valid_keys = max(seg.seqlen_k - blk * kBlockN, 0);
       if (valid_keys < kBlockN) {
         for (int slab = 0; slab < kSlabs; ++slab) cutlass::arch::ClusterBarrier::wait(&ss.kv_full[stage][slab], phase);
-        constexpr int kChunksPerRow = kSlabs * kTmaColumns / 16;
+        constexpr int kChunksPerSlabRow = Traits::kSlabRowBytes / 16, kChunksPerRow = kSlabs * kChunksPerSlabRow;
         for (int i = tid; i < (kBlockN - valid_keys) * kChunksPerRow; i += 128) {
           const int row = valid_keys + i / kChunksPerRow, chunk = i % kChunksPerRow;
-          mla_common::st_shared_zero16(tile + (chunk / 4) * kFp8SlabBytes + row * kTmaColumns + (chunk % 4) * 16);
+          mla_common::st_shared_zero16(tile + (chunk / kChunksPerSlabRow) * Traits::kSlabBytes +
+                                       row * Traits::kSlabRowBytes + (chunk % kChunksPerSlabRow) * 16);
         }
         cutlass::arch::fence_view_async_shared();  // before TMA (async proxy) reuses the stage
         warpgroup_sync();
       }
 
-      // -- S^T = K Q^T: per slab, 16 bytes of rows 16w + g and 16w + g + 8 -> 4 k-steps of A. The raw
-      // bytes are loaded kAheadK slabs before their conversion, so LDS latency is off the chain.
-      uint4 raw_k[kSlabs][2];
-      auto load_k = [&](int slab) {
-        cutlass::arch::ClusterBarrier::wait(&ss.kv_full[stage][slab], phase);
-        const uint32_t slab_addr = tile_addr + slab * kFp8SlabBytes;
-        raw_k[slab][0] = mla_common::ld_shared_16(slab_addr + fp8_slab_offset(16 * warp + g, c));
-        raw_k[slab][1] = mla_common::ld_shared_16(slab_addr + fp8_slab_offset(16 * warp + g + 8, c));
-      };
-#pragma unroll
-      for (int slab = 0; slab < kAheadK; ++slab) load_k(slab);
-      mma_qk.accumulate_ = GMMA::ScaleOut::Zero;
-      warpgroup_fence_operand(tSrS);
-#pragma unroll
-      for (int slab = 0; slab < kSlabs; ++slab) {
-        if (slab + kAheadK < kSlabs) load_k(slab + kAheadK);
-        // This A buffer was read two commit groups ago. Slab 0 also waits for the previous PV: a
-        // register-A WGMMA chain that starts with PV groups in flight makes ptxas serialize it.
-        if (slab == 0) warpgroup_wait<0>(); else warpgroup_wait<1>();
-        const int buf = (slab % 2) * kSteps;
-        const uint4 lo = raw_k[slab][0], hi = raw_k[slab][1];
-        const uint32_t row0[4] = {lo.x, lo.y, lo.z, lo.w}, row8[4] = {hi.x, hi.y, hi.z, hi.w};
-#pragma unroll
-        for (int t = 0; t < kSteps; ++t) {
-          uint32_t* a = a_regs + 4 * (buf + t);
-          e4m3x4_to_f16x2(row0[t], a[0], a[2]);
-          e4m3x4_to_f16x2(row8[t], a[1], a[3]);
-          for (int i = 0; i < 4; ++i) warpgroup_fence_operand(a[i]);  // converted before the arrive
-        }
-        // Descriptors rebuilt per slab from an opaque base: keeps 36 of them out of registers.
-        Tensor tSrQ = thr.partition_fragment_B(
-            make_tensor(make_smem_ptr(mla_common::opaque(ss.q)), typename Traits::SmemLayoutQ{}));
-        warpgroup_arrive();
-#pragma unroll
-        for (int t = 0; t < kSteps; ++t) {
-          cute::gemm(mma_qk, tA(_, 0, buf + t), tSrQ(_, 0, slab * kSteps + t), tSrS(_, 0, 0));
-          mma_qk.accumulate_ = GMMA::ScaleOut::One;
-        }
-        warpgroup_commit_batch();
-      }
-      // The first V^T fragments do not depend on P: load them under the softmax.
+      // fp8: the raw V^T fragments of m-tile m (2 ldmatrix.x4.trans: 4 k-steps of A).
       uint32_t raw_v[kMTiles][2][4];
       auto load_v = [&](int m) {
 #pragma unroll
@@ -218,8 +187,68 @@ __device__ void consume_narrow_tiles(const DecodeParams& p, typename Traits::Sha
           mla_common::ldsm_x4_trans(tile_addr + m * kFp8SlabBytes + fp8_slab_offset(32 * pair + lane, warp), raw_v[m][pair]);
         }
       };
+      if constexpr (Traits::kFp8Kv) {
+        // -- S^T = K Q^T: per slab, 16 bytes of rows 16w + g and 16w + g + 8 -> 4 k-steps of A. The raw
+        // bytes are loaded kAheadK slabs before their conversion, so LDS latency is off the chain.
+        uint4 raw_k[kSlabs][2];
+        auto load_k = [&](int slab) {
+          cutlass::arch::ClusterBarrier::wait(&ss.kv_full[stage][slab], phase);
+          const uint32_t slab_addr = tile_addr + slab * kFp8SlabBytes;
+          raw_k[slab][0] = mla_common::ld_shared_16(slab_addr + fp8_slab_offset(16 * warp + g, c));
+          raw_k[slab][1] = mla_common::ld_shared_16(slab_addr + fp8_slab_offset(16 * warp + g + 8, c));
+        };
 #pragma unroll
-      for (int m = 0; m < kAheadV && m < kMTiles; ++m) load_v(m);
+        for (int slab = 0; slab < kAheadK; ++slab) load_k(slab);
+        mma_qk.accumulate_ = GMMA::ScaleOut::Zero;
+        warpgroup_fence_operand(tSrS);
+#pragma unroll
+        for (int slab = 0; slab < kSlabs; ++slab) {
+          if (slab + kAheadK < kSlabs) load_k(slab + kAheadK);
+          // This A buffer was read two commit groups ago. Slab 0 also waits for the previous PV: a
+          // register-A WGMMA chain that starts with PV groups in flight makes ptxas serialize it.
+          if (slab == 0) warpgroup_wait<0>(); else warpgroup_wait<1>();
+          const int buf = (slab % 2) * kSteps;
+          const uint4 lo = raw_k[slab][0], hi = raw_k[slab][1];
+          const uint32_t row0[4] = {lo.x, lo.y, lo.z, lo.w}, row8[4] = {hi.x, hi.y, hi.z, hi.w};
+#pragma unroll
+          for (int t = 0; t < kSteps; ++t) {
+            uint32_t* a = a_regs + 4 * (buf + t);
+            e4m3x4_to_f16x2(row0[t], a[0], a[2]);
+            e4m3x4_to_f16x2(row8[t], a[1], a[3]);
+            for (int i = 0; i < 4; ++i) warpgroup_fence_operand(a[i]);  // converted before the arrive
+          }
+          // Descriptors rebuilt per slab from an opaque base: keeps 36 of them out of registers.
+          Tensor tSrQ = thr.partition_fragment_B(
+              make_tensor(make_smem_ptr(mla_common::opaque(ss.q)), typename Traits::SmemLayoutQ{}));
+          warpgroup_arrive();
+#pragma unroll
+          for (int t = 0; t < kSteps; ++t) {
+            cute::gemm(mma_qk, tA(_, 0, buf + t), tSrQ(_, 0, slab * kSteps + t), tSrS(_, 0, 0));
+            mma_qk.accumulate_ = GMMA::ScaleOut::One;
+          }
+          warpgroup_commit_batch();
+        }
+        // The first V^T fragments do not depend on P: load them under the softmax.
+#pragma unroll
+        for (int m = 0; m < kAheadV && m < kMTiles; ++m) load_v(m);
+      } else {
+        // -- S^T = K Q^T straight from the stage, a slab's 4 k-steps as soon as it lands.
+        Tensor tSrK = thr.partition_fragment_A(make_tensor(make_smem_ptr(ss.kv[stage]), typename Traits::SmemLayoutK{}));
+        Tensor tSrQ16 = thr.partition_fragment_B(sQ);
+        mma_qk.accumulate_ = GMMA::ScaleOut::Zero;
+        warpgroup_fence_operand(tSrS);
+#pragma unroll
+        for (int slab = 0; slab < kSlabs; ++slab) {
+          cutlass::arch::ClusterBarrier::wait(&ss.kv_full[stage][slab], phase);
+          warpgroup_arrive();
+#pragma unroll
+          for (int t = 0; t < kSteps; ++t) {
+            cute::gemm(mma_qk, tSrK(_, _, slab * kSteps + t), tSrQ16(_, _, slab * kSteps + t), tSrS);
+            mma_qk.accumulate_ = GMMA::ScaleOut::One;
+          }
+          warpgroup_commit_batch();
+        }
+      }
       warpgroup_wait<0>();  // S, and this warpgroup's previous PV (P^T and O are free)
       warpgroup_fence_operand(tSrS);
       warpgroup_fence_operand(tOrO);  // the rescale below must not move above the wait
@@ -283,31 +312,49 @@ __device__ void consume_narrow_tiles(const DecodeParams& p, typename Traits::Sha
         for (int j = 0; j < kCols; ++j) ss.run_max[warpgroup][col_of(j)] = new_max[j];
       }
 
-      // -- O^T += V^T P^T, per m-tile (64 dims): 2 ldmatrix.x4.trans give 4 k-steps of A.
-      Tensor tOrPt = thr.partition_fragment_B(sPt);
+      if constexpr (Traits::kFp8Kv) {
+        // -- O^T += V^T P^T, per m-tile (64 dims).
+        Tensor tOrPt = thr.partition_fragment_B(sPt);
 #pragma unroll
-      for (int m = 0; m < kMTiles; ++m) {
-        if (m + kAheadV < kMTiles) load_v(m + kAheadV);
-        if (m == kMTiles - 1) {  // every byte of the tile has been loaded: hand the stage back
-          __syncwarp();
-          if (lane == 0) cutlass::arch::ClusterBarrier::arrive(&ss.kv_empty[stage]);
-        }
-        warpgroup_wait<1>();  // the WGMMAs that read this A buffer (two groups ago) are done
-        const int buf = (m % 2) * kSteps;
+        for (int m = 0; m < kMTiles; ++m) {
+          if (m + kAheadV < kMTiles) load_v(m + kAheadV);
+          if (m == kMTiles - 1) {  // every byte of the tile has been loaded: hand the stage back
+            __syncwarp();
+            if (lane == 0) cutlass::arch::ClusterBarrier::arrive(&ss.kv_empty[stage]);
+          }
+          warpgroup_wait<1>();  // the WGMMAs that read this A buffer (two groups ago) are done
+          const int buf = (m % 2) * kSteps;
 #pragma unroll
-        for (int step = 0; step < kSteps; ++step) {
-          // raw_v[m][step / 2][2 (step % 2)]: keys 0-7 of the k-step, [.. + 1]: keys 8-15.
-          const uint32_t* r = raw_v[m][step / 2] + 2 * (step % 2);
-          uint32_t* a = a_regs + 4 * (buf + step);
-          e4m3x4_to_f16x2(__byte_perm(r[0], 0, 0x3120), a[0], a[1]);
-          e4m3x4_to_f16x2(__byte_perm(r[1], 0, 0x3120), a[2], a[3]);
-          for (int i = 0; i < 4; ++i) warpgroup_fence_operand(a[i]);
+          for (int step = 0; step < kSteps; ++step) {
+            // raw_v[m][step / 2][2 (step % 2)]: keys 0-7 of the k-step, [.. + 1]: keys 8-15.
+            const uint32_t* r = raw_v[m][step / 2] + 2 * (step % 2);
+            uint32_t* a = a_regs + 4 * (buf + step);
+            e4m3x4_to_f16x2(__byte_perm(r[0], 0, 0x3120), a[0], a[1]);
+            e4m3x4_to_f16x2(__byte_perm(r[1], 0, 0x3120), a[2], a[3]);
+            for (int i = 0; i < 4; ++i) warpgroup_fence_operand(a[i]);
+          }
+          warpgroup_fence_operand(tOrO);
+          warpgroup_arrive();
+#pragma unroll
+          for (int t = 0; t < kSteps; ++t) cute::gemm(mma_pv, tA(_, 0, buf + t), tOrPt(_, 0, t), tOrO(_, m, 0));
+          warpgroup_commit_batch();
         }
+      } else {
+        // -- O^T += V^T P^T, V^T straight from the stage; then the stage goes back to the producer.
+        Tensor tOrVt = thr_pv.partition_fragment_A(make_tensor(make_smem_ptr(ss.kv[stage]), typename Traits::SmemLayoutVt{}));
+        Tensor tOrPt16 = thr_pv.partition_fragment_B(sPt);
         warpgroup_fence_operand(tOrO);
         warpgroup_arrive();
 #pragma unroll
-        for (int t = 0; t < kSteps; ++t) cute::gemm(mma_pv, tA(_, 0, buf + t), tOrPt(_, 0, t), tOrO(_, m, 0));
+        for (int m = 0; m < kMTiles; ++m) {
+#pragma unroll
+          for (int t = 0; t < kSteps; ++t) cute::gemm(mma_pv, tOrVt(_, m, t), tOrPt16(_, 0, t), tOrO(_, m, 0));
+        }
         warpgroup_commit_batch();
+        warpgroup_wait<0>();  // the stage and P^T are read
+        warpgroup_fence_operand(tOrO);
+        __syncwarp();
+        if (lane == 0) cutlass::arch::ClusterBarrier::arrive(&ss.kv_empty[stage]);
       }
     }
     warpgroup_wait<0>();
@@ -420,15 +467,27 @@ __device__ void consume_narrow_tiles(const DecodeParams& p, typename Traits::Sha
 #pragma unroll
       for (int m = 0; m < kMTiles; ++m) {
         if (m / kHalf != warpgroup) continue;  // static m: O stays in registers
-        // Elements e (row half 0) and e + 2 (row half 1) of column j: dims d and d + 1.
+        // Elements e (row half 0) and e + 2 (row half 1) of column j. fp8: dims d and d + 1 (the
+        // ldmatrix.trans order); 16-bit: accumulator rows in order, dims d and d + 8.
         const int e = (j / 2) * 4 + (j % 2);
-        const int dim = 64 * m + 16 * warp + 2 * g;
         const float v0 = tOrO(e, m, 0), v1 = tOrO(e + 2, m, 0);
-        if (is_partial) {
-          *reinterpret_cast<float2*>(partial_row + dim) = make_float2(v0, v1);
+        if constexpr (Traits::kFp8Kv) {
+          const int dim = 64 * m + 16 * warp + 2 * g;
+          if (is_partial) {
+            *reinterpret_cast<float2*>(partial_row + dim) = make_float2(v0, v1);
+          } else {
+            const Element pair[2] = {Element(v0), Element(v1)};
+            *reinterpret_cast<uint32_t*>(out_row + dim) = *reinterpret_cast<const uint32_t*>(pair);
+          }
         } else {
-          const Element pair[2] = {Element(v0), Element(v1)};
-          *reinterpret_cast<uint32_t*>(out_row + dim) = *reinterpret_cast<const uint32_t*>(pair);
+          const int dim = 64 * m + 16 * warp + g;
+          if (is_partial) {
+            partial_row[dim] = v0;
+            partial_row[dim + 8] = v1;
+          } else {
+            out_row[dim] = Element(v0);
+            out_row[dim + 8] = Element(v1);
+          }
         }
       }
     }

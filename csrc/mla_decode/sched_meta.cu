@@ -10,9 +10,9 @@ namespace mla_decode {
 constexpr int kMetadataThreads = 256;
 
 // One CTA: all threads stage the per-request block counts in shared memory and sum their cost;
-// a few threads test the capacities of a whole-request partition (metadata.py:
-// whole_request_capacity), one each; thread 0 then walks the requests (inherently sequential)
-// without reading global memory.
+// a few threads test the part costs of the split walk (metadata.py: split_payload), then those of
+// a whole-request partition (whole_request_capacity), one each; thread 0 then walks the requests
+// (inherently sequential) without reading global memory.
 // deterministic: a part never cuts a request; a part that is still empty takes its next request
 // whole, however long, so every request is summed by one CTA in key order, whatever the batch.
 __global__ void __launch_bounds__(kMetadataThreads)
@@ -21,7 +21,7 @@ __global__ void __launch_bounds__(kMetadataThreads)
   extern __shared__ int num_blocks[];  // [batch]
   __shared__ long long warp_totals[kMetadataThreads / 32];
   __shared__ int warp_max_cost[kMetadataThreads / 32];
-  __shared__ int whole_capacity;
+  __shared__ int split_cost, whole_capacity;
   const int tid = threadIdx.x;
   long long total = 0;
   int max_cost = 0;
@@ -39,7 +39,7 @@ __global__ void __launch_bounds__(kMetadataThreads)
     warp_totals[tid / 32] = total;
     warp_max_cost[tid / 32] = max_cost;
   }
-  if (tid == 0) whole_capacity = INT_MAX;
+  if (tid == 0) split_cost = whole_capacity = INT_MAX;
   for (int part = num_sm_parts + tid; part < num_sms; part += kMetadataThreads) {
     int* row = tile_sched + part * 8;
     row[0] = 0; row[1] = 0; row[2] = -1; row[3] = 0; row[4] = 0; row[5] = 0; row[6] = 0; row[7] = 0;
@@ -51,11 +51,34 @@ __global__ void __launch_bounds__(kMetadataThreads)
     total += warp_totals[w];
     max_cost = max(max_cost, warp_max_cost[w]);
   }
-  long long payload = (total + num_sm_parts - 1) / num_sm_parts + kFixedSplitCost;
+  // Part cost of the split walk (metadata.py: split_payload): thread t tests lo + t below the upper
+  // end; deterministic walks take the upper end.
+  const long long base = (total + num_sm_parts - 1) / num_sm_parts, upper = base + kFixedSplitCost;
+  const long long search_lo = max(base, min((long long)(kMinSearchedPiece + kFixedSplitCost), upper));
+  if (search_lo + tid < upper && !deterministic) {
+    const long long candidate = search_lo + tid;
+    int b = 0, blk = 0;
+    for (int part = 0; part < num_sm_parts && b < batch; ++part) {
+      long long remain = candidate;
+      while (b < batch) {
+        const int rest = num_blocks[b] - blk;
+        if (rest + kFixedSplitCost <= remain) {
+          remain -= rest + kFixedSplitCost;
+          ++b; blk = 0;
+        } else {
+          blk += int(max(remain - kFixedSplitCost, 0ll));
+          break;
+        }
+      }
+    }
+    if (b >= batch) atomicMin(&split_cost, int(candidate));
+  }
+  __syncthreads();
+  long long payload = min((long long)split_cost, upper);
   // Thread t tests capacity lo + t: do whole requests, taken in order, fit in num_sm_parts parts?
   const long long lo = max((long long)max_cost, (total + num_sm_parts - 1) / num_sm_parts);
   const long long capacity = lo + tid;
-  static_assert(kFixedSplitCost + kNoSplitSlack < kMetadataThreads, "one thread per candidate capacity");
+  static_assert(kFixedSplitCost + kNoSplitSlack < kMetadataThreads, "one thread per candidate cost");
   if (batch > 0 && capacity <= payload + kNoSplitSlack) {
     int parts = 1;
     long long load = 0;

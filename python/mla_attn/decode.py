@@ -243,8 +243,8 @@ def mla_decode(q, kv_cache, block_table, cache_seqlens, *, cu_seqlens_q=None, ma
     args = (q, q_pe, kv_cache, block_table, cache_seqlens, cu_seqlens_q, max_seqlen_q, float(softmax_scale),
             causal, metadata.tile_sched, metadata.req_splits, metadata.num_sm_parts)
     if out is None:
-        out, lse = torch.ops.mla_attn.mla_decode(*args, k_scale=k_scale)
+        out, lse = torch.ops.mla_attn.mla_decode(*args, k_scale=k_scale, deterministic=deterministic)
     else:
         lse = torch.empty(q.shape[:-1], dtype=torch.float32, device=q.device)
-        torch.ops.mla_attn.mla_decode_out(*args, out, lse, k_scale=k_scale)
+        torch.ops.mla_attn.mla_decode_out(*args, out, lse, k_scale=k_scale, deterministic=deterministic)
     return (out, lse) if return_lse else out

@@ -15,6 +15,10 @@ FIXED_COST = 5  # per-segment overhead, in blocks, charged by the scheduler
 # than a split part: a split also writes fp32 partials and needs the combine kernel (10-20 us at h_q
 # 128 with 64+ split requests, measured).
 NO_SPLIT_SLACK = 2
+# split_payload searches no lower than pieces of this many blocks (unless its upper end is lower):
+# one-block pieces carry a split's fixed costs for one block of work (h_q 128, 1 request of 4096
+# keys: 64 one-block pieces took 25.5 us, 32 two-block pieces 23.8, measured).
+MIN_SEARCHED_PIECE = 2
 CPU_NUM_SMS = 132  # H200: CPU schedules mirror what the GPU would do
 
 
@@ -60,8 +64,38 @@ class DecodeMetadata(NamedTuple):
 _EMPTY_PART = (0, 0, -1, 0, 0, 0, 0, 0)
 
 
-def whole_request_capacity(num_blocks, num_sm_parts, split_payload):
-    """The smallest part cost C <= split_payload + NO_SPLIT_SLACK at which whole requests, taken in order
+def _split_walk_fits(num_blocks, num_sm_parts, payload):
+    """Whether the split walk (schedule_cpu, not deterministic), filling each part up to payload, takes
+    every request within num_sm_parts parts without the last part taking the rest."""
+    b = blk = 0
+    for _ in range(num_sm_parts):
+        remain = payload
+        while b < len(num_blocks):
+            rest = num_blocks[b] - blk
+            if rest + FIXED_COST <= remain:
+                remain -= rest + FIXED_COST
+                b, blk = b + 1, 0
+            else:
+                blk += max(remain - FIXED_COST, 0)
+                break
+    return b >= len(num_blocks)
+
+
+def split_payload(num_blocks, num_sm_parts):
+    """Part cost of the split walk: the smallest C in [lo, ceil(T / P) + FIXED_COST) (T: blocks +
+    FIXED_COST per request; lo = ceil(T / P), raised to MIN_SEARCHED_PIECE + FIXED_COST if that is
+    below the upper end) at which it fits in num_sm_parts parts (_split_walk_fits), else the upper end
+    (the last part takes the rest). The upper end alone left parts idle: 32 requests of 16 blocks over
+    132 parts took 6-block pieces on 96 parts (C = 11), where C = 9 gives 4-block pieces on 128. The
+    device tests each candidate on a thread of its own."""
+    base = _cdiv(sum(num_blocks) + len(num_blocks) * FIXED_COST, num_sm_parts)
+    upper = base + FIXED_COST
+    lo = max(base, min(MIN_SEARCHED_PIECE + FIXED_COST, upper))
+    return next((c for c in range(lo, upper) if _split_walk_fits(num_blocks, num_sm_parts, c)), upper)
+
+
+def whole_request_capacity(num_blocks, num_sm_parts, payload):
+    """The smallest part cost C <= payload (of the split walk) + NO_SPLIT_SLACK at which whole requests, taken in order
     while a part's cost stays <= C, fit in num_sm_parts parts; None if there is none (then requests
     are split). A request costs its blocks + FIXED_COST. The device tests each candidate C on a thread
     of its own (at most FIXED_COST + NO_SPLIT_SLACK + 1 of them)."""
@@ -69,7 +103,7 @@ def whole_request_capacity(num_blocks, num_sm_parts, split_payload):
     if not costs:
         return None
     lo = max(max(costs), _cdiv(sum(costs), num_sm_parts))
-    for capacity in range(lo, split_payload + NO_SPLIT_SLACK + 1):
+    for capacity in range(lo, payload + NO_SPLIT_SLACK + 1):
         parts, load = 1, 0
         for c in costs:
             if load + c > capacity:
@@ -101,7 +135,8 @@ def schedule_cpu(cache_seqlens, cu_seqlens_q, max_seqlen_q, num_heads_q, num_sm_
     lens = cache_seqlens.tolist()
     n = [_cdiv(max(int(l), 0), BLOCK_N) for l in lens]
     B, P = len(n), num_sm_parts
-    payload = _cdiv(sum(n) + B * FIXED_COST, P) + FIXED_COST
+    # deterministic: the upper end of split_payload (the search simulates the splitting walk).
+    payload = _cdiv(sum(n) + B * FIXED_COST, P) + FIXED_COST if deterministic else split_payload(n, P)
     capacity = whole_request_capacity(n, P, payload)
     if capacity is not None:  # no request is cut: the walk below with that payload never splits
         payload, deterministic = capacity, True
