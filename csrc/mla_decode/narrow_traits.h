@@ -41,7 +41,11 @@ struct NarrowTraits {
   static constexpr int kMathThreads = kMathWarpgroups * 128;
   static constexpr int kThreads = kMathThreads + 128;  // + the producer warpgroup
   static constexpr int kMathRegisters = kMathWarpgroups == 3 ? 160 : 240;
-  static_assert(kMathWarpgroups * kMathRegisters + kNarrowProducerRegisters <= 512, "64K registers per CTA");
+  // setmaxnreg only moves registers within what the launch gave the CTA (kLaunchRegisters per
+  // thread): a split that asks for more never completes its setmaxnreg.inc (a hang, not an error).
+  static constexpr int kLaunchRegisters = 65536 / kThreads / 8 * 8;
+  static_assert(kMathWarpgroups * kMathRegisters + kNarrowProducerRegisters <= (kMathWarpgroups + 1) * kLaunchRegisters,
+                "the register split exceeds the launch's allocation");
   // fp8: K slabs (QK) / V^T m-tiles (PV) whose raw fragments are loaded ahead of their conversion,
   // as far as registers allow without spills. The V^T ones do not depend on P, so they load under
   // the softmax. (All 9 K slabs ahead makes ptxas serialize the QK chain.)
