@@ -64,6 +64,7 @@ CASES = [
     ([4099, 113, 1, 0, 1023], 7, 32, 16, True, False),
     ([1500, 900, 64], 64, 128, 64, True, True),
     ([700, 10], 512, 8, 256, True, False),
+    ([300, 0, 70, 1], 2, 8, 16, True, False),  # varlen at <= 16 rows (the narrow kernel), 0-token requests
 ]
 
 
