@@ -16,9 +16,9 @@ constexpr int kProducerRegisters = 40;
 // (32) and P (16): 232 / 40 compiles without spills (240 / 24 spilled, in the math warpgroups).
 constexpr int kSeesawMathRegisters = 232;
 constexpr int kSeesawProducerRegisters = 40;
-// Narrow kernel (fp8 cache, <= 32 query rows per request; narrow_kernel.cuh): Q (<= 36 KB) and P^T
-// leave room for 5 fp8 stages; its producer only issues TMA. Its math warpgroups and their
-// registers depend on the rows (narrow_traits.h).
+// Narrow kernel (<= 32 query rows per request with an fp8 cache, <= 16 with a 16-bit one;
+// narrow_kernel.cuh): Q (<= 36 KB) and P^T leave room for 5 fp8 stages (16-bit: two 72 KB stages);
+// its producer only issues TMA. Its math warpgroups and their registers depend on the rows (narrow_traits.h).
 constexpr int kNarrowMaxRows = 32;
 constexpr int kNarrowStages = 5;
 constexpr int kNarrowProducerRegisters = 24;
