@@ -95,9 +95,9 @@ def split_payload(num_blocks, num_sm_parts):
 
 
 def whole_request_capacity(num_blocks, num_sm_parts, payload):
-    """The smallest part cost C <= payload (of the split walk) + NO_SPLIT_SLACK at which whole requests, taken in order
-    while a part's cost stays <= C, fit in num_sm_parts parts; None if there is none (then requests
-    are split). A request costs its blocks + FIXED_COST. The device tests each candidate C on a thread
+    """The smallest part cost C <= payload (the split walk's) + NO_SPLIT_SLACK at which whole requests,
+    taken in order while a part's cost stays <= C, fit in num_sm_parts parts; None if there is none
+    (then requests are split). A request costs its blocks + FIXED_COST. The device tests each candidate C on a thread
     of its own (at most FIXED_COST + NO_SPLIT_SLACK + 1 of them)."""
     costs = [k + FIXED_COST for k in num_blocks]
     if not costs:
