@@ -11,7 +11,9 @@
 //   WG 1: S_b = Q K_b^T;  <- max_a;  m_b = max(m_a, rowmax S_b) -> max_b; P_b = exp2(S_b - m_b) -> shared;
 //         O_1 = O_1 e^(m - m_b) + P_b V_b[:, half 1] + P_a e^(m_a - m_b) V_a[:, half 1]
 // WG 0 issues the next pair's S_a right behind its last PV, WG 1 its S_b once its PVs are done, so
-// the two QK^T chains are staggered and each softmax overlaps MMAs of the other warpgroup. The
+// the two QK^T chains are staggered and each softmax overlaps MMAs of the other warpgroup. The PVs
+// queue as P_a V_a[0], P_b V_b[1] (issued before the P hand-off), P_a V_a[1], then P_b V_b[0]: V_a's
+// half 1 and the rope slab, which the next S_a waits for, are freed one PV earlier (FlashMLA's order). The
 // hand-offs (max_a, max_b, the P tiles) are rendezvous of both warpgroups (seesaw_traits.h).
 // P of a block goes to the other warpgroup through the block's rope slab (the map is full).
 #pragma once
@@ -283,6 +285,10 @@ __device__ void consume_seesaw_pairs(const DecodeParams& p, typename Traits::Sha
           row_sum[i] *= factor[i];
           row_max[i] = max_b;
         }
+        if (has_b && is_tail(blk + 1)) {
+          zero_tail_of_own_half(stage_b, phase_b, blk + 1);
+          tail_zeroed();
+        }
         store_p(stage_a, [&](int e) {
           return pack_pair<Element>(tSrS(e) * factor[row_half(e)], tSrS(e + 1) * factor[row_half(e)]);
         });
@@ -292,10 +298,7 @@ __device__ void consume_seesaw_pairs(const DecodeParams& p, typename Traits::Sha
         release_unless_last(stage_a, blk);
         if (has_b) {
           scale_o(factor);
-          if (is_tail(blk + 1)) {
-            zero_tail_of_own_half(stage_b, phase_b, blk + 1);
-            tail_zeroed();
-          }
+          named_barrier_sync<int(SeesawBarrier::kRemoteIssued), 256>();
           issue_pv_remote(stage_b);
           if (has_next_a) {  // the next pair's S_a behind it; stage_b is free once the PV completes
             start_qk();
@@ -338,18 +341,17 @@ __device__ void consume_seesaw_pairs(const DecodeParams& p, typename Traits::Sha
         named_barrier_sync<int(SeesawBarrier::kMaxB), 256>();
         scale_o(factor);
         if (has_b) {
-          exponentiate(base, row_sum);
-          store_p(stage_b, [&](int e) { return p_pairs[e / 2]; });
-        }
-        named_barrier_sync<int(SeesawBarrier::kPReady), 256>();
-        if (has_b) {
           if (is_tail(blk + 1)) {
             zero_tail_of_own_half(stage_b, phase_b, blk + 1);
             tail_zeroed();
           }
+          exponentiate(base, row_sum);
+          store_p(stage_b, [&](int e) { return p_pairs[e / 2]; });
           issue_pv_local(stage_b);
         }
+        named_barrier_sync<int(SeesawBarrier::kPReady), 256>();
         issue_pv_remote(stage_a);
+        if (has_b) named_barrier_sync<int(SeesawBarrier::kRemoteIssued), 256>();
         if (has_b) {
           warpgroup_wait<1>();
           release_unless_last(stage_b, blk + 1);

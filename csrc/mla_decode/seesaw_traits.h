@@ -69,7 +69,7 @@ struct SeesawTraits {
 };
 
 // Named barriers of the seesaw kernel (id 0 is __syncthreads), all over both math warpgroups, in
-// the order each pair meets them: kMaxA, [kTailZeroed], kMaxB, kPReady, [kTailZeroed]. Every
+// the order each pair meets them: kMaxA, [kTailZeroed], kMaxB, [kTailZeroed], kPReady, [kRemoteIssued]. Every
 // hand-off is a bar.sync on both sides, in the same sequence in both warpgroups: racecheck
 // mis-orders bar.arrive hand-offs and barrier sequences that differ between the warpgroups
 // (scripts/racecheck_probe.cu), and measured no slower (BENCHMARKS.md).
@@ -82,6 +82,7 @@ enum class SeesawBarrier : int {
   kTailZeroed = 6,  // both warpgroups zeroed their V half of a tail block (and fenced it)
   kStaged0 = 7,     // (+ warpgroup, 128 threads) its output rows are in shared memory / copied out
   kStagingRead = 9, // both warpgroups' output copies have read the last block's stage
+  kRemoteIssued = 10,  // WG 1 issued P_a V_a[:, half 1]; WG 0's P_b V_b[:, half 0] queues behind it
 };
 
 }  // namespace mla_decode
