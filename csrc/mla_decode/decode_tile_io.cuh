@@ -106,7 +106,8 @@ template <typename Element>
 __device__ __forceinline__ void store_empty_output_tile(const DecodeParams& p, const Segment& seg, int m_block) {
   const OutputTile tile = OutputTile::of(p, seg, m_block);
   constexpr int kChunksPerRow = kHeadDimV * int(sizeof(Element)) / 16;
-  for (int i = threadIdx.x; i < kBlockM * kChunksPerRow; i += 256) {
+  // From an opaque thread index: otherwise derived at the segment's start and spilled across its blocks.
+  for (int i = mla_common::opaque(int(threadIdx.x)); i < kBlockM * kChunksPerRow; i += 256) {
     const int r = i / kChunksPerRow, chunk = i % kChunksPerRow;
     if (!tile.has_row(r)) continue;
     if (chunk == 0) tile.finish_row(r, -INFINITY, 0.f, 1.f, /*write_lse=*/true);
