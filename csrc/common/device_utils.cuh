@@ -98,19 +98,6 @@ __device__ __forceinline__ int opaque(int v) {
   return v;
 }
 
-// Bulk copy (async proxy) of `bytes` (a multiple of 16; both addresses 16-byte aligned) from shared
-// to global memory, in this thread's bulk group. Shared writes it reads must be fenced
-// (fence.proxy.async) and synchronised before it is issued.
-__device__ __forceinline__ void bulk_store(void* gmem, uint32_t smem, int bytes) {
-  asm volatile("cp.async.bulk.global.shared::cta.bulk_group [%0], [%1], %2;" ::"l"(gmem), "r"(smem), "r"(bytes)
-               : "memory");
-}
-__device__ __forceinline__ void bulk_commit() { asm volatile("cp.async.bulk.commit_group;" ::: "memory"); }
-// This thread's bulk copies have read their shared memory (it may be overwritten).
-__device__ __forceinline__ void bulk_wait_read() { asm volatile("cp.async.bulk.wait_group.read 0;" ::: "memory"); }
-// ... and have completed.
-__device__ __forceinline__ void bulk_wait() { asm volatile("cp.async.bulk.wait_group 0;" ::: "memory"); }
-
 // Programmatic dependent launch: lets the next kernel in the stream start its prologue now.
 __device__ __forceinline__ void launch_dependents() {
 #if defined(__CUDA_ARCH__) && __CUDA_ARCH__ >= 900

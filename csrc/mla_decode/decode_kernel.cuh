@@ -376,7 +376,6 @@ __device__ void consume_kv_tiles(const DecodeParams& p, typename Traits::SharedS
       store_output_columns_staged<Element>(p, seg, m_block, r0, row_max, sums, k_scale, /*write_lse=*/warpgroup == 0,
                                            mla_common::smem_addr(ss.k[last_stage]) + warpgroup * kStagingBytes,
                                            tid_in_wg, 256 * warpgroup, tOrO, warpgroup_sync);
-      if (tid_in_wg < kBlockM) mla_common::bulk_wait_read();
       warpgroup_sync();
       if (tid_in_wg == 0) cutlass::arch::ClusterBarrier::arrive(&ss.kv_empty[last_stage]);
     } else {  // no key block was loaded: no stage to stage through
@@ -385,7 +384,6 @@ __device__ void consume_kv_tiles(const DecodeParams& p, typename Traits::SharedS
     seg = next;
     have_segment = have_next;
   }
-  if (tid_in_wg < kBlockM) mla_common::bulk_wait();  // the last output rows have left
 }
 
 template <typename Traits>

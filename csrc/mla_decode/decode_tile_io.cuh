@@ -122,8 +122,9 @@ template <typename T>
 constexpr int kStagingPitch = 512 + 8 * int(sizeof(T));  // bytes; conflict-free fragment writes
 constexpr int kStagingBytes = kBlockM * kStagingPitch<float>;  // per warpgroup
 
-// One round per 512 bytes of a row: fragments -> `staging`, then threads 0..63 of the warpgroup each
-// copy one row out with a bulk copy.
+// One round per 512 bytes of a row: fragments -> `staging`, then the warpgroup copies the rows out,
+// a warp per row and 16 bytes per lane (coalesced stores). One 512-byte bulk copy per row instead
+// (the TMA unit takes them one by one) kept the epilogue of a split tile at 4-5 us.
 template <typename Element, typename T, typename TensorO, typename Sync>
 __device__ __forceinline__ void stage_output_columns(const OutputTile& tile, uint32_t staging, int tid_in_wg, int r0,
                                                      const float (&inv_sum)[2], int col_base, const TensorO& tOrO,
@@ -132,12 +133,10 @@ __device__ __forceinline__ void stage_output_columns(const OutputTile& tile, uin
   constexpr int kRounds = 256 / kColsPerRound, kPairsPerRound = int(decltype(cute::size(tOrO))::value) / 2 / kRounds;
   // Element e is in column 8 (e >> 2) + 2 (lane % 4) + (e & 1) of the 256.
   const uint32_t thread_addr = staging + r0 * kPitch + (tid_in_wg % 4) * 2 * int(sizeof(T));
+  const int lane = tid_in_wg % 32, warp = tid_in_wg / 32;
 #pragma unroll
   for (int round = 0; round < kRounds; ++round) {
-    if (round > 0) {
-      if (tid_in_wg < kBlockM) mla_common::bulk_wait_read();
-      sync();
-    }
+    if (round > 0) sync();  // the previous round's rows are read out
 #pragma unroll
     for (int pair = round * kPairsPerRound; pair < (round + 1) * kPairsPerRound; ++pair) {
       const int e = 2 * pair, i = (e >> 1) & 1;
@@ -149,12 +148,13 @@ __device__ __forceinline__ void stage_output_columns(const OutputTile& tile, uin
         mla_common::st_shared_4(addr, pack_pair<Element>(v0, v1));
       }
     }
-    cutlass::arch::fence_view_async_shared();
     sync();
-    if (tid_in_wg < kBlockM && tile.has_row(tid_in_wg)) {
-      mla_common::bulk_store(tile.row_ptr<Element>(tid_in_wg, col_base + round * kColsPerRound),
-                             staging + tid_in_wg * kPitch, 512);
-      mla_common::bulk_commit();
+    // Unrolled 4 deep: fully unrolled, the 16 row addresses were computed up front and spilled.
+#pragma unroll 4
+    for (int r = warp; r < kBlockM; r += 4) {
+      if (!tile.has_row(r)) break;  // the tile's rows are a prefix
+      const uint4 v = mla_common::ld_shared_16(staging + r * kPitch + lane * 16);
+      static_cast<uint4*>(tile.row_ptr<Element>(r, col_base + round * kColsPerRound))[lane] = v;
     }
   }
 }
@@ -168,8 +168,8 @@ __device__ __forceinline__ void stage_output_columns(const OutputTile& tile, uin
 // +inf final or -inf partial for a row with no visible key) is written by the threads with
 // write_lse and lane % 4 == 0. Through shared memory (`staging`, kStagingBytes the warpgroup owns):
 // stores straight from the accumulator touch 8 rows per instruction and took ~6 us per tile.
-// sync() is a barrier over the warpgroup. On return the bulk copies may still read `staging`: wait
-// with bulk_wait_read (threads 0..63) and synchronise before reusing it.
+// sync() is a barrier over the warpgroup. On return other threads may still read `staging`:
+// synchronise before reusing it.
 template <typename Element, typename TensorO, typename Sync>
 __device__ __forceinline__ void store_output_columns_staged(const DecodeParams& p, const Segment& seg, int m_block,
                                                             int r0, const float (&row_max)[2],

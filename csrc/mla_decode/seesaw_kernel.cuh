@@ -395,7 +395,6 @@ __device__ void consume_seesaw_pairs(const DecodeParams& p, typename Traits::Sha
                                            tid_in_wg, 256 * wg, tOrO, [&] {
         named_barrier_sync<int(SeesawBarrier::kStaged0), 128>(wg);
       });
-      if (tid_in_wg < kBlockM) mla_common::bulk_wait_read();
       named_barrier_sync<int(SeesawBarrier::kStagingRead), 256>();
       release(last_stage);
     } else {  // no key block was loaded: no stage to stage through
@@ -404,7 +403,6 @@ __device__ void consume_seesaw_pairs(const DecodeParams& p, typename Traits::Sha
     seg = next;
     have_segment = have_next;
   }
-  if (tid_in_wg < kBlockM) mla_common::bulk_wait();  // the last output rows have left
 }
 
 template <typename Traits>
