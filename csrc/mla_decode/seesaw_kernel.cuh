@@ -13,7 +13,7 @@
 // WG 0 issues the next pair's S_a right behind its last PV, WG 1 its S_b once its PVs are done, so
 // the two QK^T chains are staggered and each softmax overlaps MMAs of the other warpgroup. The PVs
 // queue as P_a V_a[0], P_b V_b[1] (issued before the P hand-off), P_a V_a[1], then P_b V_b[0]: V_a's
-// half 1 and the rope slab, which the next S_a waits for, are freed one PV earlier (FlashMLA's order). The
+// half 1 and rope slab, which the next S_a waits for, free one PV earlier (FlashMLA's order). The
 // hand-offs (max_a, max_b, the P tiles) are rendezvous of both warpgroups (seesaw_traits.h).
 // P of a block goes to the other warpgroup through the block's rope slab (the map is full).
 #pragma once

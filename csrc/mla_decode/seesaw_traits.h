@@ -69,10 +69,10 @@ struct SeesawTraits {
 };
 
 // Named barriers of the seesaw kernel (id 0 is __syncthreads), all over both math warpgroups, in
-// the order each pair meets them: kMaxA, [kTailZeroed], kMaxB, [kTailZeroed], kPReady, [kRemoteIssued]. Every
-// hand-off is a bar.sync on both sides, in the same sequence in both warpgroups: racecheck
-// mis-orders bar.arrive hand-offs and barrier sequences that differ between the warpgroups
-// (scripts/racecheck_probe.cu), and measured no slower (BENCHMARKS.md).
+// the order each pair meets them: kMaxA, [kTailZeroed], kMaxB, [kTailZeroed], kPReady,
+// [kRemoteIssued]. Every hand-off is a bar.sync on both sides, in the same sequence in both
+// warpgroups: racecheck mis-orders bar.arrive hand-offs and barrier sequences that differ between
+// the warpgroups (scripts/racecheck_probe.cu), and measured no slower (BENCHMARKS.md).
 enum class SeesawBarrier : int {
   kQReady = 1,      // Q landed (cp.async) and is fenced for WGMMA
   kMaxA = 2,        // max_a is written (WG 0 -> 1)
