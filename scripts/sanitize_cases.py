@@ -21,6 +21,7 @@ CASES = [
     ([113, 0, 1023], 2, 8, 16, False, True),   # empty request, tail blocks, page 16, q_pe split (narrow; fp8: 3 WGs)
     ([300, 65], 7, 32, 32, True, False),        # varlen causal
     ([200], 1, 128, 64, False, False),         # two q tiles (16-bit cache: the seesaw kernel)
+    ([130, 300, 0], 2, 128, 64, True, True),   # Q tiles by TMA (h_q 128), several requests per CTA, varlen
     ([130, 0, 1000], 3, 96, 16, True, True),   # seesaw: odd block counts (a pair without b), tails, page 16, varlen
     ([500, 70], 2, 16, 32, False, False),       # 32 rows: the fp8 narrow kernel with N = 32
 ]

@@ -110,12 +110,13 @@ def test_flashmla_tolerances(h_q, s_q):
     assert okl.all(), f"lse max err {(lse - ref_lse).abs().max().item():.3e}"
 
 
-def test_out_given_and_strided_q():
-    case = to_cuda(make_decode_case([1023, 77], 2, 16, 64, seed=3))
-    big = torch.randn(2, 2, 16, 640, device="cuda", dtype=torch.bfloat16)  # padded rows: strided q
+@pytest.mark.parametrize("h_q", [16, 128])  # 128: Q tiles by TMA (seesaw kernel), through the strided view
+def test_out_given_and_strided_q(h_q):
+    case = to_cuda(make_decode_case([1023, 77], 2, h_q, 64, seed=3))
+    big = torch.randn(2, 2, h_q, 640, device="cuda", dtype=torch.bfloat16)  # padded rows: strided q
     big[..., :576] = case["q"]
     case["q"] = big[..., :576]
-    out = torch.full((2, 2, 16, 512), float("nan"), device="cuda", dtype=torch.bfloat16)
+    out = torch.full((2, 2, h_q, 512), float("nan"), device="cuda", dtype=torch.bfloat16)
     got, lse = run(case, True, out=out)
     assert got.data_ptr() == out.data_ptr()
     check_unit_scale(case, True, out, lse)

@@ -60,7 +60,7 @@ __device__ void produce_seesaw_tiles(const DecodeParams& p, const DecodeTma& tma
 }
 
 template <typename Traits>
-__device__ void consume_seesaw_pairs(const DecodeParams& p, typename Traits::SharedStorage& ss,
+__device__ void consume_seesaw_pairs(const DecodeParams& p, const DecodeTma& tma, typename Traits::SharedStorage& ss,
                                      const PartRange& range, int m_block) {
   using Element = typename Traits::Element;
   using Barrier = cutlass::arch::ClusterBarrier;
@@ -217,11 +217,12 @@ __device__ void consume_seesaw_pairs(const DecodeParams& p, typename Traits::Sha
     cutlass::arch::fence_view_async_shared();
   };
 
+  QTileLoader q_loader{p, tma, &ss.q_full};
   int iteration = 0;  // blocks consumed so far: block i of the CTA's sequence is in stage i % 2
   bool have_segment = range.next_segment(p, range.begin_b, m_block, seg);
-  if (have_segment) issue_q_tile_load<Element, typename Traits::SmemLayoutQ>(p, seg, ss.q);
+  if (have_segment) q_loader.issue<Element, typename Traits::SmemLayoutQ>(seg, ss.q);
   while (have_segment) {
-    mla_common::cp_async_wait_all();
+    q_loader.wait();
     cutlass::arch::fence_view_async_shared();
     named_barrier_sync<int(SeesawBarrier::kQReady), 256>();
     const int last_key[2] = {last_visible_key(p, seg, m_block * kBlockM + row0()),
@@ -382,7 +383,7 @@ __device__ void consume_seesaw_pairs(const DecodeParams& p, typename Traits::Sha
     named_barrier_sync<int(SeesawBarrier::kRowSum), 256>();
     Segment next;
     const bool have_next = range.next_segment(p, seg.b + 1, m_block, next);
-    if (have_next) issue_q_tile_load<Element, typename Traits::SmemLayoutQ>(p, next, ss.q);
+    if (have_next) q_loader.issue<Element, typename Traits::SmemLayoutQ>(next, ss.q);
     const int r0 = row0();
     float sums[2];
 #pragma unroll
@@ -419,6 +420,7 @@ __global__ void __launch_bounds__(Traits::kThreads, 1)
       for (int slab = 0; slab < kSlabs; ++slab) cutlass::arch::ClusterTransactionBarrier::init(&ss.kv_full[s][slab], 1);
       for (int w = 0; w < 2; ++w) cutlass::arch::ClusterBarrier::init(&ss.kv_empty[s][w], 1);
     }
+    cutlass::arch::ClusterTransactionBarrier::init(&ss.q_full, 1);
     cutlass::arch::fence_barrier_init();
   }
   __syncthreads();
@@ -429,7 +431,7 @@ __global__ void __launch_bounds__(Traits::kThreads, 1)
     produce_seesaw_tiles<Traits>(params, tma, ss, range, blockIdx.x, threadIdx.x / 32 - 8);
   } else {
     cutlass::arch::warpgroup_reg_alloc<kSeesawMathRegisters>();
-    consume_seesaw_pairs<Traits>(params, ss, range, blockIdx.x);
+    consume_seesaw_pairs<Traits>(params, tma, ss, range, blockIdx.x);
   }
 #endif
 }

@@ -55,6 +55,7 @@ struct SeesawTraits {
     float max_b[kBlockM];                      // ... and after its second (warpgroup 1)
     float row_sum[2][kBlockM];                 // per-warpgroup softmax denominators (epilogue)
     uint64_t kv_full[kStages][kSlabs];         // TMA bytes of one 64-column slab have landed
+    uint64_t q_full;                           // the Q tile landed (TMA; DecodeTma::q_by_tma)
     uint64_t kv_empty[kStages][2];             // warpgroup w is done with its V half (and, as a
                                                // reader of the block's P, with the rope slab)
   };

@@ -1,0 +1,53 @@
+// TMA descriptors of the decode kernels: the paged latent cache and Q tiles.
+#include "common/tma_desc.h"
+#include "mla_decode/config.h"
+#include "mla_decode/decode.h"
+
+namespace mla_decode {
+
+namespace {
+int gcd(int a, int b) { return b == 0 ? a : gcd(b, a % b); }
+
+// Round-up reciprocal: with 2^(p-1) < divisor <= 2^p (2^p for a power of two), multiplier =
+// ceil(2^(31+p) / divisor) < 2^32, and n * multiplier >> (31 + p) = n / divisor for n < 2^31.
+FastDivisor make_fast_divisor(int divisor) {
+  int p = 0;
+  while ((1 << p) < divisor) ++p;
+  const uint64_t multiplier = ((uint64_t(1) << (31 + p)) + uint64_t(divisor) - 1) / uint64_t(divisor);
+  return FastDivisor{divisor, uint32_t(multiplier), uint32_t(p - 1)};
+}
+}  // namespace
+
+const char* make_kv_tma(const DecodeParams& p, mla_common::TmaElement element, DecodeTma* tma) {
+  // A copy never crosses a page: rows_per_copy divides page_size (a multiple of 16) and 64.
+  const int rows_per_copy = gcd(p.page_size, kBlockN);
+  tma->rows_per_copy_log2 = __builtin_ctz(rows_per_copy);
+  tma->page_size = make_fast_divisor(p.page_size);
+  const size_t elem = element == mla_common::TmaElement::kFp8 ? 1 : 2;
+  const uint64_t dims[3] = {uint64_t(kHeadDimK), uint64_t(p.page_size), uint64_t(p.num_pages)};
+  const uint64_t strides[2] = {uint64_t(p.kv_token_stride * elem), uint64_t(p.kv_page_stride * elem)};
+  const uint32_t box[3] = {uint32_t(kTmaColumns), uint32_t(rows_per_copy), 1};
+  return mla_common::encode_tma(&tma->kv, element, 3, p.kv, dims, strides, box);
+}
+
+bool make_q_tma(const DecodeParams& p, int64_t num_tokens, int64_t num_batches, mla_common::TmaElement element,
+                DecodeTma* tma) {
+  auto encode = [&](CUtensorMap* map, const void* base, int dims0, int64_t batch_stride, int64_t token_stride,
+                    int64_t head_stride) {
+    // Varlen q has no batch dimension (extent 1); any valid stride will do.
+    if (batch_stride == 0) batch_stride = token_stride * num_tokens;
+    const uint64_t dims[4] = {uint64_t(dims0), uint64_t(p.num_heads_q), uint64_t(num_tokens), uint64_t(num_batches)};
+    const uint64_t strides[3] = {uint64_t(head_stride * 2), uint64_t(token_stride * 2), uint64_t(batch_stride * 2)};
+    const uint32_t box[4] = {uint32_t(kTmaColumns), uint32_t(kBlockM), 1, 1};  // 64 heads of one token
+    return mla_common::encode_tma(map, element, 4, base, dims, strides, box) == nullptr;
+  };
+  // Only where a q-tile is 64 heads of one token (h_q 64 or 128). Tiles of several tokens (h_q 16:
+  // box (64, 16, 4, 1)) measured 1-4 % slower at batch 1 than cp.async (H200, h16 s2 b1, BENCHMARKS.md).
+  tma->q_by_tma = p.num_heads_q % kBlockM == 0 &&
+                  encode(&tma->q_nope, p.q_nope, kHeadDimV, p.q_nope_batch_stride, p.q_nope_token_stride, p.q_nope_head_stride) &&
+                  encode(&tma->q_pe, p.q_pe, kHeadDimK - kHeadDimV,
+                         p.q_pe_batch_stride, p.q_pe_token_stride, p.q_pe_head_stride);
+  return tma->q_by_tma;
+}
+
+}  // namespace mla_decode
