@@ -15,9 +15,9 @@ namespace mla_decode {
 // message or nullptr.
 const char* make_kv_tma(const DecodeParams& params, mla_common::TmaElement element, DecodeTma* tma);
 
-// Builds the Q maps of `tma` (q of [num_batches, num_tokens, h_q, ..], 16-bit elements) and sets
-// tma->q_by_tma: whether they could be made (h_q a multiple of 64, TMA-compatible strides). The
-// narrow kernel loads its Q rows itself.
+// Builds the Q maps of `tma` (q of [num_batches, num_tokens, h_q, ..], 16-bit elements) for the
+// seesaw kernel and sets tma->q_by_tma: whether they could be made (h_q a multiple of 64,
+// TMA-compatible strides).
 bool make_q_tma(const DecodeParams& params, int64_t num_tokens, int64_t num_batches, mla_common::TmaElement element,
                 DecodeTma* tma);
 

@@ -122,7 +122,7 @@ struct Fp8SlabConverter {
 // row max in shared memory; both warpgroups then rescale their half of O and add P V for their 256
 // columns. (The softmax is not overlapped with MMAs yet: docs/decode.md, "Limits".)
 template <typename Traits>
-__device__ void consume_kv_tiles(const DecodeParams& p, const DecodeTma& tma, typename Traits::SharedStorage& ss,
+__device__ void consume_kv_tiles(const DecodeParams& p, typename Traits::SharedStorage& ss,
                                  const PartRange& range, int m_block) {
   using Element = typename Traits::Element;
   using MmaElement = typename Traits::MmaElement;
@@ -152,8 +152,8 @@ __device__ void consume_kv_tiles(const DecodeParams& p, const DecodeTma& tma, ty
   const float k_scale = Traits::kFp8Kv ? *p.k_scale : 1.f;
   const float scale_log2 = p.scale_log2 * k_scale;
 
-  // ---- kScaledQ (bf16 q, fp8 cache): each thread rescales the chunks it copied with cp.async (the
-  // same chunks when Q came by TMA; visible after q_loader.wait()) in place from bf16 to fp16 times fp16_row_scale of the
+  // ---- kScaledQ (bf16 q, fp8 cache): each thread rescales the chunks it copied (its own cp.async
+  // writes, visible after cp_async_wait_all) in place from bf16 to fp16 times fp16_row_scale of the
   // row (the 4 threads of a row are adjacent lanes), and records the factor in ss.q_scale. The loops
   // are not unrolled: once per request, code size matters more (cold instruction fetch at batch 1).
   auto scale_q_rows = [&] {
@@ -183,11 +183,10 @@ __device__ void consume_kv_tiles(const DecodeParams& p, const DecodeTma& tma, ty
   int iteration = 0;
   Segment seg;
   bool have_segment = range.next_segment(p, range.begin_b, m_block, seg);
-  QTileLoader q_loader{p, tma, &ss.q_full};
-  if (have_segment) q_loader.issue<Element, typename Traits::SmemLayoutQ>(seg, ss.q);
+  if (have_segment) issue_q_tile_load<Element, typename Traits::SmemLayoutQ>(p, seg, ss.q);
   while (have_segment) {
     const int row_base = m_block * kBlockM;
-    q_loader.wait();
+    mla_common::cp_async_wait_all();
     if constexpr (Traits::kScaledQ) scale_q_rows();
     cutlass::arch::fence_view_async_shared();
     named_barrier_sync<int(DecodeBarrier::kQReady), 256>();
@@ -357,7 +356,7 @@ __device__ void consume_kv_tiles(const DecodeParams& p, const DecodeTma& tma, ty
     // sQ is free: the next segment's Q load overlaps this epilogue.
     Segment next;
     const bool have_next = range.next_segment(p, seg.b + 1, m_block, next);
-    if (have_next) q_loader.issue<Element, typename Traits::SmemLayoutQ>(next, ss.q);
+    if (have_next) issue_q_tile_load<Element, typename Traits::SmemLayoutQ>(p, next, ss.q);
 
     // ---- Epilogue: total denominator over both warpgroups' blocks, then normalise and store.
     const float total[2] = {quad_sum(row_sum[0]), quad_sum(row_sum[1])};
@@ -406,7 +405,6 @@ __global__ void __launch_bounds__(kNumThreads, 1)
       }
       cutlass::arch::ClusterBarrier::init(&ss.kv_empty[s], kNumMathWarpgroups);
     }
-    cutlass::arch::ClusterTransactionBarrier::init(&ss.q_full, 1);
     cutlass::arch::fence_barrier_init();
   }
   __syncthreads();
@@ -419,7 +417,7 @@ __global__ void __launch_bounds__(kNumThreads, 1)
     produce_kv_tiles<Traits>(params, tma, ss, range, m_block, warp, 4);
   } else {
     cutlass::arch::warpgroup_reg_alloc<kMathRegisters>();
-    consume_kv_tiles<Traits>(params, tma, ss, range, m_block);
+    consume_kv_tiles<Traits>(params, ss, range, m_block);
   }
 #endif
 }

@@ -55,9 +55,9 @@ struct DecodeTma {
   CUtensorMap kv;  // 3-D (576, page_size, num_pages), box (64, rows_per_copy, 1), 128-byte swizzle
   int rows_per_copy_log2;  // rows_per_copy = gcd(page_size, 64): 16, 32 or 64
   FastDivisor page_size;   // key -> (page index, row in page)
-  // Q tiles by TMA (64-row and seesaw kernels, h_q a multiple of 64: a q-tile is 64 heads of one
-  // token): 4-D (dims, h_q, tokens, batch) maps of q_nope (512 dims) and q_pe (64), box
-  // (64, 64, 1, 1), 128-byte swizzle. q_by_tma is false otherwise (then cp.async).
+  // Q tiles by TMA (seesaw kernel, h_q a multiple of 64: a q-tile is 64 heads of one token): 4-D
+  // (dims, h_q, tokens, batch) maps of q_nope (512 dims) and q_pe (64), box (64, 64, 1, 1), 128-byte
+  // swizzle. q_by_tma is false otherwise (then cp.async); the other kernels load Q by cp.async.
   CUtensorMap q_nope, q_pe;
   bool q_by_tma;
 };

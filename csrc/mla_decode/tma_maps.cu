@@ -41,8 +41,7 @@ bool make_q_tma(const DecodeParams& p, int64_t num_tokens, int64_t num_batches, 
     const uint32_t box[4] = {uint32_t(kTmaColumns), uint32_t(kBlockM), 1, 1};  // 64 heads of one token
     return mla_common::encode_tma(map, element, 4, base, dims, strides, box) == nullptr;
   };
-  // Only where a q-tile is 64 heads of one token (h_q 64 or 128). Tiles of several tokens (h_q 16:
-  // box (64, 16, 4, 1)) measured 1-4 % slower at batch 1 than cp.async (H200, h16 s2 b1, BENCHMARKS.md).
+  // Only where a q-tile is 64 heads of one token (h_q 128 in the seesaw kernel).
   tma->q_by_tma = p.num_heads_q % kBlockM == 0 &&
                   encode(&tma->q_nope, p.q_nope, kHeadDimV, p.q_nope_batch_stride, p.q_nope_token_stride, p.q_nope_head_stride) &&
                   encode(&tma->q_pe, p.q_pe, kHeadDimK - kHeadDimV,

@@ -56,7 +56,6 @@ struct DecodeTraits {
     float row_sum[kNumMathWarpgroups][kBlockM];  // per-warpgroup softmax denominators (epilogue)
     uint64_t kv_full[kStages][kSlabs];           // TMA bytes of one 64-column slab have landed
     uint64_t kv_empty[kStages];                  // both math warpgroups are done with a K tile
-    uint64_t q_full;                             // the Q tile landed (TMA; DecodeTma::q_by_tma)
   };
   // fp8 staging: slab s of a tile sits at this byte offset of the stage buffer + s * kFp8SlabBytes
   // (fp8_tile.cuh). Converting slabs in order never overwrites bytes not yet read (slab s
