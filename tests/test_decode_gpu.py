@@ -122,6 +122,15 @@ def test_out_given_and_strided_q(h_q):
     check_unit_scale(case, True, out, lse)
 
 
+def test_q_broadcast_over_batch():
+    # One query for every request (batch stride 0): at h_q 128 the seesaw kernel's Q maps refuse a
+    # broadcast dimension, and the cp.async load reads the shared rows.
+    case = to_cuda(make_decode_case([300, 1000, 64], 1, 128, 64, seed=5))
+    case["q"] = case["q"][:1].expand(3, -1, -1, -1)
+    out, lse = run(case, True)
+    check_unit_scale(case, True, out, lse)
+
+
 def test_metadata_matches_cpu_schedule():
     g = torch.Generator().manual_seed(0)
     cases = [(torch.randint(0, 20000, (batch,), generator=g, dtype=torch.int32), h_q, s_q)

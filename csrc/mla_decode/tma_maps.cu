@@ -34,8 +34,11 @@ bool make_q_tma(const DecodeParams& p, int64_t num_tokens, int64_t num_batches, 
                 DecodeTma* tma) {
   auto encode = [&](CUtensorMap* map, const void* base, int dims0, int64_t batch_stride, int64_t token_stride,
                     int64_t head_stride) {
-    // Varlen q has no batch dimension (extent 1); any valid stride will do.
-    if (batch_stride == 0) batch_stride = token_stride * num_tokens;
+    // A dimension of extent 1 is never stepped and its stride is free in q (varlen q has no batch
+    // dimension): it gets the packed one. A broadcast dimension (stride 0) stays with cp.async.
+    if (num_tokens == 1) token_stride = head_stride * p.num_heads_q;
+    if (num_batches == 1) batch_stride = token_stride * num_tokens;
+    if (head_stride == 0 || token_stride == 0 || batch_stride == 0) return false;
     const uint64_t dims[4] = {uint64_t(dims0), uint64_t(p.num_heads_q), uint64_t(num_tokens), uint64_t(num_batches)};
     const uint64_t strides[3] = {uint64_t(head_stride * 2), uint64_t(token_stride * 2), uint64_t(batch_stride * 2)};
     const uint32_t box[4] = {uint32_t(kTmaColumns), uint32_t(kBlockM), 1, 1};  // 64 heads of one token
