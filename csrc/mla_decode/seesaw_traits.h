@@ -75,7 +75,7 @@ struct SeesawTraits {
 // warpgroups: racecheck mis-orders bar.arrive hand-offs and barrier sequences that differ between
 // the warpgroups (scripts/racecheck_probe.cu), and measured no slower (BENCHMARKS.md).
 enum class SeesawBarrier : int {
-  kQReady = 1,      // Q landed (cp.async) and is fenced for WGMMA
+  kQReady = 1,      // Q landed (cp.async, or TMA on q_full) and is fenced for WGMMA
   kMaxA = 2,        // max_a is written (WG 0 -> 1)
   kMaxB = 3,        // max_b is written (WG 1 -> 0)
   kPReady = 4,      // both blocks' P are in their rope slabs
