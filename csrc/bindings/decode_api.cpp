@@ -134,10 +134,9 @@ void mla_decode_cuda_impl(const Tensor& q, const std::optional<Tensor>& q_pe, co
   DecodeTma tma;
   const char* tma_error = make_kv_tma(p, fp8_kv ? TmaElement::kFp8 : bf16 ? TmaElement::kBf16 : TmaElement::kFp16, &tma);
   TORCH_CHECK(tma_error == nullptr, "mla_attn: ", tma_error ? tma_error : "");
-  tma.q_by_tma = false;
-  if (!fp8_kv && heads > kBlockM) {  // the seesaw kernel (below)
-    make_q_tma(p, varlen ? q.size(0) : q.size(1), varlen ? 1 : batch, bf16 ? TmaElement::kBf16 : TmaElement::kFp16, &tma);
-  }
+  tma.q_by_tma = !fp8_kv && heads > kBlockM &&  // the seesaw kernel (below)
+                 make_q_tma(p, varlen ? q.size(0) : q.size(1), varlen ? 1 : batch,
+                            bf16 ? TmaElement::kBf16 : TmaElement::kFp16, &tma);
   const cudaError_t err = dispatch_half_type<cutlass::bfloat16_t, cutlass::half_t>(
       q.scalar_type(), "decode", [&]<typename Element>() {
         // Few query rows (those of the longest request): the transposed (narrow) kernel, whose MMAs

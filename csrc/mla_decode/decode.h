@@ -16,8 +16,8 @@ namespace mla_decode {
 const char* make_kv_tma(const DecodeParams& params, mla_common::TmaElement element, DecodeTma* tma);
 
 // Builds the Q maps of `tma` (q of [num_batches, num_tokens, h_q, ..], 16-bit elements) for the
-// seesaw kernel and sets tma->q_by_tma: whether they could be made (h_q a multiple of 64,
-// TMA-compatible strides).
+// seesaw kernel; returns whether they could be made (h_q a multiple of 64, TMA-compatible strides),
+// which the caller stores in tma->q_by_tma.
 bool make_q_tma(const DecodeParams& params, int64_t num_tokens, int64_t num_batches, mla_common::TmaElement element,
                 DecodeTma* tma);
 

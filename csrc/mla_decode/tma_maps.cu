@@ -45,11 +45,9 @@ bool make_q_tma(const DecodeParams& p, int64_t num_tokens, int64_t num_batches, 
     return mla_common::encode_tma(map, element, 4, base, dims, strides, box) == nullptr;
   };
   // Only where a q-tile is 64 heads of one token (h_q 128 in the seesaw kernel).
-  tma->q_by_tma = p.num_heads_q % kBlockM == 0 &&
-                  encode(&tma->q_nope, p.q_nope, kHeadDimV, p.q_nope_batch_stride, p.q_nope_token_stride, p.q_nope_head_stride) &&
-                  encode(&tma->q_pe, p.q_pe, kHeadDimK - kHeadDimV,
-                         p.q_pe_batch_stride, p.q_pe_token_stride, p.q_pe_head_stride);
-  return tma->q_by_tma;
+  return p.num_heads_q % kBlockM == 0 &&
+         encode(&tma->q_nope, p.q_nope, kHeadDimV, p.q_nope_batch_stride, p.q_nope_token_stride, p.q_nope_head_stride) &&
+         encode(&tma->q_pe, p.q_pe, kHeadDimK - kHeadDimV, p.q_pe_batch_stride, p.q_pe_token_stride, p.q_pe_head_stride);
 }
 
 }  // namespace mla_decode
