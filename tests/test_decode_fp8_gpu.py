@@ -36,6 +36,10 @@ CASES = [
     ([1023, 4099, 7], 7, 9, 16, False, False),
     ([300, 64, 65], 1, 63, 64, False, True),
     ([2000], 1, 126, 48, False, False),
+    # above 64 heads (the 64-row kernel, converted in place): several requests per CTA, odd block
+    # counts, tails, a request with no keys, page 16 and 32
+    ([130, 0, 1000, 64], 3, 96, 16, True, True),
+    ([4099, 65, 1], 2, 128, 32, False, False),
     ([513, 1000], 64, 16, 64, False, False),
     ([4099, 113, 1, 0, 1023], 7, 32, 16, True, False),
     ([700, 10], 512, 8, 256, True, False),

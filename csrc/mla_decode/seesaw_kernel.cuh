@@ -314,6 +314,9 @@ __device__ void consume_seesaw_pairs(const DecodeParams& p, const DecodeTma& tma
         }
       } else {
         float block_max[2] = {-INFINITY, -INFINITY};
+        // max_a before S_b completes: warpgroup 0 goes on to P_a V_a while S_b runs (h_q 128
+        // ×1.011, up to 3 % on s1 cells with 32+ requests; BENCHMARKS.md).
+        named_barrier_sync<int(SeesawBarrier::kMaxA), 256>();
         // S_b. Unconditional: a wait under a branch makes ptxas serialize all WGMMAs.
         warpgroup_wait<0>();
         warpgroup_fence_operand(tSrS);
@@ -321,7 +324,6 @@ __device__ void consume_seesaw_pairs(const DecodeParams& p, const DecodeTma& tma
         if (has_b) {
           mask_scores(blk + 1, last_key, block_max);
         }
-        named_barrier_sync<int(SeesawBarrier::kMaxA), 256>();
         if (is_tail(blk)) {  // S_a is done; there is no b
           zero_tail_of_own_half(stage_a, phase_a, blk);
           tail_zeroed();
