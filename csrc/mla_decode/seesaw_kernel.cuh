@@ -315,7 +315,7 @@ __device__ void consume_seesaw_pairs(const DecodeParams& p, const DecodeTma& tma
       } else {
         float block_max[2] = {-INFINITY, -INFINITY};
         // max_a before S_b completes: warpgroup 0 goes on to P_a V_a while S_b runs (h_q 128
-        // ×1.011, up to 3 % on s1 cells with 32+ requests; BENCHMARKS.md).
+        // ×1.008, up to 2.5 % on s1 cells with 32+ requests; BENCHMARKS.md).
         named_barrier_sync<int(SeesawBarrier::kMaxA), 256>();
         // S_b. Unconditional: a wait under a branch makes ptxas serialize all WGMMAs.
         warpgroup_wait<0>();
