@@ -119,6 +119,8 @@ def test_fp8_cache_errors():
             call(_with(C, kv_cache=fp8), k_scale=bad)
     with pytest.raises(ValueError, match="k_scale is on meta"):
         call(_with(C, kv_cache=fp8), k_scale=scale.to("meta"))
+    with pytest.raises(ValueError, match="fp8_mma=True needs a float8_e4m3fn kv_cache"):
+        call(C, fp8_mma=True)
 
 
 def test_fp8_cache_on_cpu_is_the_dequantized_reference():

@@ -26,6 +26,10 @@ bool make_q_tma(const DecodeParams& params, int64_t num_tokens, int64_t num_batc
 template <typename Element, bool kFp8Kv>
 cudaError_t run_mla_decode(const DecodeParams& params, const DecodeTma& tma, cudaStream_t stream);
 
+// The same for an fp8 cache with fp8 MMAs: Q and P rounded to e4m3 too (fp8mma_kernel.cuh).
+template <typename Element>
+cudaError_t run_mla_decode_fp8mma(const DecodeParams& params, const DecodeTma& tma, cudaStream_t stream);
+
 // The same for a 16-bit cache with the seesaw kernel: the two math warpgroups take a pair of KV
 // blocks at once, one's softmax overlapping the other's MMAs (seesaw_kernel.cuh).
 template <typename Element>

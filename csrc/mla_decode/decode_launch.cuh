@@ -8,6 +8,7 @@
 #include "mla_decode/combine_kernel.cuh"
 #include "mla_decode/decode.h"
 #include "mla_decode/decode_kernel.cuh"
+#include "mla_decode/fp8mma_kernel.cuh"
 #include "mla_decode/narrow_kernel.cuh"
 #include "mla_decode/seesaw_kernel.cuh"
 
@@ -64,6 +65,12 @@ template <typename Element, bool kFp8Kv>
 cudaError_t run_mla_decode(const DecodeParams& params, const DecodeTma& tma, cudaStream_t stream) {
   using Traits = DecodeTraits<Element, kFp8Kv>;
   return launch_split_and_combine<Element, Traits>(mla_decode_kernel<Traits>, params, tma, stream);
+}
+
+template <typename Element>
+cudaError_t run_mla_decode_fp8mma(const DecodeParams& params, const DecodeTma& tma, cudaStream_t stream) {
+  using Traits = Fp8MmaTraits<Element>;
+  return launch_split_and_combine<Element, Traits>(mla_decode_fp8mma_kernel<Traits>, params, tma, stream);
 }
 
 template <typename Element>

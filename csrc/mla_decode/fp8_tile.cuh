@@ -45,4 +45,22 @@ __device__ __forceinline__ uint32_t scaled_f16x2(uint32_t pair, float scale) {
   return *reinterpret_cast<const uint32_t*>(&h);
 }
 
+// Four floats -> four e4m3 (first lowest), rounded to nearest, saturated to +-448.
+__device__ __forceinline__ uint32_t e4m3x4_from_floats(float v0, float v1, float v2, float v3) {
+  uint32_t out;
+  // cvt.e4m3x2.f32 d, a, b puts a in the upper byte of d.
+  asm("{\n.reg .b16 l, h;\ncvt.rn.satfinite.e4m3x2.f32 l, %2, %1;\ncvt.rn.satfinite.e4m3x2.f32 h, %4, %3;\n"
+      "mov.b32 %0, {l, h};\n}"
+      : "=r"(out)
+      : "f"(v0), "f"(v1), "f"(v2), "f"(v3));
+  return out;
+}
+
+// The power of two a Q row whose largest |value| is row_max (>= 0) is stored times as e4m3 (fp8
+// MMAs): it brings row_max to [128, 256), below e4m3's largest finite 448. 1 for a zero row.
+__device__ __forceinline__ float e4m3_row_scale(float row_max) {
+  const int exponent = (__float_as_int(row_max) >> 23) - 127;  // floor(log2(row_max))
+  return row_max > 0.f ? __int_as_float((min(7 - exponent, 100) + 127) << 23) : 1.f;
+}
+
 }  // namespace mla_decode

@@ -26,14 +26,14 @@ def _(cache_seqlens, cu_seqlens_q, max_seqlen_q, num_heads_q, causal, num_sm_par
 
 @torch.library.register_fake("mla_attn::mla_decode")
 def _(q, q_pe, kv_cache, block_table, cache_seqlens, cu_seqlens_q, max_seqlen_q, softmax_scale, causal,
-      tile_sched, req_splits, num_sm_parts, *, k_scale=None, deterministic=False):
+      tile_sched, req_splits, num_sm_parts, *, k_scale=None, deterministic=False, fp8_mma=False):
     out_shape, lse_shape = _out_shapes(q)
     return q.new_empty(out_shape), q.new_empty(lse_shape, dtype=torch.float32)
 
 
 @torch.library.register_fake("mla_attn::mla_decode_out")
 def _(q, q_pe, kv_cache, block_table, cache_seqlens, cu_seqlens_q, max_seqlen_q, softmax_scale, causal,
-      tile_sched, req_splits, num_sm_parts, out, lse, *, k_scale=None, deterministic=False):
+      tile_sched, req_splits, num_sm_parts, out, lse, *, k_scale=None, deterministic=False, fp8_mma=False):
     return None
 
 
@@ -49,14 +49,15 @@ def _decode_cpu(q, q_pe, kv_cache, block_table, cache_seqlens, cu_seqlens_q, sof
                 k_scale):
     if k_scale is not None:  # FP8 cache: the reference runs on the dequantized values
         kv_cache = kv_cache.float() * k_scale.float()
-    # The reference needs no schedule: the split-KV partition only changes the summation order.
+    # The reference needs no schedule: the split-KV partition only changes the summation order. It
+    # computes in float32 whatever fp8_mma says (fp8_mma only trades the GPU kernels' accuracy for speed).
     return mla_decode_ref(q, kv_cache, block_table, cache_seqlens, cu_seqlens_q=cu_seqlens_q, q_pe=q_pe,
                           softmax_scale=softmax_scale, causal=causal)
 
 
 @torch.library.register_kernel("mla_attn::mla_decode", "cpu")
 def _(q, q_pe, kv_cache, block_table, cache_seqlens, cu_seqlens_q, max_seqlen_q, softmax_scale, causal,
-      tile_sched, req_splits, num_sm_parts, *, k_scale=None, deterministic=False):
+      tile_sched, req_splits, num_sm_parts, *, k_scale=None, deterministic=False, fp8_mma=False):
     out, lse = _decode_cpu(q, q_pe, kv_cache, block_table, cache_seqlens, cu_seqlens_q, softmax_scale,
                            causal, k_scale)
     return out.to(q.dtype), lse.float()
@@ -64,7 +65,7 @@ def _(q, q_pe, kv_cache, block_table, cache_seqlens, cu_seqlens_q, max_seqlen_q,
 
 @torch.library.register_kernel("mla_attn::mla_decode_out", "cpu")
 def _(q, q_pe, kv_cache, block_table, cache_seqlens, cu_seqlens_q, max_seqlen_q, softmax_scale, causal,
-      tile_sched, req_splits, num_sm_parts, out, lse, *, k_scale=None, deterministic=False):
+      tile_sched, req_splits, num_sm_parts, out, lse, *, k_scale=None, deterministic=False, fp8_mma=False):
     o, l = _decode_cpu(q, q_pe, kv_cache, block_table, cache_seqlens, cu_seqlens_q, softmax_scale,
                        causal, k_scale)
     out.copy_(o)

@@ -1,0 +1,347 @@
+// Split-KV paged MLA decode for sm_90a with an fp8 (e4m3) cache and fp8 MMAs: the 64-row kernel's
+// structure (decode_kernel.cuh: grid, schedule, producer, block ownership, epilogue) with every MMA
+// operand in e4m3, so that no tile is converted to 16 bit:
+//   S = Q K^T   A = Q (quantised per row to e4m3 when loaded), B = the K tile as TMA stages it;
+//   O += P V    A = P (e4m3, times kPScale), B = V^T, which the block's non-owner transposes from
+//               the K tile (VtTransposer) while the owner computes S.
+// fp8 MMAs run at twice the 16-bit rate and read half the shared-memory bytes per FLOP; the price
+// is Q and P rounded to e4m3 (3 mantissa bits), on top of the cache's own rounding.
+#pragma once
+#include <cute/tensor.hpp>
+#include <cutlass/arch/barrier.h>
+#include <cutlass/arch/reg_reconfig.h>
+
+#include "common/device_utils.cuh"
+#include "mla_decode/config.h"
+#include "mla_decode/decode_tile_io.cuh"
+#include "mla_decode/fp8_tile.cuh"
+#include "mla_decode/fp8mma_traits.h"
+#include "mla_decode/kv_producer.cuh"
+#include "mla_decode/params.h"
+#include "mla_decode/schedule.cuh"
+#include "mla_decode/traits.h"
+
+namespace mla_decode {
+using namespace cute;
+using mla_common::named_barrier_sync;
+
+// P is stored times this power of two: probabilities in [2^-17, 1] stay e4m3 normals or
+// subnormals (the smallest subnormal is 2^-9), the largest 256 < 448.
+constexpr float kPScale = 256.f;
+
+// Byte offset of logical column `col` (a multiple of 4) of row `row` in a [rows, 64] e4m3 tile with
+// the 64-byte swizzle (fp8_tile.cuh).
+__device__ __forceinline__ int fp8_tile_offset(int row, int col) { return fp8_slab_offset(row, col / 16) + col % 16; }
+
+// V^T [512, 64 keys] from the first 512 columns of a staged K tile, by one warpgroup: an
+// ldmatrix.x4.trans of keys [32 j, 32 j + 32) x dims [16 u, 16 u + 16) gives thread (g, c) of its
+// warp, in register i, the bytes (key 8 i + 2c (+1), dim 16 u + 2g (+1)); two byte permutes per pair
+// of registers make the words of dims 2g and 2g + 1 holding keys 2c, 2c + 1, 8 + 2c, 9 + 2c
+// (the logical key order of fp8mma_traits.h) of each 16-key group. Warp w transposes slabs 2w and
+// 2w + 1, waiting only for those. Keys >= valid_keys become zeros (never loaded, or slots past L).
+template <typename Traits>
+__device__ __forceinline__ void transpose_v(typename Traits::SharedStorage& ss, int stage, uint32_t phase, int vt_buffer,
+                                            int tid_in_wg, int valid_keys) {
+  // From an opaque thread index: otherwise the 48 swizzled offsets are computed once and spilled.
+  const int thread = mla_common::opaque(tid_in_wg);
+  const int warp = thread / 32, lane = thread % 32, g = lane / 4, c = lane % 4;
+  const uint32_t k_base = mla_common::smem_addr(ss.k[stage]);
+  const uint32_t vt_base = mla_common::smem_addr(ss.vt[vt_buffer]);
+  // Key of byte b (0..3) of this thread's word in 16-key group q: 16 q + 8 (b / 2) + 2c + b % 2.
+  auto keep_mask = [&](int group) {
+    uint32_t mask = 0;
+#pragma unroll
+    for (int b = 0; b < 4; ++b) mask |= (16 * group + 8 * (b / 2) + 2 * c + b % 2 < valid_keys ? 0xffu : 0u) << (8 * b);
+    return mask;
+  };
+  const bool tail = valid_keys < kBlockN;
+#pragma unroll
+  for (int s = 0; s < 2; ++s) {
+    const int slab = 2 * warp + s;
+    cutlass::arch::ClusterBarrier::wait(&ss.kv_full[stage][slab], phase);
+#pragma unroll
+    for (int u = 0; u < kTmaColumns / 16; ++u) {  // 16-dim chunk of the slab
+#pragma unroll
+      for (int j = 0; j < kBlockN / 32; ++j) {
+        uint32_t r[4];
+        const int key = 32 * j + lane;  // row address of matrix lane / 8, row lane % 8
+        mla_common::ldsm_x4_trans(k_base + slab * kFp8SlabBytes + fp8_slab_offset(key, u), r);
+        const int dim = slab * kTmaColumns + 16 * u + 2 * g;
+#pragma unroll
+        for (int half = 0; half < 2; ++half) {  // 16-key group 2j + half: registers 2 half, 2 half + 1
+          uint32_t even = __byte_perm(r[2 * half], r[2 * half + 1], 0x6420);
+          uint32_t odd = __byte_perm(r[2 * half], r[2 * half + 1], 0x7531);
+          if (tail) {
+            const uint32_t mask = keep_mask(2 * j + half);
+            even &= mask;
+            odd &= mask;
+          }
+          const int col = 32 * j + 16 * half + 4 * c;
+          mla_common::st_shared_4(vt_base + fp8_tile_offset(dim, col), even);
+          mla_common::st_shared_4(vt_base + fp8_tile_offset(dim + 1, col), odd);
+        }
+      }
+    }
+  }
+  cutlass::arch::fence_view_async_shared();
+}
+
+template <typename Traits>
+__device__ void consume_fp8mma_tiles(const DecodeParams& p, typename Traits::SharedStorage& ss,
+                                     const PartRange& range, int m_block) {
+  using Element = typename Traits::Element;
+  const int tid = threadIdx.x;  // 0..255 over the two math warpgroups
+  const int warpgroup = tid / 128;
+  const int tid_in_wg = tid % 128;
+
+  typename Traits::TiledMmaQK mma_qk;  // one warpgroup
+  typename Traits::TiledMmaPV mma_pv;  // two warpgroups, split along the 512 output columns
+  auto thr_qk = mma_qk.get_thread_slice(tid_in_wg);
+  auto thr_pv = mma_pv.get_thread_slice(tid);
+
+  Tensor tScS = thr_qk.partition_C(make_identity_tensor(Shape<Int<kBlockM>, Int<kBlockN>>{}));
+  Tensor tOrO = partition_fragment_C(mma_pv, Shape<Int<kBlockM>, Int<kHeadDimV>>{});  // (64, 256) per WG
+  Tensor tSrS = partition_fragment_C(mma_qk, Shape<Int<kBlockM>, Int<kBlockN>>{});    // (64, 64)
+  // Thread (warp w, lane 4g + c) holds rows r0 = 16 w + g and r0 + 8 of every accumulator; element
+  // e is in row r0 + 8 row_half(e), column 8 (e >> 2) + 2c + (e & 1).
+  const int r0 = get<0>(tScS(0)), c = tid % 4;
+  auto row_half = [](int e) { return (e >> 1) & 1; };
+  const float k_scale = *p.k_scale;
+
+  // ---- Q [64 rows, 576] into ss.q as e4m3, each row times e4m3_row_scale (recorded in q_scale).
+  // Thread t loads 16-byte chunks t % 4, t % 4 + 4, ... of row t / 4 (rows past the request: zeros).
+  auto load_q = [&](const Segment& s) {
+    constexpr int kChunks = kHeadDimK / 8, kThreadsPerRow = 256 / kBlockM, kPerThread = kChunks / kThreadsPerRow;
+    const int thread = mla_common::opaque(tid), r = thread / kThreadsPerRow, first = thread % kThreadsPerRow;
+    const int row = m_block * kBlockM + r;
+    const bool valid = row < s.seqlen_q * p.num_heads_q;
+    const auto q = QRow<Element>::at(p, s, valid ? row / p.num_heads_q : 0, valid ? row % p.num_heads_q : 0);
+    uint4 chunk[kPerThread];
+    float row_max = 0.f;
+#pragma unroll
+    for (int i = 0; i < kPerThread; ++i) {
+      const int d0 = (first + i * kThreadsPerRow) * 8;
+      chunk[i] = valid ? *reinterpret_cast<const uint4*>((d0 < kHeadDimV ? q.nope : q.pe) + d0) : make_uint4(0, 0, 0, 0);
+      const Element* v = reinterpret_cast<const Element*>(&chunk[i]);
+#pragma unroll
+      for (int k = 0; k < 8; ++k) row_max = fmaxf(row_max, fabsf(float(v[k])));
+    }
+    for (int x = 1; x < kThreadsPerRow; x *= 2) row_max = fmaxf(row_max, __shfl_xor_sync(0xffffffff, row_max, x));
+    const float scale = e4m3_row_scale(row_max);
+    if (first == 0) ss.q_scale[r] = scale;
+    const uint32_t q_base = mla_common::smem_addr(ss.q);
+#pragma unroll
+    for (int i = 0; i < kPerThread; ++i) {
+      const int d0 = (first + i * kThreadsPerRow) * 8;
+      const Element* v = reinterpret_cast<const Element*>(&chunk[i]);
+      const uint32_t lo = e4m3x4_from_floats(float(v[0]) * scale, float(v[1]) * scale, float(v[2]) * scale, float(v[3]) * scale);
+      const uint32_t hi = e4m3x4_from_floats(float(v[4]) * scale, float(v[5]) * scale, float(v[6]) * scale, float(v[7]) * scale);
+      mla_common::st_shared_8(q_base + (d0 / kTmaColumns) * kFp8SlabBytes + fp8_tile_offset(r, d0 % kTmaColumns), lo, hi);
+    }
+  };
+
+  int iteration = 0;
+  Segment seg;
+  for (bool have = range.next_segment(p, range.begin_b, m_block, seg); have;
+       have = range.next_segment(p, seg.b + 1, m_block, seg)) {
+    const int row_base = m_block * kBlockM;
+    load_q(seg);
+    cutlass::arch::fence_view_async_shared();
+    named_barrier_sync<int(DecodeBarrier::kQReady), 256>();
+    // Score scale of this thread's two rows, log2 units (the Q row's factor undone here).
+    float score_scale[2];
+#pragma unroll
+    for (int i = 0; i < 2; ++i) score_scale[i] = p.scale_log2 * k_scale / ss.q_scale[r0 + 8 * i];
+
+    const int last_key[2] = {last_visible_key(p, seg, row_base + r0), last_visible_key(p, seg, row_base + r0 + 8)};
+    float row_max[2] = {-INFINITY, -INFINITY};  // running max, log2 units; equal in both WGs
+    float row_sum[2] = {0.f, 0.f};              // this WG's share of the denominator
+    clear(tOrO);
+
+    // S = Q K^T of the block in `stage`, one WGMMA commit group per slab, each issued as soon as
+    // its slab has landed. Key rows past the sequence end hold stale bytes (even NaN): their scores
+    // are masked in the softmax.
+    auto issue_qk = [&](int stage, uint32_t phase) {
+      constexpr int kStepsPerSlab = kTmaColumns / 32;
+      mma_qk.accumulate_ = GMMA::ScaleOut::Zero;
+#pragma unroll
+      for (int slab = 0; slab < kSlabs; ++slab) {
+        cutlass::arch::ClusterBarrier::wait(&ss.kv_full[stage][slab], phase);
+        // Descriptors from opaque bases, rebuilt per slab (cheap integer math): otherwise they are
+        // all computed up front and held across the waits.
+        Tensor tSrQ = thr_qk.partition_fragment_A(make_tensor(
+            make_smem_ptr(reinterpret_cast<typename Traits::Fp8*>(mla_common::opaque(ss.q))), typename Traits::SmemLayoutQ{}));
+        Tensor tSrK = thr_qk.partition_fragment_B(make_tensor(
+            make_smem_ptr(reinterpret_cast<typename Traits::Fp8*>(mla_common::opaque(ss.k[stage]))),
+            typename Traits::SmemLayoutK{}));
+        warpgroup_arrive();
+#pragma unroll
+        for (int k = slab * kStepsPerSlab; k < (slab + 1) * kStepsPerSlab; ++k) {
+          cute::gemm(mma_qk, tSrQ(_, _, k), tSrK(_, _, k), tSrS);
+          mma_qk.accumulate_ = GMMA::ScaleOut::One;
+        }
+        warpgroup_commit_batch();
+      }
+    };
+    auto release_stage = [&](int it) {
+      if (tid_in_wg == 0) cutlass::arch::ClusterBarrier::arrive(&ss.kv_empty[it % Traits::kStages]);
+    };
+
+    for (int blk = seg.blk_lo; blk < seg.blk_hi; ++blk, ++iteration) {
+      const int stage = iteration % Traits::kStages, vt_buffer = iteration % Traits::kVtBuffers;
+      const uint32_t phase = (iteration / Traits::kStages) & 1;
+      const int owner = (blk - seg.blk_lo) & 1;
+      const int valid_keys = max(seg.seqlen_k - blk * kBlockN, 0);
+      float rescale[2];
+      if (owner == warpgroup) {
+        issue_qk(stage, phase);
+        warpgroup_wait<0>();  // S, and this WG's PV of the previous block
+        if (blk > seg.blk_lo) release_stage(iteration - 1);
+        warpgroup_fence_operand(tSrS);
+
+        // -- Online softmax in log2 units over the 64 keys of the block.
+        const int key0 = blk * kBlockN;
+        float block_max[2] = {-INFINITY, -INFINITY};
+#pragma unroll
+        for (int e = 0; e < size(tSrS); ++e) {
+          const int i = row_half(e);
+          const float s = key0 + get<1>(tScS(e)) <= last_key[i] ? tSrS(e) * score_scale[i] : -INFINITY;
+          tSrS(e) = s;
+          block_max[i] = fmaxf(block_max[i], s);
+        }
+        float base[2];
+#pragma unroll
+        for (int i = 0; i < 2; ++i) {
+          block_max[i] = fmaxf(block_max[i], __shfl_xor_sync(0xffffffff, block_max[i], 1));
+          block_max[i] = fmaxf(block_max[i], __shfl_xor_sync(0xffffffff, block_max[i], 2));
+          const float new_max = fmaxf(row_max[i], block_max[i]);
+          base[i] = new_max == -INFINITY ? 0.f : new_max;  // fully masked row: keep exp2 finite
+          rescale[i] = exp2f(row_max[i] - base[i]);
+          row_max[i] = new_max;
+          row_sum[i] *= rescale[i];
+        }
+        // The other WG must be done reading the previous P before it is overwritten.
+        if (blk > seg.blk_lo) named_barrier_sync<int(DecodeBarrier::kPFree0), 256>(warpgroup);
+        // P times kPScale as e4m3. Elements 8m + 2i (+1) and 8m + 4 + 2i (+1) are keys 16m + 2c (+1)
+        // and 16m + 8 + 2c (+1) of row r0 + 8i: one word at logical column 16m + 4c.
+        const uint32_t p_base = mla_common::smem_addr(ss.p);
+        const int p_row = mla_common::opaque(r0), p_col = 4 * mla_common::opaque(c);  // not hoisted (spills)
+#pragma unroll
+        for (int m = 0; m < kBlockN / 16; ++m) {
+#pragma unroll
+          for (int i = 0; i < 2; ++i) {
+            float prob[4];
+#pragma unroll
+            for (int b = 0; b < 4; ++b) prob[b] = exp2f(tSrS(8 * m + 4 * (b / 2) + 2 * i + b % 2) - base[i]);
+            row_sum[i] += (prob[0] + prob[1]) + (prob[2] + prob[3]);
+            mla_common::st_shared_4(p_base + fp8_tile_offset(p_row + 8 * i, 16 * m + p_col),
+                                    e4m3x4_from_floats(prob[0] * kPScale, prob[1] * kPScale, prob[2] * kPScale,
+                                                       prob[3] * kPScale));
+          }
+        }
+        __syncwarp();  // the quad's other lanes read row_max as the previous block's non-owner
+        if (c == 0) {
+          ss.row_max[r0] = row_max[0];
+          ss.row_max[r0 + 8] = row_max[1];
+        }
+        cutlass::arch::fence_view_async_shared();
+        named_barrier_sync<int(DecodeBarrier::kPReady0), 256>(warpgroup);
+      } else {
+        // -- V^T of this block, while the owner computes S and this WG's previous PV runs; then S of
+        // the next block (this WG owns it), so that it runs under this block's softmax. (Issued
+        // after the wait for the PV: with a partial wait instead, ptxas cannot tell that O is no
+        // longer an in-flight accumulator when it is rescaled, and serializes every WGMMA.)
+        transpose_v<Traits>(ss, stage, phase, vt_buffer, tid_in_wg, valid_keys);
+        warpgroup_wait<0>();  // this WG's PV of the previous block: it no longer reads P or that stage
+        if (blk > seg.blk_lo) release_stage(iteration - 1);
+        if (blk > seg.blk_lo) named_barrier_sync<int(DecodeBarrier::kPFree0), 256>(owner);
+        named_barrier_sync<int(DecodeBarrier::kPReady0), 256>(owner);  // also: V^T is visible to both
+#pragma unroll
+        for (int i = 0; i < 2; ++i) {
+          const float new_max = ss.row_max[r0 + 8 * i];
+          rescale[i] = exp2f(row_max[i] - (new_max == -INFINITY ? 0.f : new_max));
+          row_max[i] = new_max;
+          row_sum[i] *= rescale[i];
+        }
+      }
+
+      // ---- O[:, own 256 columns] = O * rescale + P V (no PV of this WG is in flight here).
+      if (__any_sync(0xffffffff, rescale[0] != 1.f || rescale[1] != 1.f)) {
+#pragma unroll
+        for (int e = 0; e < size(tOrO); ++e) tOrO(e) *= rescale[row_half(e)];
+      }
+      Tensor tOrP = thr_pv.partition_fragment_A(make_tensor(
+          make_smem_ptr(reinterpret_cast<typename Traits::Fp8*>(mla_common::opaque(ss.p))), typename Traits::SmemLayoutP{}));
+      Tensor tOrV = thr_pv.partition_fragment_B(make_tensor(
+          make_smem_ptr(reinterpret_cast<typename Traits::Fp8*>(ss.vt[vt_buffer])), typename Traits::SmemLayoutVt{}));
+      warpgroup_fence_operand(tOrO);
+      warpgroup_arrive();
+#pragma unroll
+      for (int k = 0; k < size<2>(tOrP); ++k) cute::gemm(mma_pv, tOrP(_, _, k), tOrV(_, _, k), tOrO);
+      warpgroup_commit_batch();
+    }
+    warpgroup_wait<0>();
+    warpgroup_fence_operand(tOrO);
+
+    // ---- Epilogue: total denominator over both warpgroups' blocks, then normalise and store.
+    const float total[2] = {quad_sum(row_sum[0]), quad_sum(row_sum[1])};
+    __syncwarp();  // the quad's other lanes read row_sum in the previous epilogue
+    if (tid % 4 == 0) {
+      ss.row_sum[warpgroup][r0] = total[0];
+      ss.row_sum[warpgroup][r0 + 8] = total[1];
+    }
+    named_barrier_sync<int(DecodeBarrier::kRowSum), 256>();  // also: every QK is done, ss.q is free
+    float sums[2];
+#pragma unroll
+    for (int i = 0; i < 2; ++i) sums[i] = ss.row_sum[0][r0 + 8 * i] + ss.row_sum[1][r0 + 8 * i];
+    if (seg.blk_lo < seg.blk_hi) {
+      // Warpgroup 0 stages its rows in the Q buffer, warpgroup 1 in the last block's K stage (every
+      // MMA is done: kRowSum); then that stage is released.
+      const int last_stage = (iteration - 1) % Traits::kStages;
+      auto warpgroup_sync = [&] { named_barrier_sync<int(DecodeBarrier::kStaged0), 128>(warpgroup); };
+      store_output_columns_staged<Element>(p, seg, m_block, r0, row_max, sums, k_scale / kPScale,
+                                           /*write_lse=*/warpgroup == 0,
+                                           mla_common::smem_addr(warpgroup == 0 ? ss.q : ss.k[last_stage]),
+                                           tid_in_wg, 256 * warpgroup, tOrO, warpgroup_sync);
+      warpgroup_sync();
+      release_stage(iteration - 1);
+      // Warpgroup 0's rows are read out of the Q buffer before the next segment's Q overwrites it.
+      named_barrier_sync<int(DecodeBarrier::kRowSum), 256>();
+    } else {  // no key block was loaded: no stage to stage through
+      store_empty_output_tile<Element>(p, seg, m_block);
+    }
+  }
+}
+
+template <typename Traits>
+__global__ void __launch_bounds__(kNumThreads, 1)
+    mla_decode_fp8mma_kernel(__grid_constant__ const DecodeParams params, __grid_constant__ const DecodeTma tma) {
+#if defined(__CUDA_ARCH__) && __CUDA_ARCH__ == 900 && defined(__CUDA_ARCH_FEAT_SM90_ALL)
+  auto& ss = mla_common::shared_storage_1024<typename Traits::SharedStorage>();
+  const int warpgroup = __shfl_sync(0xffffffff, threadIdx.x / 128, 0);
+  const int m_block = blockIdx.x;
+  const PartRange range = PartRange::load(params, blockIdx.y);
+  mla_common::launch_dependents();  // the combine kernel may start (decode_kernel.cuh)
+
+  if (threadIdx.x == 0) {
+    for (int s = 0; s < Traits::kStages; ++s) {
+      for (int slab = 0; slab < kSlabs; ++slab) cutlass::arch::ClusterTransactionBarrier::init(&ss.kv_full[s][slab], 1);
+      cutlass::arch::ClusterBarrier::init(&ss.kv_empty[s], kNumMathWarpgroups);
+    }
+    cutlass::arch::fence_barrier_init();
+  }
+  __syncthreads();
+
+  if (warpgroup == kNumMathWarpgroups) {
+    cutlass::arch::warpgroup_reg_dealloc<kProducerRegisters>();
+    const int warp = threadIdx.x / 32 - kNumMathWarpgroups * 4;
+    if (threadIdx.x % 32 == 0) cute::prefetch_tma_descriptor(&tma.kv);
+    produce_kv_tiles<Traits>(params, tma, ss, range, m_block, warp, 4);  // warp w: slabs w, w + 4, w + 8
+  } else {
+    cutlass::arch::warpgroup_reg_alloc<kMathRegisters>();
+    consume_fp8mma_tiles<Traits>(params, ss, range, m_block);
+  }
+#endif
+}
+
+}  // namespace mla_decode

@@ -1,0 +1,106 @@
+"""mla_decode(fp8_mma=True) over a float8_e4m3fn cache on the GPU: the 64-row kernels with e4m3 MMAs
+(csrc/mla_decode/fp8mma_kernel.cuh), against the float32 reference on the dequantized cache, on the
+adversarial inputs of tests/cases.py (NaN past every length and in unused pages, permuted block
+tables, empty requests, odd head counts, varlen causal, page sizes 16...256).
+
+Tolerance, from measurement: Q and P are rounded to e4m3 (3 mantissa bits), so the output is off by
+about 3 % of its norm (measured on these cases, H200: relative L2 error up to 3.4 %, every row within
+6.8 %; LSE within 0.075) where 16-bit MMAs give 0.17 %. That is the size of the error the FP8 cache
+itself adds against the unquantized values (0.8-3.6 % here). The bounds below are 1.5-1.8x the
+measured worst; a wrong key order in P or V^T, a missed mask or a NaN read gives O(1) errors."""
+import pytest
+import torch
+
+import mla_attn
+
+from cases import make_decode_case
+from fp8_cases import dequantized, to_fp8_case
+from test_decode_gpu import reference, to_cuda
+
+pytestmark = pytest.mark.gpu
+
+REL_L2 = 0.05   # relative L2 error of the whole output
+ROW_REL = 0.12  # relative L2 error of each row with a visible key
+LSE_ABS = 0.12  # natural log
+
+CASES = [
+    # (lens, s_q, h_q, page_size, varlen, split_pe): more than 32 query rows per request (or 17-32 at
+    # batch 1), where the 64-row kernel runs
+    ([1023], 1, 128, 64, False, False),
+    ([1023, 4099, 7], 7, 9, 16, False, False),       # several requests, tails, 63 rows
+    ([300, 64, 65], 1, 63, 64, False, True),         # q_pe split, exact block multiples
+    ([2000], 1, 126, 48, False, False),              # page 48
+    ([130, 0, 1000, 64], 3, 96, 16, True, True),     # varlen, an empty request, odd block counts
+    ([4099, 65, 1], 2, 128, 32, False, False),
+    ([513, 1000], 64, 16, 64, False, False),         # 1024 rows: 16 q-tiles
+    ([4099, 113, 1, 0, 1023], 7, 32, 16, True, False),
+    ([700, 10], 512, 8, 256, True, False),           # page 256, 4096 rows
+    ([33000], 1, 24, 64, False, False),              # batch 1, 24 rows, a long context
+]
+
+
+def run(case, causal, **kw):
+    c = case
+    if c["cu_seqlens_q"] is not None:
+        kw["max_seqlen_q"] = c["max_seqlen_q"]
+    return mla_attn.mla_decode(c["q"], c["kv_cache"], c["block_table"], c["cache_seqlens"],
+                               cu_seqlens_q=c["cu_seqlens_q"], q_pe=c["q_pe"], k_scale=c["k_scale"],
+                               softmax_scale=c["softmax_scale"], causal=causal, return_lse=True,
+                               fp8_mma=True, **kw)
+
+
+def check_fp8_mma(case, causal, out, lse):
+    ref_out, ref_lse = reference(dequantized(case), causal)
+    assert torch.isfinite(out).all(), "non-finite output"
+    empty = torch.isinf(ref_lse)
+    assert torch.equal(torch.isinf(lse), empty) and (lse[empty] > 0).all(), "+inf lse exactly on empty rows"
+    assert not out[empty].any(), "rows without a visible key must be 0"
+    diff = out.float() - ref_out
+    rel = (diff.norm() / ref_out.norm()).item() if ref_out.norm() > 0 else 0.0
+    assert rel <= REL_L2, f"relative L2 error {rel:.3e}"
+    seen = ~empty
+    if seen.any():
+        row_rel = (diff[seen].norm(dim=-1) / ref_out[seen].norm(dim=-1)).max().item()
+        assert row_rel <= ROW_REL, f"worst row relative error {row_rel:.3e}"
+        lse_err = (lse[seen] - ref_lse[seen]).abs().max().item()
+        assert lse_err <= LSE_ABS, f"lse max err {lse_err:.3e}"
+
+
+@pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float16])
+@pytest.mark.parametrize("causal", [True, False])
+@pytest.mark.parametrize("lens,s_q,h_q,page_size,varlen,split_pe", CASES)
+def test_fp8_mma_decode_matches_reference(lens, s_q, h_q, page_size, varlen, split_pe, causal, dtype):
+    case = to_cuda(to_fp8_case(make_decode_case(lens, s_q, h_q, page_size, varlen=varlen, split_pe=split_pe,
+                                                dtype=dtype, seed=len(lens) * 1000 + s_q * 10 + h_q)))
+    out, lse = run(case, causal)
+    check_fp8_mma(case, causal, out, lse)
+
+
+def test_fp8_mma_q_rows_of_different_magnitude():
+    """Each Q row is scaled by its own power of two before rounding to e4m3, so rows far outside
+    e4m3's range (here up to ~1000, above its largest finite 448) keep their relative accuracy. The
+    cache is scaled down by as much so that the largest rows' scores stay unit-scale: the error of
+    rounding Q grows with the scores (rows whose scores are 32x larger measured 12 % error)."""
+    case = to_cuda(make_decode_case([900, 64], 1, 128, 64, seed=5))
+    case = to_cuda(to_fp8_case({**case, "kv_cache": case["kv_cache"] * 2.0 ** -8}, k_scale=0.02 * 2.0 ** -8))
+    q = case["q"].clone()
+    q[:, :, ::3] *= 2.0 ** 8
+    q[:, :, 1::3] *= 2.0 ** 4
+    q[:, :, 7] = 0
+    case = {**case, "q": q}
+    out, lse = run(case, True)
+    check_fp8_mma(case, True, out, lse)
+
+
+def test_fp8_mma_deterministic_is_bit_identical():
+    """deterministic=True runs the 64-row kernel at any h_q (here 16 rows): fp8_mma applies, and two
+    runs, alone and inside a larger batch, agree bit for bit."""
+    case = to_cuda(to_fp8_case(make_decode_case([3000, 77, 1500], 1, 16, 64, seed=9)))
+    out1, lse1 = run(case, True, deterministic=True)
+    out2, lse2 = run(case, True, deterministic=True)
+    assert torch.equal(out1, out2) and torch.equal(lse1, lse2)
+    check_fp8_mma(case, True, out1, lse1)
+    exact, _ = mla_attn.mla_decode(case["q"], case["kv_cache"], case["block_table"], case["cache_seqlens"],
+                                   k_scale=case["k_scale"], softmax_scale=case["softmax_scale"],
+                                   return_lse=True, deterministic=True)
+    assert not torch.equal(out1, exact), "fp8_mma=True must select the e4m3-MMA kernel"
