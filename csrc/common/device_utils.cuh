@@ -60,6 +60,9 @@ __device__ __forceinline__ void st_shared_4(uint32_t addr, uint32_t v) {
 __device__ __forceinline__ void st_shared_8(uint32_t addr, uint32_t lo, uint32_t hi) {
   asm volatile("st.shared.v2.b32 [%0], {%1, %2};" ::"r"(addr), "r"(lo), "r"(hi) : "memory");
 }
+__device__ __forceinline__ void st_shared_16(uint32_t addr, uint4 v) {
+  asm volatile("st.shared.v4.b32 [%0], {%1, %2, %3, %4};" ::"r"(addr), "r"(v.x), "r"(v.y), "r"(v.z), "r"(v.w) : "memory");
+}
 
 // 16-byte global -> shared copy that bypasses registers; src_bytes = 0 writes zeros instead.
 __device__ __forceinline__ void cp_async_16(void* smem, const void* gmem, bool valid) {

@@ -29,58 +29,57 @@ using mla_common::named_barrier_sync;
 // subnormals (the smallest subnormal is 2^-9), the largest 256 < 448.
 constexpr float kPScale = 256.f;
 
-// Byte offset of logical column `col` (a multiple of 4) of row `row` in a [rows, 64] e4m3 tile with
-// the 64-byte swizzle (fp8_tile.cuh).
-__device__ __forceinline__ int fp8_tile_offset(int row, int col) { return fp8_slab_offset(row, col / 16) + col % 16; }
-
-// V^T [512, 64 keys] from the first 512 columns of a staged K tile, by one warpgroup: an
-// ldmatrix.x4.trans of keys [32 j, 32 j + 32) x dims [16 u, 16 u + 16) gives thread (g, c) of its
-// warp, in register i, the bytes (key 8 i + 2c (+1), dim 16 u + 2g (+1)); two byte permutes per pair
-// of registers make the words of dims 2g and 2g + 1 holding keys 2c, 2c + 1, 8 + 2c, 9 + 2c
-// (the logical key order of fp8mma_traits.h) of each 16-key group. Warp w transposes slabs 2w and
-// 2w + 1, waiting only for those. Keys >= valid_keys become zeros (never loaded, or slots past L).
+// V^T [512, 64 keys] from the first 512 columns of a staged K tile, by one warpgroup. Two
+// ldmatrix.x4.trans of keys [0, 32) and [32, 64) x dims [16 u, 16 u + 16) give thread (g, c) of its
+// warp, in register m (0..7), the bytes (key 8m + 2c (+1), dim 16 u + 2g (+1)); two byte permutes
+// per register pair make the word of keys 16q + {2c, 2c + 1, 8 + 2c, 9 + 2c} of dim 2g, and of
+// 2g + 1: logical columns 16c + 4q ... + 3 (fp8mma_traits.h), so the 4 words of a dim are one
+// 16-byte store. Warp w transposes slabs 2w and 2w + 1, waiting only for those. Keys >= valid_keys
+// become zeros (never loaded, or slots past L).
 template <typename Traits>
 __device__ __forceinline__ void transpose_v(typename Traits::SharedStorage& ss, int stage, uint32_t phase, int vt_buffer,
                                             int tid_in_wg, int valid_keys) {
-  // From an opaque thread index: otherwise the 48 swizzled offsets are computed once and spilled.
+  // From an opaque thread index: otherwise the swizzled offsets are computed once and spilled.
   const int thread = mla_common::opaque(tid_in_wg);
   const int warp = thread / 32, lane = thread % 32, g = lane / 4, c = lane % 4;
   const uint32_t k_base = mla_common::smem_addr(ss.k[stage]);
   const uint32_t vt_base = mla_common::smem_addr(ss.vt[vt_buffer]);
-  // Key of byte b (0..3) of this thread's word in 16-key group q: 16 q + 8 (b / 2) + 2c + b % 2.
-  auto keep_mask = [&](int group) {
-    uint32_t mask = 0;
+  // Byte b of word q holds key 16q + 8 (b / 2) + 2c + b % 2.
+  uint32_t keep[4] = {~0u, ~0u, ~0u, ~0u};
+  if (valid_keys < kBlockN) {
 #pragma unroll
-    for (int b = 0; b < 4; ++b) mask |= (16 * group + 8 * (b / 2) + 2 * c + b % 2 < valid_keys ? 0xffu : 0u) << (8 * b);
-    return mask;
-  };
-  const bool tail = valid_keys < kBlockN;
+    for (int q = 0; q < 4; ++q) {
+      keep[q] = 0;
+#pragma unroll
+      for (int b = 0; b < 4; ++b) keep[q] |= (16 * q + 8 * (b / 2) + 2 * c + b % 2 < valid_keys ? 0xffu : 0u) << (8 * b);
+    }
+  }
 #pragma unroll
   for (int s = 0; s < 2; ++s) {
     const int slab = 2 * warp + s;
     cutlass::arch::ClusterBarrier::wait(&ss.kv_full[stage][slab], phase);
 #pragma unroll
     for (int u = 0; u < kTmaColumns / 16; ++u) {  // 16-dim chunk of the slab
+      uint32_t r[8];
+      // Lane l gives the row address of matrix l / 8, row l % 8: key 32 j + l.
+      mla_common::ldsm_x4_trans(k_base + slab * kFp8SlabBytes + fp8_slab_offset(lane, u), *reinterpret_cast<uint32_t(*)[4]>(r));
+      mla_common::ldsm_x4_trans(k_base + slab * kFp8SlabBytes + fp8_slab_offset(32 + lane, u),
+                                *reinterpret_cast<uint32_t(*)[4]>(r + 4));
+      uint32_t even[4], odd[4];
 #pragma unroll
-      for (int j = 0; j < kBlockN / 32; ++j) {
-        uint32_t r[4];
-        const int key = 32 * j + lane;  // row address of matrix lane / 8, row lane % 8
-        mla_common::ldsm_x4_trans(k_base + slab * kFp8SlabBytes + fp8_slab_offset(key, u), r);
-        const int dim = slab * kTmaColumns + 16 * u + 2 * g;
-#pragma unroll
-        for (int half = 0; half < 2; ++half) {  // 16-key group 2j + half: registers 2 half, 2 half + 1
-          uint32_t even = __byte_perm(r[2 * half], r[2 * half + 1], 0x6420);
-          uint32_t odd = __byte_perm(r[2 * half], r[2 * half + 1], 0x7531);
-          if (tail) {
-            const uint32_t mask = keep_mask(2 * j + half);
-            even &= mask;
-            odd &= mask;
-          }
-          const int col = 32 * j + 16 * half + 4 * c;
-          mla_common::st_shared_4(vt_base + fp8_tile_offset(dim, col), even);
-          mla_common::st_shared_4(vt_base + fp8_tile_offset(dim + 1, col), odd);
-        }
+      for (int q = 0; q < 4; ++q) {
+        even[q] = __byte_perm(r[2 * q], r[2 * q + 1], 0x6420) & keep[q];
+        odd[q] = __byte_perm(r[2 * q], r[2 * q + 1], 0x7531) & keep[q];
       }
+      // Lanes with odd g store dim 2g + 1 first: a quarter warp then writes rows 4k and 4k + 3,
+      // whose chunks fall in different banks.
+      const bool swap = g & 1;
+      const int dim = slab * kTmaColumns + 16 * u + 2 * g + swap;
+      mla_common::st_shared_16(vt_base + fp8_slab_offset(dim, c),
+                               swap ? make_uint4(odd[0], odd[1], odd[2], odd[3]) : make_uint4(even[0], even[1], even[2], even[3]));
+      const int other = dim + 1 - 2 * swap;
+      mla_common::st_shared_16(vt_base + fp8_slab_offset(other, c),
+                               swap ? make_uint4(even[0], even[1], even[2], even[3]) : make_uint4(odd[0], odd[1], odd[2], odd[3]));
     }
   }
   cutlass::arch::fence_view_async_shared();
@@ -136,7 +135,8 @@ __device__ void consume_fp8mma_tiles(const DecodeParams& p, typename Traits::Sha
       const Element* v = reinterpret_cast<const Element*>(&chunk[i]);
       const uint32_t lo = e4m3x4_from_floats(float(v[0]) * scale, float(v[1]) * scale, float(v[2]) * scale, float(v[3]) * scale);
       const uint32_t hi = e4m3x4_from_floats(float(v[4]) * scale, float(v[5]) * scale, float(v[6]) * scale, float(v[7]) * scale);
-      mla_common::st_shared_8(q_base + (d0 / kTmaColumns) * kFp8SlabBytes + fp8_tile_offset(r, d0 % kTmaColumns), lo, hi);
+      const int col = d0 % kTmaColumns;  // 8 values: half of a 16-byte chunk
+      mla_common::st_shared_8(q_base + (d0 / kTmaColumns) * kFp8SlabBytes + fp8_slab_offset(r, col / 16) + col % 16, lo, hi);
     }
   };
 
@@ -222,22 +222,24 @@ __device__ void consume_fp8mma_tiles(const DecodeParams& p, typename Traits::Sha
         }
         // The other WG must be done reading the previous P before it is overwritten.
         if (blk > seg.blk_lo) named_barrier_sync<int(DecodeBarrier::kPFree0), 256>(warpgroup);
-        // P times kPScale as e4m3. Elements 8m + 2i (+1) and 8m + 4 + 2i (+1) are keys 16m + 2c (+1)
-        // and 16m + 8 + 2c (+1) of row r0 + 8i: one word at logical column 16m + 4c.
+        // P times kPScale as e4m3. Elements 8q + 2i (+1) and 8q + 4 + 2i (+1) are keys 16q + 2c (+1)
+        // and 16q + 8 + 2c (+1) of row r0 + 8i: logical columns 16c + 4q ... + 3, so a row's 16
+        // values are one 16-byte store.
         const uint32_t p_base = mla_common::smem_addr(ss.p);
-        const int p_row = mla_common::opaque(r0), p_col = 4 * mla_common::opaque(c);  // not hoisted (spills)
+        const int p_row = mla_common::opaque(r0), p_chunk = mla_common::opaque(c);  // not hoisted (spills)
 #pragma unroll
-        for (int m = 0; m < kBlockN / 16; ++m) {
+        for (int i = 0; i < 2; ++i) {
+          uint32_t words[4];
 #pragma unroll
-          for (int i = 0; i < 2; ++i) {
+          for (int q = 0; q < 4; ++q) {
             float prob[4];
 #pragma unroll
-            for (int b = 0; b < 4; ++b) prob[b] = exp2f(tSrS(8 * m + 4 * (b / 2) + 2 * i + b % 2) - base[i]);
+            for (int b = 0; b < 4; ++b) prob[b] = exp2f(tSrS(8 * q + 4 * (b / 2) + 2 * i + b % 2) - base[i]);
             row_sum[i] += (prob[0] + prob[1]) + (prob[2] + prob[3]);
-            mla_common::st_shared_4(p_base + fp8_tile_offset(p_row + 8 * i, 16 * m + p_col),
-                                    e4m3x4_from_floats(prob[0] * kPScale, prob[1] * kPScale, prob[2] * kPScale,
-                                                       prob[3] * kPScale));
+            words[q] = e4m3x4_from_floats(prob[0] * kPScale, prob[1] * kPScale, prob[2] * kPScale, prob[3] * kPScale);
           }
+          mla_common::st_shared_16(p_base + fp8_slab_offset(p_row + 8 * i, p_chunk),
+                                   make_uint4(words[0], words[1], words[2], words[3]));
         }
         __syncwarp();  // the quad's other lanes read row_max as the previous block's non-owner
         if (c == 0) {

@@ -31,10 +31,10 @@ struct Fp8MmaTraits {
   using SmemLayoutQ = decltype(tile_to_shape(GMMA::Layout_K_SW64_Atom<Fp8>{}, Shape<Int<kBlockM>, Int<kHeadDimK>>{}));
   using SmemLayoutK = decltype(tile_to_shape(GMMA::Layout_K_SW64_Atom<Fp8>{}, Shape<Int<kBlockN>, Int<kHeadDimK>>{}));
   // V^T [512 dims, 64 keys] (B of O = P V), transposed from the K tile by the block's non-owner, and
-  // P [64 rows, 64 keys] (A). Both store the keys of each 16-key group in the order
-  // logical 4c + 2h + e = key 8h + 2c + e (c < 4, h, e < 2): the order in which an ldmatrix.trans
-  // hands them to thread c (fp8mma_kernel.cuh: VtTransposer), and in which the accumulator of S
-  // holds them (keys 8n + 2c + e of thread c), so that each side writes whole 32-bit words.
+  // P [64 rows, 64 keys] (A). Both store key 16q + 8h + 2c + e (q < 4; c < 4; h, e < 2) in logical
+  // column 16c + 4q + 2h + e: the order in which two ldmatrix.trans hand a thread c the keys of a
+  // dim (fp8mma_kernel.cuh: transpose_v), and in which the accumulator of S holds a row's keys
+  // (8n + 2c + e of thread c), so that each side writes a row's 16 bytes at once.
   using SmemLayoutVt = decltype(tile_to_shape(GMMA::Layout_K_SW64_Atom<Fp8>{}, Shape<Int<kHeadDimV>, Int<kBlockN>>{}));
   using SmemLayoutP = decltype(tile_to_shape(GMMA::Layout_K_SW64_Atom<Fp8>{}, Shape<Int<kBlockM>, Int<kBlockN>>{}));
 
