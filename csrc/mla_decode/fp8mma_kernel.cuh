@@ -3,7 +3,7 @@
 // operand in e4m3, so that no tile is converted to 16 bit:
 //   S = Q K^T   A = Q (quantised per row to e4m3 when loaded), B = the K tile as TMA stages it;
 //   O += P V    A = P (e4m3, times kPScale), B = V^T, which the block's non-owner transposes from
-//               the K tile (VtTransposer) while the owner computes S.
+//               the K tile (transpose_v) while the owner computes S.
 // fp8 MMAs run at twice the 16-bit rate and read half the shared-memory bytes per FLOP; the price
 // is Q and P rounded to e4m3 (3 mantissa bits), on top of the cache's own rounding.
 #pragma once
@@ -249,10 +249,10 @@ __device__ void consume_fp8mma_tiles(const DecodeParams& p, typename Traits::Sha
         cutlass::arch::fence_view_async_shared();
         named_barrier_sync<int(DecodeBarrier::kPReady0), 256>(warpgroup);
       } else {
-        // -- V^T of this block, while the owner computes S and this WG's previous PV runs; then S of
-        // the next block (this WG owns it), so that it runs under this block's softmax. (Issued
-        // after the wait for the PV: with a partial wait instead, ptxas cannot tell that O is no
-        // longer an in-flight accumulator when it is rescaled, and serializes every WGMMA.)
+        // -- V^T of this block, while the owner computes S and this WG's previous PV runs. (This WG
+        // owns the next block; issuing that block's S here, ahead of its PV of this block in the
+        // WGMMA queue, delayed the PV: 28-30 % slower, measured. So did the producer warpgroup
+        // transposing instead, 3 % at batch >= 32 and 20-30 % at batch 1.)
         transpose_v<Traits>(ss, stage, phase, vt_buffer, tid_in_wg, valid_keys);
         warpgroup_wait<0>();  // this WG's PV of the previous block: it no longer reads P or that stage
         if (blk > seg.blk_lo) release_stage(iteration - 1);
