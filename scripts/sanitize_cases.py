@@ -78,11 +78,11 @@ def main():
     check_prefill()
     check_merge_and_cache()
     worst = {False: 0.0, True: 0.0}  # by fp8_mma
-    # Each case with a 16-bit cache, an FP8 one, and an FP8 one with fp8_mma (e4m3 MMAs in the 64-row
-    # kernels: above 32 rows per request).
+    # Each case with a 16-bit cache, an FP8 one, and an FP8 one with fp8_mma (e4m3 MMAs above 16 rows
+    # per request).
     modes = [(False, False), (True, False), (True, True)]
     for (lens, s_q, h_q, page, varlen, split_pe), (fp8, fp8_mma) in [(c, m) for c in CASES for m in modes]:
-        if fp8_mma and s_q * h_q <= 32:
+        if fp8_mma and s_q * h_q <= 16:
             continue
         c = make_decode_case(lens, s_q, h_q, page, varlen=varlen, split_pe=split_pe)
         c = {k: (v.cuda() if isinstance(v, torch.Tensor) else v) for k, v in c.items()}

@@ -1,4 +1,4 @@
-"""mla_decode(fp8_mma=True) over a float8_e4m3fn cache on the GPU: the 64-row kernels with e4m3 MMAs
+"""mla_decode(fp8_mma=True) over a float8_e4m3fn cache on the GPU: the e4m3-MMA kernel
 (csrc/mla_decode/fp8mma_kernel.cuh), against the float32 reference on the dequantized cache, on the
 adversarial inputs of tests/cases.py (NaN past every length and in unused pages, permuted block
 tables, empty requests, odd head counts, varlen causal, page sizes 16...256).
@@ -24,8 +24,7 @@ ROW_REL = 0.12  # relative L2 error of each row with a visible key
 LSE_ABS = 0.12  # natural log
 
 CASES = [
-    # (lens, s_q, h_q, page_size, varlen, split_pe): more than 32 query rows per request (or 17-32 at
-    # batch 1), where the 64-row kernel runs
+    # (lens, s_q, h_q, page_size, varlen, split_pe): more than 16 query rows per request
     ([1023], 1, 128, 64, False, False),
     ([1023, 4099, 7], 7, 9, 16, False, False),       # several requests, tails, 63 rows
     ([300, 64, 65], 1, 63, 64, False, True),         # q_pe split, exact block multiples
@@ -36,6 +35,8 @@ CASES = [
     ([4099, 113, 1, 0, 1023], 7, 32, 16, True, False),
     ([700, 10], 512, 8, 256, True, False),           # page 256, 4096 rows
     ([33000], 1, 24, 64, False, False),              # batch 1, 24 rows, a long context
+    ([4099, 1023, 0, 1], 2, 16, 128, False, True),   # 32 rows at batch 4 (without fp8_mma: the narrow kernel)
+    ([2000, 300], 1, 32, 32, False, False),
 ]
 
 
@@ -93,8 +94,8 @@ def test_fp8_mma_q_rows_of_different_magnitude():
 
 
 def test_fp8_mma_deterministic_is_bit_identical():
-    """deterministic=True runs the 64-row kernel at any h_q (here 16 rows): fp8_mma applies, and two
-    runs, alone and inside a larger batch, agree bit for bit."""
+    """deterministic=True chooses the kernel by h_q alone: fp8_mma applies at 16 rows too, and two
+    runs agree bit for bit."""
     case = to_cuda(to_fp8_case(make_decode_case([3000, 77, 1500], 1, 16, 64, seed=9)))
     out1, lse1 = run(case, True, deterministic=True)
     out2, lse2 = run(case, True, deterministic=True)
@@ -104,3 +105,13 @@ def test_fp8_mma_deterministic_is_bit_identical():
                                    k_scale=case["k_scale"], softmax_scale=case["softmax_scale"],
                                    return_lse=True, deterministic=True)
     assert not torch.equal(out1, exact), "fp8_mma=True must select the e4m3-MMA kernel"
+
+
+def test_fp8_mma_keeps_16_bit_mmas_at_16_rows():
+    """16 rows or fewer stream the cache: fp8_mma leaves the narrow kernel (exact up to fp32 rounding)."""
+    case = to_cuda(to_fp8_case(make_decode_case([3000, 77], 1, 16, 64, seed=3)))
+    out, lse = run(case, True)
+    plain, plain_lse = mla_attn.mla_decode(case["q"], case["kv_cache"], case["block_table"], case["cache_seqlens"],
+                                           k_scale=case["k_scale"], softmax_scale=case["softmax_scale"],
+                                           return_lse=True)
+    assert torch.equal(out, plain) and torch.equal(lse, plain_lse)

@@ -166,11 +166,13 @@ void mla_decode_cuda_impl(const Tensor& q, const std::optional<Tensor>& q_pe, co
         // single request (h16 s1 b128 L16384: 319 vs 347 us; b1 L1024: 18.1 vs 16.2 us).
         if (narrow && rows <= 16 && p.batch > 1) return run_mla_decode_narrow<Element, 16, 3, true>(p, tma, stream);
         if (narrow && rows <= 16) return run_mla_decode_narrow<Element, 16, 2, true>(p, tma, stream);
+        // fp8_mma (opt-in): above 16 rows (with deterministic=True at any, chosen by h_q alone), e4m3
+        // MMAs, no conversion, Q and P rounded to e4m3 (fp8mma_kernel.cuh). Measured (H200): h_q 128
+        // 1.2-1.9x the 16-bit-MMA kernel's speed (1.1-1.3x a bf16 cache's); 17-32 rows at batch > 1
+        // 0.97-1.57x the narrow kernel's; at about 3 % relative error against the dequantized
+        // reference (0.17 % without). 16 rows or fewer stream the cache: the narrow kernel stays.
+        if (fp8_mma && (rows > 16 || deterministic)) return run_mla_decode_fp8mma<Element>(p, tma, stream);
         if (narrow && p.batch > 1) return run_mla_decode_narrow<Element, kNarrowMaxRows, 2, true>(p, tma, stream);
-        // fp8_mma (opt-in): e4m3 MMAs, no conversion, Q and P rounded to e4m3 (fp8mma_kernel.cuh).
-        // Measured (H200, h_q 128): 1.3-1.8x the 16-bit-MMA kernel's speed (1.05-1.3x a bf16 cache's),
-        // at about 3 % relative error against the dequantized reference (0.17 % without).
-        if (fp8_mma) return run_mla_decode_fp8mma<Element>(p, tma, stream);
         return run_mla_decode<Element, true>(p, tma, stream);
       });
   C10_CUDA_CHECK(err);

@@ -224,13 +224,13 @@ def mla_decode(q, kv_cache, block_table, cache_seqlens, *, cu_seqlens_q=None, ma
     Returns out [.., h_q, 512] in q's dtype, plus lse fp32 [.., h_q] if return_lse.
     deterministic=True: batch-invariant results (see get_decode_metadata); metadata, when given, must
     have been computed with the same flag.
-    fp8_mma=True (float8_e4m3fn cache only): where the kernel tiles 64 query rows (more than 32 rows
-    per request, i.e. max_seqlen_q * h_q > 32, or > 16 at batch 1, or deterministic=True) its MMAs run in
-    e4m3: each Q row is rounded to e4m3 (times a power of two) and so are the probabilities. That is
-    1.3-1.8x faster at h_q 128, where the kernel is bound by its MMAs (faster than a bf16 cache there
-    too), but about 3 % relative error
+    fp8_mma=True (float8_e4m3fn cache only): with more than 16 query rows per request
+    (max_seqlen_q * h_q > 16), or any with deterministic=True, the MMAs run in e4m3: each Q row is
+    rounded to e4m3 (times a power of two) and so are the probabilities. That is 1.2-1.9x faster at
+    h_q 128, where the kernel is bound by its MMAs (faster than a bf16 cache there too), and up to
+    1.6x at 17-32 rows, but about 3 % relative error
     against the reference on the dequantized cache (0.17 % without), the size of the error the FP8
-    cache itself adds, and LSE within ~0.07. Fewer rows are memory-bound and keep 16-bit MMAs.
+    cache itself adds, and LSE within ~0.1. 16 rows or fewer stream the cache and keep 16-bit MMAs.
     """
     if softmax_scale is None:
         raise ValueError("softmax_scale is required (MLA absorbs the projection, so 1/sqrt(576) is not "
