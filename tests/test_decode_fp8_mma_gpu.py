@@ -15,6 +15,7 @@ import mla_attn
 
 from cases import make_decode_case
 from fp8_cases import dequantized, to_fp8_case
+from test_decode_fp8_gpu import run as run_fp8
 from test_decode_gpu import reference, to_cuda
 
 pytestmark = pytest.mark.gpu
@@ -41,13 +42,7 @@ CASES = [
 
 
 def run(case, causal, **kw):
-    c = case
-    if c["cu_seqlens_q"] is not None:
-        kw["max_seqlen_q"] = c["max_seqlen_q"]
-    return mla_attn.mla_decode(c["q"], c["kv_cache"], c["block_table"], c["cache_seqlens"],
-                               cu_seqlens_q=c["cu_seqlens_q"], q_pe=c["q_pe"], k_scale=c["k_scale"],
-                               softmax_scale=c["softmax_scale"], causal=causal, return_lse=True,
-                               fp8_mma=True, **kw)
+    return run_fp8(case, causal, fp8_mma=True, **kw)
 
 
 def check_fp8_mma(case, causal, out, lse):

@@ -267,26 +267,8 @@ __device__ void consume_kv_tiles(const DecodeParams& p, typename Traits::SharedS
         warpgroup_fence_operand(tSrS);
 
         // -- Online softmax in log2 units over the 64 keys of the block.
-        const int key0 = blk * kBlockN;
-        float block_max[2] = {-INFINITY, -INFINITY};
-#pragma unroll
-        for (int e = 0; e < size(tSrS); ++e) {
-          const int i = row_half(e);
-          const float s = key0 + get<1>(tScS(e)) <= last_key[i] ? tSrS(e) * score_scale[i] : -INFINITY;
-          tSrS(e) = s;
-          block_max[i] = fmaxf(block_max[i], s);
-        }
         float base[2];
-#pragma unroll
-        for (int i = 0; i < 2; ++i) {
-          block_max[i] = fmaxf(block_max[i], __shfl_xor_sync(0xffffffff, block_max[i], 1));
-          block_max[i] = fmaxf(block_max[i], __shfl_xor_sync(0xffffffff, block_max[i], 2));
-          const float new_max = fmaxf(row_max[i], block_max[i]);
-          base[i] = new_max == -INFINITY ? 0.f : new_max;  // fully masked row: keep exp2 finite
-          rescale[i] = exp2f(row_max[i] - base[i]);
-          row_max[i] = new_max;
-          row_sum[i] *= rescale[i];
-        }
+        owner_softmax_step(tSrS, tScS, blk * kBlockN, last_key, score_scale, row_max, row_sum, base, rescale);
         // The other WG must be done reading the previous P before it is overwritten.
         if (blk > seg.blk_lo) named_barrier_sync<int(DecodeBarrier::kPFree0), 256>(warpgroup);
 #pragma unroll
@@ -323,13 +305,7 @@ __device__ void consume_kv_tiles(const DecodeParams& p, typename Traits::SharedS
           }
         }
         named_barrier_sync<int(DecodeBarrier::kPReady0), 256>(owner);
-#pragma unroll
-        for (int i = 0; i < 2; ++i) {
-          const float new_max = ss.row_max[r0 + 8 * i];
-          rescale[i] = exp2f(row_max[i] - (new_max == -INFINITY ? 0.f : new_max));
-          row_max[i] = new_max;
-          row_sum[i] *= rescale[i];
-        }
+        adopt_row_max(ss.row_max, r0, row_max, row_sum, rescale);
       }
 
       // ---- O[:, own 256 columns] = O * rescale + P V (no PV of this WG is in flight here).
@@ -359,16 +335,8 @@ __device__ void consume_kv_tiles(const DecodeParams& p, typename Traits::SharedS
     if (have_next) issue_q_tile_load<Element, typename Traits::SmemLayoutQ>(p, next, ss.q);
 
     // ---- Epilogue: total denominator over both warpgroups' blocks, then normalise and store.
-    const float total[2] = {quad_sum(row_sum[0]), quad_sum(row_sum[1])};
-    __syncwarp();  // the quad's other lanes read row_sum in the previous epilogue
-    if (tid % 4 == 0) {
-      ss.row_sum[warpgroup][r0] = total[0];
-      ss.row_sum[warpgroup][r0 + 8] = total[1];
-    }
-    named_barrier_sync<int(DecodeBarrier::kRowSum), 256>();
     float sums[2];
-#pragma unroll
-    for (int i = 0; i < 2; ++i) sums[i] = ss.row_sum[0][r0 + 8 * i] + ss.row_sum[1][r0 + 8 * i];
+    total_row_sums<int(DecodeBarrier::kRowSum)>(ss.row_sum, warpgroup, r0, row_sum, sums);
     if (seg.blk_lo < seg.blk_hi) {
       // Through the last block's stage (both warpgroups' PVs are done: kRowSum), then release it.
       const int last_stage = (iteration - 1) % kStages;
@@ -398,15 +366,7 @@ __global__ void __launch_bounds__(kNumThreads, 1)
   // in griddepcontrol.wait until this grid has finished and flushed.
   mla_common::launch_dependents();
 
-  if (threadIdx.x == 0) {
-    for (int s = 0; s < kStages; ++s) {
-      for (int slab = 0; slab < kSlabs; ++slab) {
-        cutlass::arch::ClusterTransactionBarrier::init(&ss.kv_full[s][slab], 1);
-      }
-      cutlass::arch::ClusterBarrier::init(&ss.kv_empty[s], kNumMathWarpgroups);
-    }
-    cutlass::arch::fence_barrier_init();
-  }
+  init_kv_ring<Traits>(ss, kNumMathWarpgroups);
   __syncthreads();
 
   if (warpgroup == kNumMathWarpgroups) {

@@ -89,10 +89,105 @@ __device__ __forceinline__ int last_visible_key(const DecodeParams& p, const Seg
   return p.causal ? min(seg.seqlen_k - seg.seqlen_q + t, seg.seqlen_k - 1) : seg.seqlen_k - 1;
 }
 
+// S = Q K^T of the K tile at k_smem, slabs [first_slab, end_slab): one WGMMA commit group per slab,
+// each issued once the slab has landed (kv_full[slab] at `phase`); the k-steps accumulate into tSrS
+// after the first (callers start a tile with ScaleOut::Zero). The descriptors are built per call from
+// opaque bases: otherwise all of them are computed up front and held across the waits.
+template <typename SmemLayoutQ, typename SmemLayoutK, typename Mma, typename ThrMma, typename TensorS, typename T>
+__device__ __forceinline__ void issue_qk_slabs(Mma& mma, const ThrMma& thr, TensorS& tSrS, T* q_smem, T* k_smem,
+                                               const uint64_t* kv_full, uint32_t phase, int first_slab, int end_slab) {
+  using namespace cute;
+  Tensor tSrQ = thr.partition_fragment_A(make_tensor(make_smem_ptr(mla_common::opaque(q_smem)), SmemLayoutQ{}));
+  Tensor tSrK = thr.partition_fragment_B(make_tensor(make_smem_ptr(mla_common::opaque(k_smem)), SmemLayoutK{}));
+  constexpr int kStepsPerSlab = int(decltype(size<2>(tSrQ))::value) / kSlabs;
+#pragma unroll
+  for (int slab = first_slab; slab < end_slab; ++slab) {
+    cutlass::arch::ClusterBarrier::wait(&kv_full[slab], phase);
+    warpgroup_arrive();
+#pragma unroll
+    for (int k = slab * kStepsPerSlab; k < (slab + 1) * kStepsPerSlab; ++k) {
+      gemm(mma, tSrQ(_, _, k), tSrK(_, _, k), tSrS);
+      mma.accumulate_ = GMMA::ScaleOut::One;
+    }
+    warpgroup_commit_batch();
+  }
+}
+
+// Scores of a 64 x 64 accumulator in log2 units: element e (row r0 + 8 ((e >> 1) & 1), key key_of(e))
+// times its row's scale, or -inf past the row's last visible key: a select, so the stale (even NaN)
+// scores of keys never loaded vanish. Returns each row's max (over the 4 lanes of the row).
+template <typename TensorS, typename KeyOf>
+__device__ __forceinline__ void mask_scores(TensorS& tSrS, KeyOf&& key_of, const int (&last_key)[2],
+                                            const float (&scale)[2], float (&block_max)[2]) {
+  block_max[0] = block_max[1] = -INFINITY;
+#pragma unroll
+  for (int e = 0; e < int(cute::size(tSrS)); ++e) {
+    const int i = (e >> 1) & 1;
+    const float s = key_of(e) <= last_key[i] ? tSrS(e) * scale[i] : -INFINITY;
+    tSrS(e) = s;
+    block_max[i] = fmaxf(block_max[i], s);
+  }
+#pragma unroll
+  for (int i = 0; i < 2; ++i) {
+    block_max[i] = fmaxf(block_max[i], __shfl_xor_sync(0xffffffff, block_max[i], 1));
+    block_max[i] = fmaxf(block_max[i], __shfl_xor_sync(0xffffffff, block_max[i], 2));
+  }
+}
+
+// The block owner's online-softmax step over its 64 x 64 scores (the 64-row kernels, decode_kernel.cuh
+// and fp8mma_kernel.cuh): masked and scaled as above (tScS: the elements' (row, key) coordinates in
+// the block), then the running max and this warpgroup's denominator move to the block's max. Returns
+// per row the base that P = exp2(S - base) subtracts (0 for a fully masked row, keeping exp2 finite)
+// and the factor that rescales O.
+template <typename TensorS, typename TensorC>
+__device__ __forceinline__ void owner_softmax_step(TensorS& tSrS, const TensorC& tScS, int key0, const int (&last_key)[2],
+                                                   const float (&score_scale)[2], float (&row_max)[2],
+                                                   float (&row_sum)[2], float (&base)[2], float (&rescale)[2]) {
+  float block_max[2];
+  mask_scores(tSrS, [&](int e) { return key0 + int(cute::get<1>(tScS(e))); }, last_key, score_scale, block_max);
+#pragma unroll
+  for (int i = 0; i < 2; ++i) {
+    const float new_max = fmaxf(row_max[i], block_max[i]);
+    base[i] = new_max == -INFINITY ? 0.f : new_max;
+    rescale[i] = exp2f(row_max[i] - base[i]);
+    row_max[i] = new_max;
+    row_sum[i] *= rescale[i];
+  }
+}
+
+// The non-owner's side of that step: it adopts the owner's new running max of rows r0 and r0 + 8
+// (shared_max, written before the P hand-off).
+__device__ __forceinline__ void adopt_row_max(const float* shared_max, int r0, float (&row_max)[2], float (&row_sum)[2],
+                                              float (&rescale)[2]) {
+#pragma unroll
+  for (int i = 0; i < 2; ++i) {
+    const float new_max = shared_max[r0 + 8 * i];
+    rescale[i] = exp2f(row_max[i] - (new_max == -INFINITY ? 0.f : new_max));
+    row_max[i] = new_max;
+    row_sum[i] *= rescale[i];
+  }
+}
+
 // Sum over the 4 lanes of a quad (the threads that share a row of an accumulator).
 __device__ __forceinline__ float quad_sum(float v) {
   v += __shfl_xor_sync(0xffffffff, v, 1);
   return v + __shfl_xor_sync(0xffffffff, v, 2);
+}
+
+// The denominators of rows r0 and r0 + 8 over both math warpgroups' blocks, through shared memory
+// (row_sums[warpgroup][row]); barrier kBarrier (both warpgroups) separates the writes from the reads.
+template <int kBarrier>
+__device__ __forceinline__ void total_row_sums(float (&row_sums)[2][kBlockM], int warpgroup, int r0,
+                                               const float (&row_sum)[2], float (&sums)[2]) {
+  const float total[2] = {quad_sum(row_sum[0]), quad_sum(row_sum[1])};
+  __syncwarp();  // the quad's other lanes read row_sums in the previous epilogue
+  if (threadIdx.x % 4 == 0) {
+    row_sums[warpgroup][r0] = total[0];
+    row_sums[warpgroup][r0 + 8] = total[1];
+  }
+  mla_common::named_barrier_sync<kBarrier, 256>();
+#pragma unroll
+  for (int i = 0; i < 2; ++i) sums[i] = row_sums[0][r0 + 8 * i] + row_sums[1][r0 + 8 * i];
 }
 
 // Where the rows of a finished 64-row output tile go: the final output of the request, or an fp32

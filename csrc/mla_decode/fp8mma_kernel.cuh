@@ -158,30 +158,13 @@ __device__ void consume_fp8mma_tiles(const DecodeParams& p, typename Traits::Sha
     float row_sum[2] = {0.f, 0.f};              // this WG's share of the denominator
     clear(tOrO);
 
-    // S = Q K^T of the block in `stage`, one WGMMA commit group per slab, each issued as soon as
-    // its slab has landed. Key rows past the sequence end hold stale bytes (even NaN): their scores
-    // are masked in the softmax.
+    // S = Q K^T of the block in `stage`, one WGMMA commit group per slab as it lands. Key rows past
+    // the sequence end hold stale bytes (even NaN): their scores are masked in the softmax.
     auto issue_qk = [&](int stage, uint32_t phase) {
-      constexpr int kStepsPerSlab = kTmaColumns / 32;
       mma_qk.accumulate_ = GMMA::ScaleOut::Zero;
-#pragma unroll
-      for (int slab = 0; slab < kSlabs; ++slab) {
-        cutlass::arch::ClusterBarrier::wait(&ss.kv_full[stage][slab], phase);
-        // Descriptors from opaque bases, rebuilt per slab (cheap integer math): otherwise they are
-        // all computed up front and held across the waits.
-        Tensor tSrQ = thr_qk.partition_fragment_A(make_tensor(
-            make_smem_ptr(reinterpret_cast<typename Traits::Fp8*>(mla_common::opaque(ss.q))), typename Traits::SmemLayoutQ{}));
-        Tensor tSrK = thr_qk.partition_fragment_B(make_tensor(
-            make_smem_ptr(reinterpret_cast<typename Traits::Fp8*>(mla_common::opaque(ss.k[stage]))),
-            typename Traits::SmemLayoutK{}));
-        warpgroup_arrive();
-#pragma unroll
-        for (int k = slab * kStepsPerSlab; k < (slab + 1) * kStepsPerSlab; ++k) {
-          cute::gemm(mma_qk, tSrQ(_, _, k), tSrK(_, _, k), tSrS);
-          mma_qk.accumulate_ = GMMA::ScaleOut::One;
-        }
-        warpgroup_commit_batch();
-      }
+      issue_qk_slabs<typename Traits::SmemLayoutQ, typename Traits::SmemLayoutK>(
+          mma_qk, thr_qk, tSrS, reinterpret_cast<typename Traits::Fp8*>(ss.q),
+          reinterpret_cast<typename Traits::Fp8*>(ss.k[stage]), ss.kv_full[stage], phase, 0, kSlabs);
     };
     auto release_stage = [&](int it) {
       if (tid_in_wg == 0) cutlass::arch::ClusterBarrier::arrive(&ss.kv_empty[it % Traits::kStages]);
@@ -200,26 +183,8 @@ __device__ void consume_fp8mma_tiles(const DecodeParams& p, typename Traits::Sha
         warpgroup_fence_operand(tSrS);
 
         // -- Online softmax in log2 units over the 64 keys of the block.
-        const int key0 = blk * kBlockN;
-        float block_max[2] = {-INFINITY, -INFINITY};
-#pragma unroll
-        for (int e = 0; e < size(tSrS); ++e) {
-          const int i = row_half(e);
-          const float s = key0 + get<1>(tScS(e)) <= last_key[i] ? tSrS(e) * score_scale[i] : -INFINITY;
-          tSrS(e) = s;
-          block_max[i] = fmaxf(block_max[i], s);
-        }
         float base[2];
-#pragma unroll
-        for (int i = 0; i < 2; ++i) {
-          block_max[i] = fmaxf(block_max[i], __shfl_xor_sync(0xffffffff, block_max[i], 1));
-          block_max[i] = fmaxf(block_max[i], __shfl_xor_sync(0xffffffff, block_max[i], 2));
-          const float new_max = fmaxf(row_max[i], block_max[i]);
-          base[i] = new_max == -INFINITY ? 0.f : new_max;  // fully masked row: keep exp2 finite
-          rescale[i] = exp2f(row_max[i] - base[i]);
-          row_max[i] = new_max;
-          row_sum[i] *= rescale[i];
-        }
+        owner_softmax_step(tSrS, tScS, blk * kBlockN, last_key, score_scale, row_max, row_sum, base, rescale);
         // The other WG must be done reading the previous P before it is overwritten.
         if (blk > seg.blk_lo) named_barrier_sync<int(DecodeBarrier::kPFree0), 256>(warpgroup);
         // P times kPScale as e4m3. Elements 8q + 2i (+1) and 8q + 4 + 2i (+1) are keys 16q + 2c (+1)
@@ -258,13 +223,7 @@ __device__ void consume_fp8mma_tiles(const DecodeParams& p, typename Traits::Sha
         if (blk > seg.blk_lo) release_stage(iteration - 1);
         if (blk > seg.blk_lo) named_barrier_sync<int(DecodeBarrier::kPFree0), 256>(owner);
         named_barrier_sync<int(DecodeBarrier::kPReady0), 256>(owner);  // also: V^T is visible to both
-#pragma unroll
-        for (int i = 0; i < 2; ++i) {
-          const float new_max = ss.row_max[r0 + 8 * i];
-          rescale[i] = exp2f(row_max[i] - (new_max == -INFINITY ? 0.f : new_max));
-          row_max[i] = new_max;
-          row_sum[i] *= rescale[i];
-        }
+        adopt_row_max(ss.row_max, r0, row_max, row_sum, rescale);
       }
 
       // ---- O[:, own 256 columns] = O * rescale + P V (no PV of this WG is in flight here).
@@ -286,16 +245,8 @@ __device__ void consume_fp8mma_tiles(const DecodeParams& p, typename Traits::Sha
     warpgroup_fence_operand(tOrO);
 
     // ---- Epilogue: total denominator over both warpgroups' blocks, then normalise and store.
-    const float total[2] = {quad_sum(row_sum[0]), quad_sum(row_sum[1])};
-    __syncwarp();  // the quad's other lanes read row_sum in the previous epilogue
-    if (tid % 4 == 0) {
-      ss.row_sum[warpgroup][r0] = total[0];
-      ss.row_sum[warpgroup][r0 + 8] = total[1];
-    }
-    named_barrier_sync<int(DecodeBarrier::kRowSum), 256>();  // also: every QK is done, ss.q is free
-    float sums[2];
-#pragma unroll
-    for (int i = 0; i < 2; ++i) sums[i] = ss.row_sum[0][r0 + 8 * i] + ss.row_sum[1][r0 + 8 * i];
+    float sums[2];  // (its barrier also means: every QK is done, ss.q is free)
+    total_row_sums<int(DecodeBarrier::kRowSum)>(ss.row_sum, warpgroup, r0, row_sum, sums);
     if (seg.blk_lo < seg.blk_hi) {
       // Warpgroup 0 stages its rows in the Q buffer, warpgroup 1 in the last block's K stage (every
       // MMA is done: kRowSum); then that stage is released.
@@ -325,13 +276,7 @@ __global__ void __launch_bounds__(kNumThreads, 1)
   const PartRange range = PartRange::load(params, blockIdx.y);
   mla_common::launch_dependents();  // the combine kernel may start (decode_kernel.cuh)
 
-  if (threadIdx.x == 0) {
-    for (int s = 0; s < Traits::kStages; ++s) {
-      for (int slab = 0; slab < kSlabs; ++slab) cutlass::arch::ClusterTransactionBarrier::init(&ss.kv_full[s][slab], 1);
-      cutlass::arch::ClusterBarrier::init(&ss.kv_empty[s], kNumMathWarpgroups);
-    }
-    cutlass::arch::fence_barrier_init();
-  }
+  init_kv_ring<Traits>(ss, kNumMathWarpgroups);
   __syncthreads();
 
   if (warpgroup == kNumMathWarpgroups) {

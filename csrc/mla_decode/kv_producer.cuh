@@ -69,6 +69,18 @@ __device__ __forceinline__ void for_each_scheduled_block(const DecodeParams& p, 
   }
 }
 
+// Thread 0 initialises the ring's barriers: kv_full[stage][slab] (one arrival, plus the TMA bytes)
+// and kv_empty[stage] (empty_arrivals); the caller syncs the CTA after.
+template <typename Traits>
+__device__ __forceinline__ void init_kv_ring(typename Traits::SharedStorage& ss, int empty_arrivals) {
+  if (threadIdx.x != 0) return;
+  for (int s = 0; s < Traits::kStages; ++s) {
+    for (int slab = 0; slab < kSlabs; ++slab) cutlass::arch::ClusterTransactionBarrier::init(&ss.kv_full[s][slab], 1);
+    cutlass::arch::ClusterBarrier::init(&ss.kv_empty[s], empty_arrivals);
+  }
+  cutlass::arch::fence_barrier_init();
+}
+
 // Issues the K-tile loads of this CTA's schedule for slabs first_slab, first_slab + slab_step, ...
 // into a ring of Traits::kStages stages, one kv_empty barrier per stage. Runs on one warp (several
 // warps split the slabs: TMA issue from one thread is serial, and page 16 needs 4 copies x 9 slabs

@@ -503,13 +503,7 @@ __global__ void __launch_bounds__(Traits::kThreads, 1)
   const PartRange range = PartRange::load(params, blockIdx.y);
   mla_common::launch_dependents();  // the combine kernel may start its prologue (see decode_kernel.cuh)
 
-  if (threadIdx.x == 0) {
-    for (int s = 0; s < Traits::kStages; ++s) {
-      for (int slab = 0; slab < kSlabs; ++slab) cutlass::arch::ClusterTransactionBarrier::init(&ss.kv_full[s][slab], 1);
-      cutlass::arch::ClusterBarrier::init(&ss.kv_empty[s], 4);
-    }
-    cutlass::arch::fence_barrier_init();
-  }
+  init_kv_ring<Traits>(ss, 4);
   __syncthreads();
 
   if (warpgroup == Traits::kMathWarpgroups) {

@@ -66,7 +66,6 @@ __device__ void consume_seesaw_pairs(const DecodeParams& p, const DecodeTma& tma
   using Barrier = cutlass::arch::ClusterBarrier;
   static_assert(2 * kStagingBytes <= int(sizeof(Element)) * cosize_v<typename Traits::SmemLayoutK>,
                 "the epilogue stages both warpgroups' output in one K stage");
-  constexpr int kStepsPerSlab = kTmaColumns / 16;
   const int tid = threadIdx.x;  // 0..255 over the two math warpgroups
   const int wg = tid / 128, tid_in_wg = tid % 128;
 
@@ -91,21 +90,8 @@ __device__ void consume_seesaw_pairs(const DecodeParams& p, const DecodeTma& tma
   // each issued once its slab landed. Warpgroup 0 goes in slab order; warpgroup 1 starts with its
   // own V half, which its PVs free first. The rope slab is last: it waits for both halves to be free.
   auto issue_qk_slabs = [&](int stage, uint32_t phase, int first_slab, int end_slab) {
-    // Descriptors rebuilt per call from opaque bases: otherwise all 2 x 36 are computed up front
-    // and held across the waits.
-    Tensor tSrQ = thr_qk.partition_fragment_A(make_tensor(make_smem_ptr(mla_common::opaque(ss.q)), typename Traits::SmemLayoutQ{}));
-    Tensor tSrK = thr_qk.partition_fragment_B(make_tensor(make_smem_ptr(mla_common::opaque(ss.k[stage])), typename Traits::SmemLayoutK{}));
-#pragma unroll
-    for (int slab = first_slab; slab < end_slab; ++slab) {
-      Barrier::wait(&ss.kv_full[stage][slab], phase);
-      warpgroup_arrive();
-#pragma unroll
-      for (int k = slab * kStepsPerSlab; k < (slab + 1) * kStepsPerSlab; ++k) {
-        cute::gemm(mma_qk, tSrQ(_, _, k), tSrK(_, _, k), tSrS);
-        mma_qk.accumulate_ = GMMA::ScaleOut::One;
-      }
-      warpgroup_commit_batch();
-    }
+    mla_decode::issue_qk_slabs<typename Traits::SmemLayoutQ, typename Traits::SmemLayoutK>(
+        mma_qk, thr_qk, tSrS, ss.q, ss.k[stage], ss.kv_full[stage], phase, first_slab, end_slab);
   };
   auto start_qk = [&] {
     warpgroup_fence_operand(tSrS);
@@ -170,23 +156,12 @@ __device__ void consume_seesaw_pairs(const DecodeParams& p, const DecodeTma& tma
   };
   // Scores of block `blk` in log2 units, masked past each row's last visible key; returns the
   // block's row max.
-  auto mask_scores = [&](int blk, const int (&last_key)[2], float (&block_max)[2]) {
+  auto mask_block_scores = [&](int blk, const int (&last_key)[2], float (&block_max)[2]) {
     // Key of element e: key0 + 8 (e >> 2) + 2 (lane % 4) + (e & 1) (from an opaque thread index,
     // as row0).
     const int key0 = blk * kBlockN + 2 * (mla_common::opaque(int(threadIdx.x)) % 4);
-    block_max[0] = block_max[1] = -INFINITY;
-#pragma unroll
-    for (int e = 0; e < size(tSrS); ++e) {
-      const int i = row_half(e);
-      const float s = key0 + 8 * (e >> 2) + (e & 1) <= last_key[i] ? tSrS(e) * p.scale_log2 : -INFINITY;
-      tSrS(e) = s;
-      block_max[i] = fmaxf(block_max[i], s);
-    }
-#pragma unroll
-    for (int i = 0; i < 2; ++i) {
-      block_max[i] = fmaxf(block_max[i], __shfl_xor_sync(0xffffffff, block_max[i], 1));
-      block_max[i] = fmaxf(block_max[i], __shfl_xor_sync(0xffffffff, block_max[i], 2));
-    }
+    const float scale[2] = {p.scale_log2, p.scale_log2};
+    mask_scores(tSrS, [&](int e) { return key0 + 8 * (e >> 2) + (e & 1); }, last_key, scale, block_max);
   };
   // tOrP as packed pairs (elements e, e + 1 in word e / 2): converting element by element leaves
   // each 16-bit value in a register of its own.
@@ -256,7 +231,7 @@ __device__ void consume_seesaw_pairs(const DecodeParams& p, const DecodeTma& tma
         warpgroup_fence_operand(tSrS);
         warpgroup_fence_operand(tOrO);
         float block_max[2], base[2], factor[2];
-        mask_scores(blk, last_key, block_max);
+        mask_block_scores(blk, last_key, block_max);
         float max_a[2];
 #pragma unroll
         for (int i = 0; i < 2; ++i) {
@@ -322,7 +297,7 @@ __device__ void consume_seesaw_pairs(const DecodeParams& p, const DecodeTma& tma
         warpgroup_fence_operand(tSrS);
         warpgroup_fence_operand(tOrO);
         if (has_b) {
-          mask_scores(blk + 1, last_key, block_max);
+          mask_block_scores(blk + 1, last_key, block_max);
         }
         if (is_tail(blk)) {  // S_a is done; there is no b
           zero_tail_of_own_half(stage_a, phase_a, blk);
