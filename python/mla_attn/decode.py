@@ -228,9 +228,9 @@ def mla_decode(q, kv_cache, block_table, cache_seqlens, *, cu_seqlens_q=None, ma
     (max_seqlen_q * h_q > 16), or any with deterministic=True, the MMAs run in e4m3: each Q row is
     rounded to e4m3 (times a power of two) and so are the probabilities. That is 1.2-1.9x faster at
     h_q 128, where the kernel is bound by its MMAs (faster than a bf16 cache there too), and up to
-    1.6x at 17-32 rows, but about 3 % relative error
-    against the reference on the dequantized cache (0.17 % without), the size of the error the FP8
-    cache itself adds, and LSE within ~0.1. 16 rows or fewer stream the cache and keep 16-bit MMAs.
+    1.5x at 17-32 rows, but costs about 3 % relative error against the reference on the dequantized
+    cache (0.17 % without), the size of the error the FP8 cache itself adds, and LSE within ~0.1.
+    16 rows or fewer stream the cache and keep 16-bit MMAs.
     """
     if softmax_scale is None:
         raise ValueError("softmax_scale is required (MLA absorbs the projection, so 1/sqrt(576) is not "
