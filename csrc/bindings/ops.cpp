@@ -28,7 +28,8 @@ TORCH_LIBRARY(mla_attn, m) {
   //   kv_cache [num_pages, page_size, 576] or [num_pages, page_size, 1, 576]
   //   returns  out [.., h_q, 512] (q's dtype), lse fp32 [.., h_q] (natural log, +inf = no key)
   //   deterministic: the kernel is chosen by h_q alone (metadata computed with deterministic=True)
-  //   fp8_mma: with a float8_e4m3fn cache, the 64-row kernels run e4m3 MMAs (Q and P rounded to e4m3)
+  //   fp8_mma: with a float8_e4m3fn cache and > 16 query rows per request (any when deterministic),
+  //            the MMAs run in e4m3 (Q and P rounded to e4m3)
   m.def(
       "mla_decode(Tensor q, Tensor? q_pe, Tensor kv_cache, Tensor block_table, Tensor cache_seqlens, "
       "Tensor? cu_seqlens_q, int max_seqlen_q, float softmax_scale, bool causal, "
