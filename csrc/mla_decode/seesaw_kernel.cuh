@@ -268,10 +268,12 @@ __device__ void consume_seesaw_pairs(const DecodeParams& p, const DecodeTma& tma
         store_p(stage_a, [&](int e) {
           return pack_pair<Element>(tSrS(e) * factor[row_half(e)], tSrS(e + 1) * factor[row_half(e)]);
         });
-        named_barrier_sync<int(SeesawBarrier::kPReady), 256>();
-        warpgroup_wait<0>();  // P_a V_a
+        // V_a's half 0 is free once P_a V_a completes: released before the P hand-off, so that its
+        // reload starts while warpgroup 1 still exponentiates P_b (h_q 128 x1.008, BENCHMARKS.md).
+        warpgroup_wait<0>();
         warpgroup_fence_operand(tOrO);
         release_unless_last(stage_a, blk);
+        named_barrier_sync<int(SeesawBarrier::kPReady), 256>();
         if (has_b) {
           scale_o(factor);
           named_barrier_sync<int(SeesawBarrier::kRemoteIssued), 256>();
