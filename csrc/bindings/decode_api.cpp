@@ -151,12 +151,14 @@ void mla_decode_cuda_impl(const Tensor& q, const std::optional<Tensor>& q_pe, co
           // s2 b1 L1024: 25.2 vs 16.1 us; warm 16.4 vs 15.3; b128 L1024 56.7 vs 50.2).
           if (narrow && rows <= 16) return run_mla_decode_narrow<Element, 16, 2, false>(p, tma, stream);
           // The seesaw kernel overlaps one warpgroup's softmax with the other's MMAs, which pays
-          // where the MMAs bound the time: every token's heads fill two or more q-tiles, which share
-          // each KV tile (measured, H200, h_q 128: 5-12 % faster with 32+ requests of 4k+ keys; 2-7 %
-          // slower for a single request, whose short split segments pay its deeper start-up). At one
-          // q-tile the 64-row kernel's earlier stage release keeps more loads in flight. Chosen by
-          // h_q alone, so that a request's result does not depend on the batch it is in.
-          if (p.num_heads_q > kBlockM) return run_mla_decode_seesaw<Element>(p, tma, stream);
+          // where the MMAs bound the time: a request's rows fill two or more q-tiles, which share
+          // each KV tile (measured, H200: h_q 128 5-12 % faster with 32+ requests of 4k+ keys; h16
+          // s64 b32 L4096 549 -> 492 us). At one q-tile the 64-row kernel's earlier stage release
+          // keeps more loads in flight (the seesaw there: 0.80-0.97x on h16 s2/s4, h32, h64 cells).
+          // With deterministic=True chosen by h_q alone, so that a request's result does not
+          // depend on the batch it is in.
+          const bool seesaw = deterministic ? p.num_heads_q > kBlockM : rows > kBlockM;
+          if (seesaw) return run_mla_decode_seesaw<Element>(p, tma, stream);
           return run_mla_decode<Element, false>(p, tma, stream);
         }
         // fp8: the narrow kernel converts in registers. At 32 rows its per-tile latency is higher
