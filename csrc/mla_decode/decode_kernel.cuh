@@ -308,21 +308,9 @@ __device__ void consume_kv_tiles(const DecodeParams& p, typename Traits::SharedS
         adopt_row_max(ss.row_max, r0, row_max, row_sum, rescale);
       }
 
-      // ---- O[:, own 256 columns] = O * rescale + P V (no PV of this WG is in flight here).
-      // Once the running max settles the factors are exactly 1: skip the 128 multiplies then.
-      if (__any_sync(0xffffffff, rescale[0] != 1.f || rescale[1] != 1.f)) {
-#pragma unroll
-        for (int e = 0; e < size(tOrO); ++e) tOrO(e) *= rescale[row_half(e)];
-      }
-      Tensor tOrP = thr_pv.partition_fragment_A(
-          make_tensor(make_smem_ptr(mla_common::opaque(ss.p)), typename Traits::SmemLayoutP{}));
-      Tensor tOrV = thr_pv.partition_fragment_B(
-          make_tensor(make_smem_ptr(ss.k[stage]), typename Traits::SmemLayoutVt{}));
-      warpgroup_fence_operand(tOrO);
-      warpgroup_arrive();
-#pragma unroll
-      for (int k = 0; k < size<2>(tOrP); ++k) cute::gemm(mma_pv, tOrP(_, _, k), tOrV(_, _, k), tOrO);
-      warpgroup_commit_batch();
+      // ---- O[:, own 256 columns] = O * rescale + P V.
+      rescale_and_issue_pv<typename Traits::SmemLayoutP, typename Traits::SmemLayoutVt>(mma_pv, thr_pv, tOrO, rescale,
+                                                                                         ss.p, ss.k[stage]);
     }
     warpgroup_wait<0>();
     warpgroup_fence_operand(tOrO);

@@ -113,6 +113,27 @@ __device__ __forceinline__ void issue_qk_slabs(Mma& mma, const ThrMma& thr, Tens
   }
 }
 
+// O[:, this warpgroup's columns] = O * rescale + P V, no PV of the warpgroup in flight: the
+// rescale is skipped while every factor of the warp is 1 (the running max settled: 128 multiplies
+// saved), then one commit group of PV WGMMAs with P (A) and V (B) from shared memory. Element e of
+// the accumulator is in row r0 + 8 ((e >> 1) & 1).
+template <typename SmemLayoutP, typename SmemLayoutV, typename Mma, typename ThrMma, typename TensorO, typename T>
+__device__ __forceinline__ void rescale_and_issue_pv(Mma& mma, const ThrMma& thr, TensorO& tOrO, const float (&rescale)[2],
+                                                     T* p_smem, T* v_smem) {
+  using namespace cute;
+  if (__any_sync(0xffffffff, rescale[0] != 1.f || rescale[1] != 1.f)) {
+#pragma unroll
+    for (int e = 0; e < int(size(tOrO)); ++e) tOrO(e) *= rescale[(e >> 1) & 1];
+  }
+  Tensor tOrP = thr.partition_fragment_A(make_tensor(make_smem_ptr(mla_common::opaque(p_smem)), SmemLayoutP{}));
+  Tensor tOrV = thr.partition_fragment_B(make_tensor(make_smem_ptr(v_smem), SmemLayoutV{}));
+  warpgroup_fence_operand(tOrO);
+  warpgroup_arrive();
+#pragma unroll
+  for (int k = 0; k < size<2>(tOrP); ++k) gemm(mma, tOrP(_, _, k), tOrV(_, _, k), tOrO);
+  warpgroup_commit_batch();
+}
+
 // Scores of a 64 x 64 accumulator in log2 units: element e (row r0 + 8 ((e >> 1) & 1), key key_of(e))
 // times its row's scale, or -inf past the row's last visible key: a select, so the stale (even NaN)
 // scores of keys never loaded vanish. Returns each row's max (over the 4 lanes of the row).

@@ -102,9 +102,8 @@ __device__ void consume_fp8mma_tiles(const DecodeParams& p, typename Traits::Sha
   Tensor tOrO = partition_fragment_C(mma_pv, Shape<Int<kBlockM>, Int<kHeadDimV>>{});  // (64, 256) per WG
   Tensor tSrS = partition_fragment_C(mma_qk, Shape<Int<kBlockM>, Int<kBlockN>>{});    // (64, 64)
   // Thread (warp w, lane 4g + c) holds rows r0 = 16 w + g and r0 + 8 of every accumulator; element
-  // e is in row r0 + 8 row_half(e), column 8 (e >> 2) + 2c + (e & 1).
+  // e is in row r0 + 8 ((e >> 1) & 1), column 8 (e >> 2) + 2c + (e & 1).
   const int r0 = get<0>(tScS(0)), c = tid % 4;
-  auto row_half = [](int e) { return (e >> 1) & 1; };
   const float k_scale = *p.k_scale;
 
   // ---- Q [64 rows, 576] into ss.q as e4m3, each row times e4m3_row_scale (recorded in q_scale).
@@ -226,20 +225,10 @@ __device__ void consume_fp8mma_tiles(const DecodeParams& p, typename Traits::Sha
         adopt_row_max(ss.row_max, r0, row_max, row_sum, rescale);
       }
 
-      // ---- O[:, own 256 columns] = O * rescale + P V (no PV of this WG is in flight here).
-      if (__any_sync(0xffffffff, rescale[0] != 1.f || rescale[1] != 1.f)) {
-#pragma unroll
-        for (int e = 0; e < size(tOrO); ++e) tOrO(e) *= rescale[row_half(e)];
-      }
-      Tensor tOrP = thr_pv.partition_fragment_A(make_tensor(
-          make_smem_ptr(reinterpret_cast<typename Traits::Fp8*>(mla_common::opaque(ss.p))), typename Traits::SmemLayoutP{}));
-      Tensor tOrV = thr_pv.partition_fragment_B(make_tensor(
-          make_smem_ptr(reinterpret_cast<typename Traits::Fp8*>(ss.vt[vt_buffer])), typename Traits::SmemLayoutVt{}));
-      warpgroup_fence_operand(tOrO);
-      warpgroup_arrive();
-#pragma unroll
-      for (int k = 0; k < size<2>(tOrP); ++k) cute::gemm(mma_pv, tOrP(_, _, k), tOrV(_, _, k), tOrO);
-      warpgroup_commit_batch();
+      // ---- O[:, own 256 columns] = O * rescale + P V.
+      using Fp8 = typename Traits::Fp8;
+      rescale_and_issue_pv<typename Traits::SmemLayoutP, typename Traits::SmemLayoutVt>(
+          mma_pv, thr_pv, tOrO, rescale, reinterpret_cast<Fp8*>(ss.p), reinterpret_cast<Fp8*>(ss.vt[vt_buffer]));
     }
     warpgroup_wait<0>();
     warpgroup_fence_operand(tOrO);
