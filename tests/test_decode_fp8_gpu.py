@@ -52,6 +52,9 @@ CASES = [
     ([113, 4099, 1, 0], 4, 8, 16, True, False),
     ([33000], 7, 3, 64, False, False),
     ([5, 36000], 1, 16, 32, False, False),
+    # the narrow kernel at pages 48 (16-key copies) and 256 (64-key copies; varlen, q_pe split)
+    ([4099, 700, 1], 1, 16, 48, False, False),
+    ([1023, 5000, 64], 2, 16, 256, True, True),
 ]
 
 
