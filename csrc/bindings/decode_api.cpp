@@ -148,7 +148,8 @@ void mla_decode_cuda_impl(const Tensor& q, const std::optional<Tensor>& q_pe, co
         const bool narrow = !deterministic && rows <= kNarrowMaxRows;
         if (!fp8_kv) {
           // 16-bit: 16 rows only. 32 rows measured slower than the 64-row kernel (H200, cold, h16
-          // s2 b1 L1024: 25.2 vs 16.1 us; warm 16.4 vs 15.3; b128 L1024 56.7 vs 50.2).
+          // s2 b1 L1024: 25.2 vs 16.1 us; warm 16.4 vs 15.3; b128 L1024 56.7 vs 50.2; at batch > 1
+          // 0.74-1.08x, faster only at b128 L65536: BENCHMARKS.md).
           if (narrow && rows <= 16) return run_mla_decode_narrow<Element, 16, 2, false>(p, tma, stream);
           // The seesaw kernel overlaps one warpgroup's softmax with the other's MMAs, which pays
           // where the MMAs bound the time: a request's rows fill two or more q-tiles, which share
