@@ -147,9 +147,14 @@ def main():
               + ("ok" if not failed.item() else f"{failed.item()} failures"), flush=True)
     # Both ranks leave together: a rank tearing gloo down while the other still holds its connection
     # aborted ("terminate called without an active exception") in about 1 of 5 runs.
+    code = 1 if failed.item() else 0
     dist.barrier()
     dist.destroy_process_group()
-    sys.exit(1 if failed.item() else 0)
+    # Even so, a c10d thread still running at interpreter teardown aborted a rank after the check had
+    # passed (CPU, torch 2.14, 1 CI run): leave without running the C++ exit destructors.
+    sys.stdout.flush()
+    sys.stderr.flush()
+    os._exit(code)
 
 
 if __name__ == "__main__":
