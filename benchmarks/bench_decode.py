@@ -23,6 +23,7 @@ ratio measured in this same run.
 
 usage: python benchmarks/bench_decode.py [--quick] [--configs main|ext|all] [--only SUBSTR,..]
                                          [--out DIR] [--no-flashinfer] [--no-ceilings]
+                                         [--flashmla SO:PKG_ROOT]  (a FlashMLA build, timed beside)
 """
 import argparse
 import json
@@ -310,6 +311,35 @@ class FlashInferFA3:
         return dict(eager=eager, graph_fn=run, info={}, keep=(w, kv_indices))
 
 
+class FlashMLA:
+    """deepseek-ai/FlashMLA's SM90 dense decode, when a build of it is given (--flashmla SO:PKG_ROOT:
+    the compiled module and the folder holding its flash_mla/ Python package). mla_attn ships no
+    FlashMLA code or binary; shared/anchors/README.md says how the anchors were built. Page 64 only."""
+    name = "flashmla"
+
+    def __init__(self, spec):
+        import importlib.util
+        so_path, pkg_root = spec.split(":")
+        mod_spec = importlib.util.spec_from_file_location("flash_mla_dense", so_path)
+        mod = importlib.util.module_from_spec(mod_spec)
+        mod_spec.loader.exec_module(mod)
+        sys.modules["flash_mla.cuda"] = mod
+        sys.path.insert(0, pkg_root)
+        from flash_mla.flash_mla_interface import flash_mla_with_kvcache, get_mla_metadata
+        self.get_mla_metadata, self.fwd = get_mla_metadata, flash_mla_with_kvcache
+
+    def prepare(self, p, c):
+        if p["page"] != 64 or p["k_scale"] is not None:
+            raise ValueError("FlashMLA's dense decode takes a bf16 cache of page 64 only")
+        q, kv, table, lens = p["q"], p["kv"], p["table"], p["lens"]
+        meta, _ = self.get_mla_metadata()  # filled by the first call (the eager check), then reused
+
+        def run():
+            out, lse = self.fwd(q, kv, table, lens, D_V, meta, None, softmax_scale=SCALE, causal=c["s_q"] > 1)
+            return out, lse.transpose(1, 2)  # lse [b, h_q, s_q] -> [b, s_q, h_q]
+        return dict(eager=run, graph_fn=run, info={}, keep=(meta,))
+
+
 # ----------------------------------------------------------------------------------------------
 # metadata timing
 # ----------------------------------------------------------------------------------------------
@@ -375,6 +405,21 @@ def _stem(results):
     return "bench_decode" if kv_dtype == "bf16" else f"bench_decode_{kv_dtype}"
 
 
+def live_best(row):
+    """Fastest correct cold time of the live anchors (FlashInfer, FlashMLA) in a row, or None."""
+    times = [r["cold_us"] for r in (row.get("flashinfer_fa3"), row.get("flashmla"))
+             if r and r.get("ok") and r.get("cold_us")]
+    return min(times) if times else None
+
+
+def live_cells(row, cold):
+    fm = row.get("flashmla") or {}
+    fm_cold = fm.get("cold_us") if fm.get("ok") else None
+    best = live_best(row)
+    return (f"{fmt(fm_cold)} | {fmt(fm_cold / cold if (fm_cold and cold) else None, '{:.2f}')} | "
+            f"{fmt(best / cold if (best and cold) else None, '{:.2f}')} | ")
+
+
 def write_outputs(results, out_dir):
     os.makedirs(out_dir, exist_ok=True)
     with open(os.path.join(out_dir, _stem(results) + ".json"), "w") as f:
@@ -396,9 +441,15 @@ def write_outputs(results, out_dir):
                  "x FI = FI cold / ours cold; x static = best anchor of shared/anchors (other run) / ours "
                  "(> 1: ours faster). md us = get_decode_metadata, eager, CUDA events.")
     lines.append("")
+    fmla = any(row.get("flashmla") for row in results["rows"])
+    if fmla:
+        lines.append("FMLA = FlashMLA SM90 dense decode (live, this run; --flashmla); x live best = the faster "
+                     "correct one of FI and FMLA / ours.")
+        lines.append("")
     lines.append("| config | ok | rel L2 | max abs | lse err | cold us | warm us | TB/s | TFLOP/s | md us "
-                 "| FI cold us | FI ok | x FI | static best (us) | x static |")
-    lines.append("|---|---|---|---|---|---|---|---|---|---|---|---|---|---|---|")
+                 "| FI cold us | FI ok | x FI | " + ("FMLA cold us | x FMLA | x live best | " if fmla else "")
+                 + "static best (us) | x static |")
+    lines.append("|---" * (18 if fmla else 15) + "|")
     for row in results["rows"]:
         o = row.get("ours", {})
         fi = row.get("flashinfer_fa3")
@@ -419,10 +470,12 @@ def write_outputs(results, out_dir):
             f"{fmt(o.get('lse_max_abs'), '{:.1e}')} | {fmt(cold)} | {fmt(o.get('warm_us'))} | "
             f"{fmt(row['bytes'] / cold / 1e6 if cold else None, '{:.2f}')} | "
             f"{fmt(row['flops'] / cold / 1e6 if cold else None, '{:.0f}')} | {fmt(row.get('md_us'))} | "
-            f"{fmt(fi_cold)} | {fi_ok} | {fmt(x_fi, '{:.2f}')} | "
+            f"{fmt(fi_cold)} | {fi_ok} | {fmt(x_fi, '{:.2f}')} | " + (live_cells(row, cold) if fmla else "") +
             f"{(st[0] + ' ' + format(st[1], '.1f')) if st else '-'} | {fmt(x_st, '{:.2f}')} |")
     rat_fi = [r["flashinfer_fa3"]["cold_us"] / r["ours"]["cold_us"] for r in results["rows"]
               if r.get("ours", {}).get("cold_us") and (r.get("flashinfer_fa3") or {}).get("cold_us")]
+    rat_live = [live_best(r) / r["ours"]["cold_us"] for r in results["rows"]
+                if r.get("ours", {}).get("cold_us") and live_best(r)] if fmla else []
     rat_st = [STATIC_BEST[r["cfg"]][1] / r["ours"]["cold_us"] for r in results["rows"]
               if r.get("ours", {}).get("cold_us") and r["cfg"] in STATIC_BEST]
     lines.append("")
@@ -431,6 +484,10 @@ def write_outputs(results, out_dir):
     if rat_fi:
         lines.append(f"Geo-mean x FI (live FlashInfer fa3 / ours): "
                      f"{math.exp(sum(map(math.log, rat_fi)) / len(rat_fi)):.3f} over {len(rat_fi)} configs.")
+    if rat_live:
+        lines.append(f"Geo-mean x live best (FI, FMLA) / ours: "
+                     f"{math.exp(sum(map(math.log, rat_live)) / len(rat_live)):.3f} over {len(rat_live)} configs; "
+                     f"{sum(x >= 0.95 for x in rat_live)} at >= 0.95.")
     if rat_st:
         lines.append(f"Geo-mean x static best anchor / ours: "
                      f"{math.exp(sum(map(math.log, rat_st)) / len(rat_st)):.3f} over {len(rat_st)} configs.")
@@ -452,6 +509,9 @@ def add_args(ap):
     ap.add_argument("--only", default="", help="comma list of config-name substrings")
     ap.add_argument("--out", default=os.path.join(here, "results"))
     ap.add_argument("--no-flashinfer", action="store_true")
+    ap.add_argument("--flashmla", default="", metavar="SO:PKG_ROOT",
+                    help="also time a FlashMLA build (SM90 dense decode; bf16, page 64): its compiled module "
+                         "and the folder holding its flash_mla/ package")
     ap.add_argument("--kv-dtype", default="bf16", choices=("bf16", "fp8", "fp8_mma"),
                     help="fp8: float8_e4m3fn cache with k_scale (FlashInfer is not run); TB/s counts 1 byte "
                          "per cached value. fp8_mma: the same with mla_decode(fp8_mma=True)")
@@ -507,6 +567,14 @@ def run(args, extra_kernels=()):
         except Exception:
             results["errors"].append(("ceilings", traceback.format_exc()[-1500:]))
             log(traceback.format_exc())
+
+    if args.flashmla and args.kv_dtype == "bf16":
+        try:
+            extra_kernels = list(extra_kernels) + [FlashMLA(args.flashmla)]
+            log("FlashMLA loaded")
+        except Exception as e:
+            results["errors"].append(("flashmla_import", traceback.format_exc()[-1500:]))
+            log(f"FlashMLA not importable, running without it: {e!r}")
 
     timer = GraphTimer()
     cfgs = select_configs(args.configs, args.quick, args.only)

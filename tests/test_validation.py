@@ -94,6 +94,9 @@ def test_static_errors(case, exc, match):
 def test_call_level_errors():
     with pytest.raises(ValueError, match="softmax_scale is required"):
         call(C, softmax_scale=None)
+    for bad in (0.0, -0.1, float("nan"), float("inf")):  # the kernels need a finite scale > 0
+        with pytest.raises(ValueError, match="softmax_scale must be a finite number > 0"):
+            call(C, softmax_scale=bad)
     with pytest.raises(ValueError, match="cu_seqlens_q given without max_seqlen_q"):
         call(CV, max_seqlen_q=None)
     with pytest.raises(ValueError, match=r"max_seqlen_q=3 does not match q.shape\[1\]=2"):

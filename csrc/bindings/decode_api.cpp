@@ -6,6 +6,8 @@
 #include <c10/cuda/CUDAGuard.h>
 #include <torch/library.h>
 
+#include <cmath>
+
 #include "bindings/checks.h"
 #include "mla_decode/config.h"
 #include "mla_decode/decode.h"
@@ -29,6 +31,9 @@ void mla_decode_cuda_impl(const Tensor& q, const std::optional<Tensor>& q_pe, co
   check_sm90(q, "decode");
   const bool fp8_kv = kv_cache.scalar_type() == at::kFloat8_e4m3fn;
   const bool varlen = cu_seqlens_q.has_value();
+  // > 0: the kernels take the block max of unscaled scores (the scale commutes with max only then).
+  TORCH_CHECK(softmax_scale > 0 && std::isfinite(softmax_scale), "mla_attn: softmax_scale must be a finite number > 0, got ",
+              softmax_scale);
   TORCH_CHECK(q.dim() == (varlen ? 3 : 4), "mla_attn: q must be [B, s_q, h_q, D] or, with cu_seqlens_q, [T, h_q, D]");
   TORCH_CHECK(q.scalar_type() == at::kBFloat16 || q.scalar_type() == at::kHalf, "mla_attn: q must be bf16 or fp16");
   TORCH_CHECK(fp8_kv || kv_cache.scalar_type() == q.scalar_type(),

@@ -7,6 +7,7 @@ Validation is split in two:
     for GPU tensors only with validate=True or MLA_ATTN_VALIDATE=1, because they force a host sync.
     validate=False disables them everywhere. They are skipped while torch.compile traces.
 """
+import math
 import os
 
 import torch
@@ -235,6 +236,8 @@ def mla_decode(q, kv_cache, block_table, cache_seqlens, *, cu_seqlens_q=None, ma
     if softmax_scale is None:
         raise ValueError("softmax_scale is required (MLA absorbs the projection, so 1/sqrt(576) is not "
                          "the right default)")
+    if not (math.isfinite(softmax_scale) and softmax_scale > 0):
+        raise ValueError(f"softmax_scale must be a finite number > 0, got {softmax_scale}")
     batch, max_seqlen_q = _check_static(q, q_pe, kv_cache, block_table, cache_seqlens, cu_seqlens_q,
                                         max_seqlen_q, out)
     check_k_scale(kv_cache, k_scale)
