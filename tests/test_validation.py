@@ -124,6 +124,9 @@ def test_fp8_cache_errors():
         call(_with(C, kv_cache=fp8), k_scale=scale.to("meta"))
     with pytest.raises(ValueError, match="fp8_mma=True needs a float8_e4m3fn kv_cache"):
         call(C, fp8_mma=True)
+    for bad in (0.0, -0.5, float("nan")):  # value check (on CPU by default): it scales the scores
+        with pytest.raises(ValueError, match="k_scale must be finite and > 0"):
+            call(_with(C, kv_cache=fp8), k_scale=torch.tensor([bad]))
 
 
 def test_fp8_cache_on_cpu_is_the_dequantized_reference():

@@ -196,6 +196,7 @@ __device__ void consume_kv_tiles(const DecodeParams& p, typename Traits::SharedS
     for (int i = 0; i < 2; ++i) score_scale[i] = Traits::kScaledQ ? scale_log2 / ss.q_scale[r0 + 8 * i] : scale_log2;
 
     const int last_key[2] = {last_visible_key(p, seg, row_base + r0), last_visible_key(p, seg, row_base + r0 + 8)};
+    const int lowest_last_key = last_visible_key(p, seg, 0);
     float row_max[2] = {-INFINITY, -INFINITY};  // running max, log2 units; equal in both WGs
     float row_sum[2] = {0.f, 0.f};              // this WG's share of the denominator
     clear(tOrO);
@@ -268,13 +269,15 @@ __device__ void consume_kv_tiles(const DecodeParams& p, typename Traits::SharedS
 
         // -- Online softmax in log2 units over the 64 keys of the block.
         float base[2];
-        owner_softmax_step(tSrS, tScS, blk * kBlockN, last_key, score_scale, row_max, row_sum, base, rescale);
+        owner_softmax_step(tSrS, tScS, blk * kBlockN, last_key, is_full_block(blk, lowest_last_key), score_scale, row_max,
+                           row_sum, base, rescale);
         // The other WG must be done reading the previous P before it is overwritten.
         if (blk > seg.blk_lo) named_barrier_sync<int(DecodeBarrier::kPFree0), 256>(warpgroup);
 #pragma unroll
         for (int e = 0; e < size(tSrS); e += 2) {  // elements e, e + 1: adjacent keys of one row
           const int i = row_half(e);
-          const float p0 = exp2f(tSrS(e) - base[i]), p1 = exp2f(tSrS(e + 1) - base[i]);
+          const float p0 = exp2f(fmaf(tSrS(e), score_scale[i], -base[i]));
+          const float p1 = exp2f(fmaf(tSrS(e + 1), score_scale[i], -base[i]));
           row_sum[i] += p0 + p1;
           const MmaElement pair[2] = {MmaElement(p0), MmaElement(p1)};
           *reinterpret_cast<uint32_t*>(&tSsP(e)) = *reinterpret_cast<const uint32_t*>(pair);

@@ -134,38 +134,54 @@ __device__ __forceinline__ void rescale_and_issue_pv(Mma& mma, const ThrMma& thr
   warpgroup_commit_batch();
 }
 
-// Scores of a 64 x 64 accumulator in log2 units: element e (row r0 + 8 ((e >> 1) & 1), key key_of(e))
-// times its row's scale, or -inf past the row's last visible key: a select, so the stale (even NaN)
-// scores of keys never loaded vanish. Returns each row's max (over the 4 lanes of the row).
+// Row max of a 64 x 64 block of raw scores (element e: row r0 + 8 ((e >> 1) & 1), key key_of(e)),
+// in log2 units: times the row's score scale, which is > 0 and so commutes with the max. Keys past
+// the row's last visible key become -inf in S (a select, so the stale, even NaN, scores of keys never
+// loaded vanish); a block no row masks (`full_block`: all but the last one or two of a request)
+// skips the compare and select. S itself stays unscaled: the caller's P = exp2(S scale - base) is
+// one FFMA and an EX2 per score (h_q 128, seesaw kernel: x1.014, up to x1.037 at b128 L16384).
 template <typename TensorS, typename KeyOf>
-__device__ __forceinline__ void mask_scores(TensorS& tSrS, KeyOf&& key_of, const int (&last_key)[2],
-                                            const float (&scale)[2], float (&block_max)[2]) {
+__device__ __forceinline__ void block_max_of_scores(TensorS& tSrS, KeyOf&& key_of, const int (&last_key)[2],
+                                                    bool full_block, const float (&scale)[2], float (&block_max)[2]) {
   block_max[0] = block_max[1] = -INFINITY;
+  if (full_block) {
 #pragma unroll
-  for (int e = 0; e < int(cute::size(tSrS)); ++e) {
-    const int i = (e >> 1) & 1;
-    const float s = key_of(e) <= last_key[i] ? tSrS(e) * scale[i] : -INFINITY;
-    tSrS(e) = s;
-    block_max[i] = fmaxf(block_max[i], s);
+    for (int e = 0; e < int(cute::size(tSrS)); ++e) block_max[(e >> 1) & 1] = fmaxf(block_max[(e >> 1) & 1], tSrS(e));
+  } else {
+#pragma unroll
+    for (int e = 0; e < int(cute::size(tSrS)); ++e) {
+      const int i = (e >> 1) & 1;
+      const float s = key_of(e) <= last_key[i] ? tSrS(e) : -INFINITY;
+      tSrS(e) = s;
+      block_max[i] = fmaxf(block_max[i], s);
+    }
   }
 #pragma unroll
   for (int i = 0; i < 2; ++i) {
     block_max[i] = fmaxf(block_max[i], __shfl_xor_sync(0xffffffff, block_max[i], 1));
     block_max[i] = fmaxf(block_max[i], __shfl_xor_sync(0xffffffff, block_max[i], 2));
+    block_max[i] *= scale[i];
   }
 }
 
-// The block owner's online-softmax step over its 64 x 64 scores (the 64-row kernels, decode_kernel.cuh
-// and fp8mma_kernel.cuh): masked and scaled as above (tScS: the elements' (row, key) coordinates in
-// the block), then the running max and this warpgroup's denominator move to the block's max. Returns
-// per row the base that P = exp2(S - base) subtracts (0 for a fully masked row, keeping exp2 finite)
-// and the factor that rescales O.
+// True when block `blk` holds no key past any row's last visible key (lowest_last_key: that of the
+// request's first query token, which sees the fewest keys).
+__device__ __forceinline__ bool is_full_block(int blk, int lowest_last_key) {
+  return (blk + 1) * kBlockN - 1 <= lowest_last_key;
+}
+
+// The block owner's online-softmax step over its 64 x 64 raw scores (the 64-row kernels,
+// decode_kernel.cuh and fp8mma_kernel.cuh): the block max as above (tScS: the elements' (row, key)
+// coordinates in the block), then the running max and this warpgroup's denominator move to it.
+// Returns per row the base that P = exp2(S score_scale - base) subtracts (0 for a fully masked row,
+// keeping exp2 finite) and the factor that rescales O.
 template <typename TensorS, typename TensorC>
 __device__ __forceinline__ void owner_softmax_step(TensorS& tSrS, const TensorC& tScS, int key0, const int (&last_key)[2],
-                                                   const float (&score_scale)[2], float (&row_max)[2],
+                                                   bool full_block, const float (&score_scale)[2], float (&row_max)[2],
                                                    float (&row_sum)[2], float (&base)[2], float (&rescale)[2]) {
   float block_max[2];
-  mask_scores(tSrS, [&](int e) { return key0 + int(cute::get<1>(tScS(e))); }, last_key, score_scale, block_max);
+  block_max_of_scores(tSrS, [&](int e) { return key0 + int(cute::get<1>(tScS(e))); }, last_key, full_block,
+                      score_scale, block_max);
 #pragma unroll
   for (int i = 0; i < 2; ++i) {
     const float new_max = fmaxf(row_max[i], block_max[i]);

@@ -153,6 +153,7 @@ __device__ void consume_fp8mma_tiles(const DecodeParams& p, typename Traits::Sha
     for (int i = 0; i < 2; ++i) score_scale[i] = p.scale_log2 * k_scale / ss.q_scale[r0 + 8 * i];
 
     const int last_key[2] = {last_visible_key(p, seg, row_base + r0), last_visible_key(p, seg, row_base + r0 + 8)};
+    const int lowest_last_key = last_visible_key(p, seg, 0);
     float row_max[2] = {-INFINITY, -INFINITY};  // running max, log2 units; equal in both WGs
     float row_sum[2] = {0.f, 0.f};              // this WG's share of the denominator
     clear(tOrO);
@@ -183,7 +184,8 @@ __device__ void consume_fp8mma_tiles(const DecodeParams& p, typename Traits::Sha
 
         // -- Online softmax in log2 units over the 64 keys of the block.
         float base[2];
-        owner_softmax_step(tSrS, tScS, blk * kBlockN, last_key, score_scale, row_max, row_sum, base, rescale);
+        owner_softmax_step(tSrS, tScS, blk * kBlockN, last_key, is_full_block(blk, lowest_last_key), score_scale, row_max,
+                           row_sum, base, rescale);
         // The other WG must be done reading the previous P before it is overwritten.
         if (blk > seg.blk_lo) named_barrier_sync<int(DecodeBarrier::kPFree0), 256>(warpgroup);
         // P times kPScale as e4m3. Elements 8q + 2i (+1) and 8q + 4 + 2i (+1) are keys 16q + 2c (+1)
@@ -198,7 +200,7 @@ __device__ void consume_fp8mma_tiles(const DecodeParams& p, typename Traits::Sha
           for (int q = 0; q < 4; ++q) {
             float prob[4];
 #pragma unroll
-            for (int b = 0; b < 4; ++b) prob[b] = exp2f(tSrS(8 * q + 4 * (b / 2) + 2 * i + b % 2) - base[i]);
+            for (int b = 0; b < 4; ++b) prob[b] = exp2f(fmaf(tSrS(8 * q + 4 * (b / 2) + 2 * i + b % 2), score_scale[i], -base[i]));
             row_sum[i] += (prob[0] + prob[1]) + (prob[2] + prob[3]);
             words[q] = e4m3x4_from_floats(prob[0] * kPScale, prob[1] * kPScale, prob[2] * kPScale, prob[3] * kPScale);
           }

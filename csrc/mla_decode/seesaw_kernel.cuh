@@ -154,30 +154,15 @@ __device__ void consume_seesaw_pairs(const DecodeParams& p, const DecodeTma& tma
       for (int e = 0; e < size(tOrO); ++e) tOrO(e) *= factor[row_half(e)];
     }
   };
-  // Block max of the raw scores of block `blk` (log2 units: times scale_log2, which is > 0 and so
-  // commutes with the max); keys past a row's last visible key become -inf. S stays unscaled: the
-  // scale goes into exponentiate's FFMA. A block below every row's last visible key (all but the
-  // last one or two of a request) skips the compare and select (h_q 128: FlashMLA's softmax costs
-  // the same FFMA + EX2 per score, and masks only its last blocks).
-  auto block_max_of_scores = [&](int blk, const int (&last_key)[2], int lowest_last_key, float (&block_max)[2]) {
-    if ((blk + 1) * kBlockN - 1 <= lowest_last_key) {
-      block_max[0] = block_max[1] = -INFINITY;
-#pragma unroll
-      for (int e = 0; e < size(tSrS); ++e) block_max[row_half(e)] = fmaxf(block_max[row_half(e)], tSrS(e));
-#pragma unroll
-      for (int i = 0; i < 2; ++i) {
-        block_max[i] = fmaxf(block_max[i], __shfl_xor_sync(0xffffffff, block_max[i], 1));
-        block_max[i] = fmaxf(block_max[i], __shfl_xor_sync(0xffffffff, block_max[i], 2));
-      }
-    } else {
-      // Key of element e: key0 + 8 (e >> 2) + 2 (lane % 4) + (e & 1) (from an opaque thread index,
-      // as row0).
-      const int key0 = blk * kBlockN + 2 * (mla_common::opaque(int(threadIdx.x)) % 4);
-      const float unscaled[2] = {1.f, 1.f};
-      mask_scores(tSrS, [&](int e) { return key0 + 8 * (e >> 2) + (e & 1); }, last_key, unscaled, block_max);
-    }
-    block_max[0] *= p.scale_log2;
-    block_max[1] *= p.scale_log2;
+  // Block max of block `blk`'s raw scores, masked only where a row needs it (decode_tile_io.cuh);
+  // exponentiate applies the scale.
+  auto block_max_of_block = [&](int blk, const int (&last_key)[2], int lowest_last_key, float (&block_max)[2]) {
+    // Key of element e: key0 + 8 (e >> 2) + 2 (lane % 4) + (e & 1) (from an opaque thread index,
+    // as row0).
+    const int key0 = blk * kBlockN + 2 * (mla_common::opaque(int(threadIdx.x)) % 4);
+    const float scale[2] = {p.scale_log2, p.scale_log2};
+    block_max_of_scores(tSrS, [&](int e) { return key0 + 8 * (e >> 2) + (e & 1); }, last_key,
+                        is_full_block(blk, lowest_last_key), scale, block_max);
   };
   // tOrP as packed pairs (elements e, e + 1 in word e / 2): converting element by element leaves
   // each 16-bit value in a register of its own.
@@ -248,7 +233,7 @@ __device__ void consume_seesaw_pairs(const DecodeParams& p, const DecodeTma& tma
         warpgroup_fence_operand(tSrS);
         warpgroup_fence_operand(tOrO);
         float block_max[2], base[2], factor[2];
-        block_max_of_scores(blk, last_key, lowest_last_key, block_max);
+        block_max_of_block(blk, last_key, lowest_last_key, block_max);
         float max_a[2];
 #pragma unroll
         for (int i = 0; i < 2; ++i) {
@@ -316,7 +301,7 @@ __device__ void consume_seesaw_pairs(const DecodeParams& p, const DecodeTma& tma
         warpgroup_fence_operand(tSrS);
         warpgroup_fence_operand(tOrO);
         if (has_b) {
-          block_max_of_scores(blk + 1, last_key, lowest_last_key, block_max);
+          block_max_of_block(blk + 1, last_key, lowest_last_key, block_max);
         }
         if (is_tail(blk)) {  // S_a is done; there is no b
           zero_tail_of_own_half(stage_a, phase_a, blk);

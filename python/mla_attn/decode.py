@@ -146,8 +146,12 @@ def _want_value_checks(validate, device):
     return device.type == "cpu" or os.environ.get("MLA_ATTN_VALIDATE", "0") == "1"
 
 
-def _check_values(kv_cache, block_table, cache_seqlens, cu_seqlens_q, max_seqlen_q, num_tokens):
+def _check_values(kv_cache, block_table, cache_seqlens, cu_seqlens_q, max_seqlen_q, num_tokens, k_scale=None):
     """Data-dependent checks (host sync on GPU)."""
+    if k_scale is not None:
+        ks = float(k_scale)
+        if not (math.isfinite(ks) and ks > 0):  # the kernels fold it into the score scale, which must be > 0
+            raise ValueError(f"k_scale must be finite and > 0, got {ks}")
     num_pages, page_size = kv_cache.shape[0], kv_cache.shape[1]
     lens = cache_seqlens.tolist()
     cap = block_table.shape[1] * page_size
@@ -250,7 +254,7 @@ def mla_decode(q, kv_cache, block_table, cache_seqlens, *, cu_seqlens_q=None, ma
     else:
         _check_metadata(metadata, batch, max_seqlen_q, h_q, causal, deterministic, q.device)
     if _want_value_checks(validate, q.device):
-        _check_values(kv_cache, block_table, cache_seqlens, cu_seqlens_q, max_seqlen_q, q.shape[0])
+        _check_values(kv_cache, block_table, cache_seqlens, cu_seqlens_q, max_seqlen_q, q.shape[0], k_scale)
 
     args = (q, q_pe, kv_cache, block_table, cache_seqlens, cu_seqlens_q, max_seqlen_q, float(softmax_scale),
             causal, metadata.tile_sched, metadata.req_splits, metadata.num_sm_parts)
