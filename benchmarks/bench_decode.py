@@ -525,7 +525,7 @@ def add_args(ap):
 def run(args, extra_kernels=()):
     """The whole sweep: writes <args.out>/bench_decode.{json,md} after every config and returns the
     results dict. extra_kernels: more peers (objects with .name and .prepare(p, c)) timed like FlashInfer;
-    they appear in the JSON rows under their name, not in the markdown table."""
+    they appear in the JSON rows under their name, and in the markdown table only for --flashmla."""
     if args.time_budget_s is None:
         args.time_budget_s = 300.0 if (args.quick or args.configs == "main") else 340.0
     t0 = time.time()
