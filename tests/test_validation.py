@@ -159,6 +159,10 @@ def test_metadata_mismatch():
             call(C, metadata=other)
     with pytest.raises(TypeError, match="DecodeMetadata"):
         call(C, metadata=tuple(md))
+    for name, t in (("tile_sched", md.tile_sched[:, :7]), ("tile_sched", md.tile_sched.t().contiguous().t()),
+                    ("req_splits", md.req_splits.long())):
+        with pytest.raises(ValueError, match=f"metadata.{name} must be a contiguous int32"):
+            call(C, metadata=md._replace(**{name: t}))
     with pytest.raises(ValueError, match="needs s_q"):
         mla_attn.get_decode_metadata(C["cache_seqlens"], 4)
 

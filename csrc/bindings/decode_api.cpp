@@ -66,6 +66,9 @@ void mla_decode_cuda_impl(const Tensor& q, const std::optional<Tensor>& q_pe, co
   check_i32(req_splits, "req_splits", q);
   const int64_t batch = cache_seqlens.size(0);
   TORCH_CHECK(block_table.dim() == 2 && block_table.size(0) == batch, "mla_attn: block_table must be [B, max_pages]");
+  TORCH_CHECK(tile_sched.dim() == 2 && tile_sched.size(1) == 8 && tile_sched.is_contiguous() &&
+                  req_splits.dim() == 2 && req_splits.size(1) == 2 && req_splits.is_contiguous(),
+              "mla_attn: metadata must be contiguous tile_sched [num_sms, 8] and req_splits [B, 2]");
   TORCH_CHECK(req_splits.size(0) == batch, "mla_attn: metadata was made for another batch size");
   if (varlen) {
     check_i32(*cu_seqlens_q, "cu_seqlens_q", q);

@@ -136,6 +136,10 @@ def _check_metadata(md, batch, max_seqlen_q, h_q, causal, deterministic, device)
         raise ValueError(f"metadata was computed for batch {md.req_splits.shape[0]} but this call has {batch}")
     if md.tile_sched.device != device or md.req_splits.device != device:
         raise ValueError(f"metadata is on {md.tile_sched.device} but q is on {device}")
+    for name, t, cols in (("tile_sched", md.tile_sched, 8), ("req_splits", md.req_splits, 2)):
+        if t.dtype != torch.int32 or t.dim() != 2 or t.shape[1] != cols or not t.is_contiguous():
+            raise ValueError(f"metadata.{name} must be a contiguous int32 [N, {cols}] tensor, got "
+                             f"{t.dtype} {tuple(t.shape)} strides {t.stride()}")
 
 
 def _want_value_checks(validate, device):
