@@ -160,6 +160,25 @@ def test_more_requests_than_part_boundaries():
     check_unit_scale(case, True, out, lse)
 
 
+@pytest.mark.parametrize("lens", [[1024] * 128, [3000, 200, 5000, 64, 1, 777, 4099, 1500, 9000, 20] * 3])
+def test_next_kernel_sees_the_output(lens):
+    # Combine CTAs with nothing to merge exit without waiting for the split kernel (programmatic
+    # dependent launch); the next kernel in the stream must still see every output row. 128 equal
+    # requests are not split at all (no combine CTA waits); the ragged batch splits some.
+    case = to_cuda(make_decode_case(lens, 1, 128, 64, seed=23))
+    md = mla_attn.get_decode_metadata(case["cache_seqlens"], 128, s_q=1, causal=True)
+    out = torch.empty(len(lens), 1, 128, 512, device="cuda", dtype=case["q"].dtype)
+    ref, _ = run(case, True, metadata=md, out=out)
+    ref = ref.clone()
+    torch.cuda.synchronize()
+    mismatches = []
+    for _ in range(30):
+        out.fill_(float("nan"))
+        run(case, True, metadata=md, out=out)
+        mismatches.append((out != ref).any())  # same stream, no host sync in between
+    assert not torch.stack(mismatches).any()
+
+
 def test_two_runs_bit_identical():
     case = to_cuda(make_decode_case([5000, 3000, 20], 2, 64, 32, seed=11))
     a = run(case, True)

@@ -13,6 +13,7 @@
 // ..., and the groups' sums are added by shuffles (and across warps through shared memory).
 // Launched with programmatic dependent launch right behind the split kernel; griddepcontrol.wait
 // makes the partials visible (plain loads, never __ldg, because the predecessor wrote them).
+// CTAs without a row to merge return before that wait.
 #pragma once
 #include <cuda_runtime.h>
 #include <cutlass/numeric_types.h>
@@ -52,7 +53,9 @@ __global__ void __launch_bounds__(kCombineThreads)
   __shared__ float row_weights[kRowsPerCta][kMaxSmParts];  // a request has at most num_sm_parts splits
   __shared__ float row_reduce_buffer[kWarpsPerRow > 1 ? kCombineWarps : 1];
   __shared__ float4 warp_sums[kWarpsPerRow > 1 ? kCombineWarps : 1][kColumns];
-  mla_common::grid_dependency_wait();
+  // Which row this CTA merges, if any, from what was written before the split kernel started (the
+  // metadata, cu_seqlens_q): a CTA with nothing to merge exits without waiting for the split kernel
+  // (as FlashMLA's combine does), so a batch with few or no split requests ends sooner.
   // blockIdx.x: the request, or with fewer CTAs than requests the entry of the split list
   // (tile_sched column 6: b + 1 of the x-th split request, 0 past the last).
   const int b = int(gridDim.x) == p.batch ? int(blockIdx.x) : p.tile_sched[8 * blockIdx.x + 6] - 1;
@@ -64,6 +67,7 @@ __global__ void __launch_bounds__(kCombineThreads)
   const int first_token = p.cu_seqlens_q ? p.cu_seqlens_q[b] : 0;
   const int seqlen_q = p.cu_seqlens_q ? p.cu_seqlens_q[b + 1] - first_token : p.max_seqlen_q;
   if (row >= seqlen_q * p.num_heads_q) return;
+  mla_common::grid_dependency_wait();  // the split kernel's partials are visible from here on
 
   const int slot0 = p.req_splits[2 * b + 1];
   const int m_block = row / kBlockM, row_in_tile = row % kBlockM;
