@@ -131,9 +131,9 @@ void mla_decode_cuda_impl(const Tensor& q, const std::optional<Tensor>& q_pe, co
   Tensor partial_out, partial_lse;
   if (num_sm_parts > 1) {
     const int64_t rows = 2 * (num_sm_parts - 1) * int64_t(tiles) * kBlockM;
-    partial_out = at::empty({rows, kHeadDimV}, q.options().dtype(at::kFloat));
+    partial_out = at::empty({rows, kHeadDimV}, q.options());
     partial_lse = at::empty({rows}, q.options().dtype(at::kFloat));
-    p.partial_out = partial_out.data_ptr<float>();
+    p.partial_out = partial_out.data_ptr();
     p.partial_lse = partial_lse.data_ptr<float>();
   }
   if (batch == 0) return;

@@ -1,4 +1,5 @@
-// Merges the fp32 partials of split requests by their LSE into the final out / lse.
+// Merges the partials of split requests (rows in q's dtype, fp32 LSE) by their LSE into the final
+// out / lse.
 //
 // At most num_sm_parts - 1 requests are split (one per part boundary): with more requests than that
 // the grid covers the scheduler's list of split requests instead of the batch (a CTA for every row of
@@ -20,13 +21,14 @@
 
 #include "common/device_utils.cuh"
 #include "mla_decode/config.h"
+#include "mla_decode/decode_tile_io.cuh"
 #include "mla_decode/params.h"
 
 namespace mla_decode {
 
 constexpr int kCombineWarps = 4;
 constexpr int kCombineThreads = kCombineWarps * 32;
-constexpr int kCombineMaxChunks = 32;  // 16 columns (4 lanes) per split row at most
+constexpr int kCombineMaxChunks = 32;  // 16 columns (2 lanes) per split row at most
 
 // Column chunks per row: enough (row, chunk) pairs for ~4 CTAs per SM when the batch has few rows
 // (a power of 2).
@@ -43,16 +45,16 @@ inline int combine_warps_per_row(int requests, int max_rows) {
 template <typename Element, int kChunks, int kWarpsPerRow>
 __global__ void __launch_bounds__(kCombineThreads)
     mla_combine_kernel(__grid_constant__ const DecodeParams p) {
-  // A split's chunk is kColumns float4 columns, summed by kThreadsPerSplit lanes with kPerThread
-  // columns each; kSplitsPerPass splits are in flight per pass over the row's warps.
-  constexpr int kColumns = kHeadDimV / 4 / kChunks;
-  constexpr int kThreadsPerSplit = kColumns < 32 ? kColumns : 32;
+  // A split's chunk is kUnits units of 8 columns (16 bytes of partial), summed by kThreadsPerSplit
+  // lanes with kPerThread units each; kSplitsPerPass splits are in flight per pass over the row's warps.
+  constexpr int kUnits = kHeadDimV / 8 / kChunks;
+  constexpr int kThreadsPerSplit = kUnits < 32 ? kUnits : 32;
   constexpr int kGroupsPerWarp = 32 / kThreadsPerSplit;
-  constexpr int kPerThread = kColumns / kThreadsPerSplit, kSplitsPerPass = kWarpsPerRow * kGroupsPerWarp;
+  constexpr int kPerThread = kUnits / kThreadsPerSplit, kSplitsPerPass = kWarpsPerRow * kGroupsPerWarp;
   constexpr int kRowsPerCta = kCombineWarps / kWarpsPerRow;
   __shared__ float row_weights[kRowsPerCta][kMaxSmParts];  // a request has at most num_sm_parts splits
   __shared__ float row_reduce_buffer[kWarpsPerRow > 1 ? kCombineWarps : 1];
-  __shared__ float4 warp_sums[kWarpsPerRow > 1 ? kCombineWarps : 1][kColumns];
+  __shared__ float warp_sums[kWarpsPerRow > 1 ? kCombineWarps : 1][kUnits][8];
   // Which row this CTA merges, if any, from what was written before the split kernel started (the
   // metadata, cu_seqlens_q): a CTA with nothing to merge exits without waiting for the split kernel
   // (as FlashMLA's combine does), so a batch with few or no split requests ends sooner.
@@ -125,31 +127,39 @@ __global__ void __launch_bounds__(kCombineThreads)
   // An empty split's partial is 0 (it wrote O * 0), so every split can be summed unconditionally.
   const int lane_in_split = lane % kThreadsPerSplit;
   const int first_split = (warp % kWarpsPerRow) * kGroupsPerWarp + lane / kThreadsPerSplit;
-  float4 acc[kPerThread] = {};
+  float acc[kPerThread][8] = {};
 #pragma unroll 4
   for (int s = first_split; s < num_splits; s += kSplitsPerPass) {
     const float w = weights[s] * inv_sum;
-    const float4* src = reinterpret_cast<const float4*>(p.partial_out + partial_row(s) * kHeadDimV) + chunk * kColumns;
+    const uint4* src = reinterpret_cast<const uint4*>(static_cast<const Element*>(p.partial_out) +
+                                                      partial_row(s) * kHeadDimV) + chunk * kUnits;
 #pragma unroll
     for (int j = 0; j < kPerThread; ++j) {
-      const float4 v = src[lane_in_split + kThreadsPerSplit * j];
-      acc[j].x += w * v.x; acc[j].y += w * v.y; acc[j].z += w * v.z; acc[j].w += w * v.w;
+      const uint4 v = src[lane_in_split + kThreadsPerSplit * j];
+      const uint32_t words[4] = {v.x, v.y, v.z, v.w};
+#pragma unroll
+      for (int q = 0; q < 4; ++q) {
+        const float2 pair = unpack_pair<Element>(words[q]);
+        acc[j][2 * q] += w * pair.x;
+        acc[j][2 * q + 1] += w * pair.y;
+      }
     }
   }
 #pragma unroll
   for (int o = kThreadsPerSplit; o < 32; o *= 2) {  // add the split groups' sums
 #pragma unroll
     for (int j = 0; j < kPerThread; ++j) {
-      acc[j].x += __shfl_xor_sync(0xffffffff, acc[j].x, o);
-      acc[j].y += __shfl_xor_sync(0xffffffff, acc[j].y, o);
-      acc[j].z += __shfl_xor_sync(0xffffffff, acc[j].z, o);
-      acc[j].w += __shfl_xor_sync(0xffffffff, acc[j].w, o);
+#pragma unroll
+      for (int c = 0; c < 8; ++c) acc[j][c] += __shfl_xor_sync(0xffffffff, acc[j][c], o);
     }
   }
   if constexpr (kWarpsPerRow > 1) {  // the CTA is one row: add the warps' sums
     if (lane < kThreadsPerSplit) {
 #pragma unroll
-      for (int j = 0; j < kPerThread; ++j) warp_sums[warp][lane + kThreadsPerSplit * j] = acc[j];
+      for (int j = 0; j < kPerThread; ++j) {
+#pragma unroll
+        for (int c = 0; c < 8; ++c) warp_sums[warp][lane + kThreadsPerSplit * j][c] = acc[j][c];
+      }
     }
     __syncthreads();
     if (warp != 0) return;
@@ -157,19 +167,23 @@ __global__ void __launch_bounds__(kCombineThreads)
     for (int j = 0; j < kPerThread; ++j) {
 #pragma unroll
       for (int w = 1; w < kWarpsPerRow; ++w) {
-        const float4 v = warp_sums[w][lane_in_split + kThreadsPerSplit * j];
-        acc[j].x += v.x; acc[j].y += v.y; acc[j].z += v.z; acc[j].w += v.w;
+#pragma unroll
+        for (int c = 0; c < 8; ++c) acc[j][c] += warp_sums[w][lane_in_split + kThreadsPerSplit * j][c];
       }
     }
   }
   if (first_split != 0) return;
   const int t = row / p.num_heads_q, h = row % p.num_heads_q;
   Element* out = static_cast<Element*>(p.out) + b * p.out_batch_stride + (first_token + t) * p.out_token_stride +
-                 h * p.out_head_stride + 4 * chunk * kColumns;
+                 h * p.out_head_stride + 8 * chunk * kUnits;
 #pragma unroll
   for (int j = 0; j < kPerThread; ++j) {
-    Element* o = out + 4 * (lane_in_split + kThreadsPerSplit * j);
-    o[0] = Element(acc[j].x); o[1] = Element(acc[j].y); o[2] = Element(acc[j].z); o[3] = Element(acc[j].w);
+    uint4 packed;
+    packed.x = pack_pair<Element>(acc[j][0], acc[j][1]);
+    packed.y = pack_pair<Element>(acc[j][2], acc[j][3]);
+    packed.z = pack_pair<Element>(acc[j][4], acc[j][5]);
+    packed.w = pack_pair<Element>(acc[j][6], acc[j][7]);
+    reinterpret_cast<uint4*>(out)[lane_in_split + kThreadsPerSplit * j] = packed;
   }
   if (chunk == 0 && lane == 0) {
     p.lse[b * p.lse_batch_stride + (first_token + t) * p.lse_token_stride + h * p.lse_head_stride] =

@@ -29,6 +29,15 @@ __device__ __forceinline__ uint32_t pack_pair(float lo, float hi) {
   }
   return bits;
 }
+// The inverse: a packed pair of Element -> two floats.
+template <typename Element>
+__device__ __forceinline__ float2 unpack_pair(uint32_t bits) {
+  if constexpr (std::is_same_v<Element, cutlass::bfloat16_t>) {
+    return __bfloat1622float2(*reinterpret_cast<const __nv_bfloat162*>(&bits));
+  } else {
+    return __half22float2(*reinterpret_cast<const __half2*>(&bits));
+  }
+}
 // Q tile of q-tile blockIdx.x in segment `s`: 16-byte cp.async copies into the swizzled layout, all in
 // flight at once (rows past the request are zero-filled), by math threads 0..255. Thread t copies
 // chunks t % 4, t % 4 + 4, ... of row t / 4, so the row's address math is done once. Completion:
@@ -227,8 +236,8 @@ __device__ __forceinline__ void total_row_sums(float (&row_sums)[2][kBlockM], in
   for (int i = 0; i < 2; ++i) sums[i] = row_sums[0][r0 + 8 * i] + row_sums[1][r0 + 8 * i];
 }
 
-// Where the rows of a finished 64-row output tile go: the final output of the request, or an fp32
-// partial (+ LSE) for combine_kernel.cuh when the request is split.
+// Where the rows of a finished 64-row output tile go: the final output of the request, or a partial
+// (rows in q's dtype + fp32 LSE) for combine_kernel.cuh when the request is split.
 struct OutputTile {
   const DecodeParams& p;
   Segment seg;  // by value: a reference to the caller's local put it on the stack
@@ -241,10 +250,10 @@ struct OutputTile {
   }
   __device__ bool has_row(int r) const { return m_block * kBlockM + r < seg.seqlen_q * p.num_heads_q; }
   __device__ int64_t partial_index(int r) const { return (int64_t(slot) * p.num_q_tiles + m_block) * kBlockM + r; }
-  // Row r, from column `col` on: an fp32 partial row or a final row of out (Element).
+  // Row r, from column `col` on: a partial row or a final row of out.
   template <typename Element>
-  __device__ void* row_ptr(int r, int col) const {
-    if (is_partial) return p.partial_out + partial_index(r) * kHeadDimV + col;
+  __device__ Element* row_ptr(int r, int col) const {
+    if (is_partial) return static_cast<Element*>(p.partial_out) + partial_index(r) * kHeadDimV + col;
     const int row = m_block * kBlockM + r, t = row / p.num_heads_q, h = row % p.num_heads_q;
     return static_cast<Element*>(p.out) + seg.b * p.out_batch_stride + (seg.first_token + t) * p.out_token_stride +
            h * p.out_head_stride + col;
@@ -278,51 +287,40 @@ __device__ __forceinline__ void store_empty_output_tile(const DecodeParams& p, c
     const int r = i / kChunksPerRow, chunk = i % kChunksPerRow;
     if (!tile.has_row(r)) continue;
     if (chunk == 0) tile.finish_row(r, -INFINITY, 0.f, 1.f, /*write_lse=*/true);
-    static_cast<uint4*>(tile.row_ptr<Element>(r, 0))[chunk] = make_uint4(0, 0, 0, 0);
+    reinterpret_cast<uint4*>(tile.row_ptr<Element>(r, 0))[chunk] = make_uint4(0, 0, 0, 0);
   }
 }
 
-// Output staging: a warpgroup's 64 x 256 output columns pass through shared memory, 512 bytes of
-// every row per round, rows kStagingPitch<T> bytes apart (padded so that the fragment writes are
-// free of bank conflicts).
-template <typename T>
-constexpr int kStagingPitch = 512 + 8 * int(sizeof(T));  // bytes; conflict-free fragment writes
-constexpr int kStagingBytes = kBlockM * kStagingPitch<float>;  // per warpgroup
+// Output staging: a warpgroup's 64 x 256 output columns (16-bit: 512 bytes of a row) pass through
+// shared memory, rows kStagingPitch bytes apart (padded so that the fragment writes are free of bank
+// conflicts).
+constexpr int kStagingPitch = 512 + 16;                    // bytes
+constexpr int kStagingBytes = kBlockM * kStagingPitch;     // per warpgroup
 
-// One round per 512 bytes of a row: fragments -> `staging`, then the warpgroup copies the rows out,
-// a warp per row and 16 bytes per lane (coalesced stores; one 512-byte bulk copy per row instead was
-// up to 1 us slower at batch 1).
-template <typename Element, typename T, typename TensorO, typename Sync>
+// Fragments -> `staging`, then the warpgroup copies the rows out, a warp per row and 16 bytes per
+// lane (coalesced stores; one 512-byte bulk copy per row instead was up to 1 us slower at batch 1).
+template <typename Element, typename TensorO, typename Sync>
 __device__ __forceinline__ void stage_output_columns(const OutputTile& tile, uint32_t staging, int tid_in_wg, int r0,
                                                      const float (&inv_sum)[2], int col_base, const TensorO& tOrO,
                                                      Sync&& sync) {
-  constexpr int kPitch = kStagingPitch<T>, kColsPerRound = 512 / int(sizeof(T));
-  constexpr int kRounds = 256 / kColsPerRound, kPairsPerRound = int(decltype(cute::size(tOrO))::value) / 2 / kRounds;
+  static_assert(sizeof(Element) == 2, "rows of 256 16-bit values: one 512-byte round");
+  constexpr int kPairs = int(decltype(cute::size(tOrO))::value) / 2;
   // Element e is in column 8 (e >> 2) + 2 (lane % 4) + (e & 1) of the 256.
-  const uint32_t thread_addr = staging + r0 * kPitch + (tid_in_wg % 4) * 2 * int(sizeof(T));
+  const uint32_t thread_addr = staging + r0 * kStagingPitch + (tid_in_wg % 4) * 4;
   const int lane = tid_in_wg % 32, warp = tid_in_wg / 32;
 #pragma unroll
-  for (int round = 0; round < kRounds; ++round) {
-    if (round > 0) sync();  // the previous round's rows are read out
-#pragma unroll
-    for (int pair = round * kPairsPerRound; pair < (round + 1) * kPairsPerRound; ++pair) {
-      const int e = 2 * pair, i = (e >> 1) & 1;
-      const uint32_t addr = thread_addr + i * 8 * kPitch + (8 * (e >> 2) % kColsPerRound) * int(sizeof(T));
-      const float v0 = tOrO(e) * inv_sum[i], v1 = tOrO(e + 1) * inv_sum[i];
-      if constexpr (sizeof(T) == 4) {
-        mla_common::st_shared_8(addr, __float_as_uint(v0), __float_as_uint(v1));
-      } else {
-        mla_common::st_shared_4(addr, pack_pair<Element>(v0, v1));
-      }
-    }
-    sync();
-    // Unrolled 4 deep: fully unrolled, the 16 row addresses were computed up front and spilled.
+  for (int pair = 0; pair < kPairs; ++pair) {
+    const int e = 2 * pair, i = (e >> 1) & 1;
+    const uint32_t addr = thread_addr + i * 8 * kStagingPitch + 16 * (e >> 2);
+    mla_common::st_shared_4(addr, pack_pair<Element>(tOrO(e) * inv_sum[i], tOrO(e + 1) * inv_sum[i]));
+  }
+  sync();
+  // Unrolled 4 deep: fully unrolled, the 16 row addresses were computed up front and spilled.
 #pragma unroll 4
-    for (int r = warp; r < kBlockM; r += 4) {
-      if (!tile.has_row(r)) break;  // the tile's rows are a prefix
-      const uint4 v = mla_common::ld_shared_16(staging + r * kPitch + lane * 16);
-      static_cast<uint4*>(tile.row_ptr<Element>(r, col_base + round * kColsPerRound))[lane] = v;
-    }
+  for (int r = warp; r < kBlockM; r += 4) {
+    if (!tile.has_row(r)) break;  // the tile's rows are a prefix
+    const uint4 v = mla_common::ld_shared_16(staging + r * kStagingPitch + lane * 16);
+    reinterpret_cast<uint4*>(tile.row_ptr<Element>(r, col_base))[lane] = v;
   }
 }
 
@@ -330,13 +328,12 @@ __device__ __forceinline__ void stage_output_columns(const OutputTile& tile, uin
 // [col_base, col_base + 256), this thread's rows r0 and r0 + 8 (element e of tOrO is in row
 // r0 + 8 ((e >> 1) & 1), column col_base + 8 (e >> 2) + 2 (lane % 4) + (e & 1)), with running max
 // row_max (log2 units) and denominator row_total; out_scale multiplies every value (an fp8 cache's
-// k_scale). The final rows of the request (16 bit, one round), or fp32 partial rows + LSE for
-// combine_kernel.cuh when the request is split (two rounds of 128 columns). The LSE (natural log;
-// +inf final or -inf partial for a row with no visible key) is written by the threads with
-// write_lse and lane % 4 == 0. Through shared memory (`staging`, kStagingBytes the warpgroup owns):
-// stores straight from the accumulator touch 8 rows per instruction and took ~6 us per tile.
-// sync() is a barrier over the warpgroup. On return other threads may still read `staging`:
-// synchronise before reusing it.
+// k_scale). The final rows of the request, or partial rows + LSE for combine_kernel.cuh when the
+// request is split, both in q's dtype. The LSE (natural log; +inf final or -inf partial for a row
+// with no visible key) is written by the threads with write_lse and lane % 4 == 0. Through shared
+// memory (`staging`, kStagingBytes the warpgroup owns): stores straight from the accumulator touch 8
+// rows per instruction and took ~6 us per tile. sync() is a barrier over the warpgroup. On return
+// other threads may still read `staging`: synchronise before reusing it.
 template <typename Element, typename TensorO, typename Sync>
 __device__ __forceinline__ void store_output_columns_staged(const DecodeParams& p, const Segment& seg, int m_block,
                                                             int r0, const float (&row_max)[2],
@@ -349,11 +346,7 @@ __device__ __forceinline__ void store_output_columns_staged(const DecodeParams& 
   for (int i = 0; i < 2; ++i) {
     inv_sum[i] = tile.finish_row(r0 + 8 * i, row_max[i], row_total[i], out_scale, write_lse && threadIdx.x % 4 == 0);
   }
-  if (tile.is_partial) {
-    stage_output_columns<Element, float>(tile, staging, tid_in_wg, r0, inv_sum, col_base, tOrO, sync);
-  } else {
-    stage_output_columns<Element, Element>(tile, staging, tid_in_wg, r0, inv_sum, col_base, tOrO, sync);
-  }
+  stage_output_columns<Element>(tile, staging, tid_in_wg, r0, inv_sum, col_base, tOrO, sync);
 }
 
 }  // namespace mla_decode

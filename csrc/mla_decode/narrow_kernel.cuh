@@ -461,7 +461,7 @@ __device__ void consume_narrow_tiles(const DecodeParams& p, typename Traits::Sha
       if (row >= rows_in_request) continue;
       const int t = row / p.num_heads_q, h = row % p.num_heads_q;
       const int64_t partial_index = int64_t(slot) * p.num_q_tiles * kBlockM + row;
-      float* partial_row = p.partial_out + partial_index * kHeadDimV;
+      Element* partial_row = static_cast<Element*>(p.partial_out) + partial_index * kHeadDimV;  // q's dtype too
       Element* out_row = static_cast<Element*>(p.out) + seg.b * p.out_batch_stride +
                          (seg.first_token + t) * p.out_token_stride + h * p.out_head_stride;
 #pragma unroll
@@ -473,17 +473,18 @@ __device__ void consume_narrow_tiles(const DecodeParams& p, typename Traits::Sha
         const float v0 = tOrO(e, m, 0), v1 = tOrO(e + 2, m, 0);
         if constexpr (Traits::kFp8Kv) {
           const int dim = 64 * m + 16 * warp + 2 * g;
+          const Element pair[2] = {Element(v0), Element(v1)};
+          const uint32_t bits = *reinterpret_cast<const uint32_t*>(pair);
           if (is_partial) {
-            *reinterpret_cast<float2*>(partial_row + dim) = make_float2(v0, v1);
+            *reinterpret_cast<uint32_t*>(partial_row + dim) = bits;
           } else {
-            const Element pair[2] = {Element(v0), Element(v1)};
-            *reinterpret_cast<uint32_t*>(out_row + dim) = *reinterpret_cast<const uint32_t*>(pair);
+            *reinterpret_cast<uint32_t*>(out_row + dim) = bits;
           }
         } else {
           const int dim = 64 * m + 16 * warp + g;
           if (is_partial) {
-            partial_row[dim] = v0;
-            partial_row[dim + 8] = v1;
+            partial_row[dim] = Element(v0);
+            partial_row[dim + 8] = Element(v1);
           } else {
             out_row[dim] = Element(v0);
             out_row[dim + 8] = Element(v1);

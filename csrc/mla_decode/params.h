@@ -36,11 +36,13 @@ struct DecodeParams {
   float scale_log2;  // softmax_scale * log2(e)
   bool causal;
 
-  // Split-KV schedule (see python/mla_attn/metadata.py) and the fp32 workspace for split partials.
+  // Split-KV schedule (see python/mla_attn/metadata.py) and the workspace for split partials: rows
+  // normalised by their own denominator in q's dtype (as FlashInfer stores them; half the bytes of
+  // fp32 to write and to merge), LSE in fp32.
   const int* tile_sched;  // [num_sms, 8]: begin_b, begin_blk, last_b, last_hi, begin_split, seqlen of begin_b
   const int* req_splits;  // [batch, 2]: num_splits, first workspace slot
   int num_sm_parts, num_q_tiles;
-  float* partial_out;  // [slots * num_q_tiles * 64, 512]
+  void* partial_out;   // [slots * num_q_tiles * 64, 512], q's dtype
   float* partial_lse;  // [slots * num_q_tiles * 64]
 };
 

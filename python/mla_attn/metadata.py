@@ -12,7 +12,7 @@ BLOCK_M = 64  # query rows (token x head) per tile
 BLOCK_N = 64  # keys per KV block
 FIXED_COST = 5  # per-segment overhead, in blocks, charged by the scheduler
 # A partition of whole requests is taken when its largest part costs at most this many blocks more
-# than a split part: a split also writes fp32 partials and needs the combine kernel (10-20 us at h_q
+# than a split part: a split also writes partials and needs the combine kernel (10-20 us at h_q
 # 128 with 64+ split requests, measured).
 NO_SPLIT_SLACK = 2
 # split_payload searches no lower than pieces of this many blocks (unless its upper end is lower):
