@@ -10,7 +10,7 @@
 // 32-128 split requests); with fewer, a row's splits are spread over the 4 warps of a CTA (one row
 // per CTA), and the launcher picks chunks so that a batch of few rows still spreads over the SMs.
 // The row's warps write its split weights exp(lse_s - lse) to shared memory; lanes form groups of
-// kThreadsPerSplit (a split's chunk, float4 loads, coalesced), each group sums splits g, g + groups,
+// kThreadsPerSplit (a split's chunk, 16-byte loads of 8 values, coalesced), each group sums splits g, g + groups,
 // ..., and the groups' sums are added by shuffles (and across warps through shared memory).
 // Launched with programmatic dependent launch right behind the split kernel; griddepcontrol.wait
 // makes the partials visible (plain loads, never __ldg, because the predecessor wrote them).
