@@ -20,6 +20,11 @@ __device__ __forceinline__ void named_barrier_sync(int which) {
   else named_barrier_sync<kId0 + 1, kThreads>();
 }
 
+// `v` (equal in all lanes) broadcast from lane 0, which the compiler knows is warp-uniform: WGMMA
+// descriptors derived from it are computed on the uniform datapath instead of in vector registers
+// moved over with R2UR before each WGMMA.
+__device__ __forceinline__ int warp_uniform(int v) { return __shfl_sync(0xffffffff, v, 0); }
+
 // Programmatic dependent launch: wait until the preceding kernel's memory is visible.
 __device__ __forceinline__ void grid_dependency_wait() {
 #if defined(__CUDA_ARCH__) && __CUDA_ARCH__ >= 900

@@ -228,12 +228,11 @@ __device__ void consume_kv_tiles(const DecodeParams& p, typename Traits::SharedS
         warpgroup_fence_operand(tSrS);
         mma_qk.accumulate_ = GMMA::ScaleOut::Zero;
         auto issue_qk = [&](int first_slab, int end_slab) {
-          // Descriptors are rebuilt per group from opaque bases (cheap integer math): otherwise
-          // the compiler computes all 2 x 36 of them up front and holds them across the waits.
-          Tensor tSrQ = thr_qk.partition_fragment_A(
-              make_tensor(make_smem_ptr(mla_common::opaque(ss.q)), typename Traits::SmemLayoutQ{}));
+          // The stage index made warp-uniform: the descriptors are built on the uniform datapath
+          // (no R2UR per WGMMA).
+          Tensor tSrQ = thr_qk.partition_fragment_A(make_tensor(make_smem_ptr(ss.q), typename Traits::SmemLayoutQ{}));
           Tensor tSrK = thr_qk.partition_fragment_B(
-              make_tensor(make_smem_ptr(mla_common::opaque(ss.k[stage])), typename Traits::SmemLayoutK{}));
+              make_tensor(make_smem_ptr(ss.k[mla_common::warp_uniform(stage)]), typename Traits::SmemLayoutK{}));
           warpgroup_arrive();
 #pragma unroll
           for (int k = first_slab * kStepsPerSlab; k < end_slab * kStepsPerSlab; ++k) {
@@ -313,7 +312,7 @@ __device__ void consume_kv_tiles(const DecodeParams& p, typename Traits::SharedS
 
       // ---- O[:, own 256 columns] = O * rescale + P V.
       rescale_and_issue_pv<typename Traits::SmemLayoutP, typename Traits::SmemLayoutVt>(mma_pv, thr_pv, tOrO, rescale,
-                                                                                         ss.p, ss.k[stage]);
+                                                                                         ss.p, ss.k[mla_common::warp_uniform(stage)]);
     }
     warpgroup_wait<0>();
     warpgroup_fence_operand(tOrO);

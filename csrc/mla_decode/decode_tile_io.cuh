@@ -100,14 +100,14 @@ __device__ __forceinline__ int last_visible_key(const DecodeParams& p, const Seg
 
 // S = Q K^T of the K tile at k_smem, slabs [first_slab, end_slab): one WGMMA commit group per slab,
 // each issued once the slab has landed (kv_full[slab] at `phase`); the k-steps accumulate into tSrS
-// after the first (callers start a tile with ScaleOut::Zero). The descriptors are built per call from
-// opaque bases: otherwise all of them are computed up front and held across the waits.
+// after the first (callers start a tile with ScaleOut::Zero). Pass a warp-uniform k_smem
+// (mla_common::warp_uniform): its descriptors are then built on the uniform datapath.
 template <typename SmemLayoutQ, typename SmemLayoutK, typename Mma, typename ThrMma, typename TensorS, typename T>
 __device__ __forceinline__ void issue_qk_slabs(Mma& mma, const ThrMma& thr, TensorS& tSrS, T* q_smem, T* k_smem,
                                                const uint64_t* kv_full, uint32_t phase, int first_slab, int end_slab) {
   using namespace cute;
-  Tensor tSrQ = thr.partition_fragment_A(make_tensor(make_smem_ptr(mla_common::opaque(q_smem)), SmemLayoutQ{}));
-  Tensor tSrK = thr.partition_fragment_B(make_tensor(make_smem_ptr(mla_common::opaque(k_smem)), SmemLayoutK{}));
+  Tensor tSrQ = thr.partition_fragment_A(make_tensor(make_smem_ptr(q_smem), SmemLayoutQ{}));
+  Tensor tSrK = thr.partition_fragment_B(make_tensor(make_smem_ptr(k_smem), SmemLayoutK{}));
   constexpr int kStepsPerSlab = int(decltype(size<2>(tSrQ))::value) / kSlabs;
 #pragma unroll
   for (int slab = first_slab; slab < end_slab; ++slab) {
@@ -134,7 +134,7 @@ __device__ __forceinline__ void rescale_and_issue_pv(Mma& mma, const ThrMma& thr
 #pragma unroll
     for (int e = 0; e < int(size(tOrO)); ++e) tOrO(e) *= rescale[(e >> 1) & 1];
   }
-  Tensor tOrP = thr.partition_fragment_A(make_tensor(make_smem_ptr(mla_common::opaque(p_smem)), SmemLayoutP{}));
+  Tensor tOrP = thr.partition_fragment_A(make_tensor(make_smem_ptr(p_smem), SmemLayoutP{}));
   Tensor tOrV = thr.partition_fragment_B(make_tensor(make_smem_ptr(v_smem), SmemLayoutV{}));
   warpgroup_fence_operand(tOrO);
   warpgroup_arrive();

@@ -164,7 +164,7 @@ __device__ void consume_fp8mma_tiles(const DecodeParams& p, typename Traits::Sha
       mma_qk.accumulate_ = GMMA::ScaleOut::Zero;
       issue_qk_slabs<typename Traits::SmemLayoutQ, typename Traits::SmemLayoutK>(
           mma_qk, thr_qk, tSrS, reinterpret_cast<typename Traits::Fp8*>(ss.q),
-          reinterpret_cast<typename Traits::Fp8*>(ss.k[stage]), ss.kv_full[stage], phase, 0, kSlabs);
+          reinterpret_cast<typename Traits::Fp8*>(ss.k[mla_common::warp_uniform(stage)]), ss.kv_full[stage], phase, 0, kSlabs);
     };
     auto release_stage = [&](int it) {
       if (tid_in_wg == 0) cutlass::arch::ClusterBarrier::arrive(&ss.kv_empty[it % Traits::kStages]);
@@ -230,7 +230,7 @@ __device__ void consume_fp8mma_tiles(const DecodeParams& p, typename Traits::Sha
       // ---- O[:, own 256 columns] = O * rescale + P V.
       using Fp8 = typename Traits::Fp8;
       rescale_and_issue_pv<typename Traits::SmemLayoutP, typename Traits::SmemLayoutVt>(
-          mma_pv, thr_pv, tOrO, rescale, reinterpret_cast<Fp8*>(ss.p), reinterpret_cast<Fp8*>(ss.vt[vt_buffer]));
+          mma_pv, thr_pv, tOrO, rescale, reinterpret_cast<Fp8*>(ss.p), reinterpret_cast<Fp8*>(ss.vt[mla_common::warp_uniform(vt_buffer)]));
     }
     warpgroup_wait<0>();
     warpgroup_fence_operand(tOrO);

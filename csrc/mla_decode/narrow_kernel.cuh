@@ -217,9 +217,7 @@ __device__ void consume_narrow_tiles(const DecodeParams& p, typename Traits::Sha
             e4m3x4_to_f16x2(row8[t], a[1], a[3]);
             for (int i = 0; i < 4; ++i) warpgroup_fence_operand(a[i]);  // converted before the arrive
           }
-          // Descriptors rebuilt per slab from an opaque base: keeps 36 of them out of registers.
-          Tensor tSrQ = thr.partition_fragment_B(
-              make_tensor(make_smem_ptr(mla_common::opaque(ss.q)), typename Traits::SmemLayoutQ{}));
+          Tensor tSrQ = thr.partition_fragment_B(make_tensor(make_smem_ptr(ss.q), typename Traits::SmemLayoutQ{}));
           warpgroup_arrive();
 #pragma unroll
           for (int t = 0; t < kSteps; ++t) {

@@ -91,7 +91,7 @@ __device__ void consume_seesaw_pairs(const DecodeParams& p, const DecodeTma& tma
   // own V half, which its PVs free first. The rope slab is last: it waits for both halves to be free.
   auto issue_qk_slabs = [&](int stage, uint32_t phase, int first_slab, int end_slab) {
     mla_decode::issue_qk_slabs<typename Traits::SmemLayoutQ, typename Traits::SmemLayoutK>(
-        mma_qk, thr_qk, tSrS, ss.q, ss.k[stage], ss.kv_full[stage], phase, first_slab, end_slab);
+        mma_qk, thr_qk, tSrS, ss.q, ss.k[mla_common::warp_uniform(stage)], ss.kv_full[stage], phase, first_slab, end_slab);
   };
   auto start_qk = [&] {
     warpgroup_fence_operand(tSrS);
@@ -99,7 +99,7 @@ __device__ void consume_seesaw_pairs(const DecodeParams& p, const DecodeTma& tma
   };
   // O += P V[:, own half] for the block in `stage`, P from registers or from a shared tile.
   auto issue_pv_local = [&](int stage) {
-    Tensor sVt = make_tensor(make_smem_ptr(mla_common::opaque(ss.k[stage])), typename Traits::SmemLayoutVt{});
+    Tensor sVt = make_tensor(make_smem_ptr(ss.k[mla_common::warp_uniform(stage)]), typename Traits::SmemLayoutVt{});
     Tensor tOrV = thr_pv_local.partition_fragment_B(local_tile(sVt, Shape<Int<kHeadDimV / 2>, Int<kBlockN>>{}, make_coord(wg, 0)));
     warpgroup_fence_operand(tOrP);
     warpgroup_fence_operand(tOrO);
@@ -109,9 +109,9 @@ __device__ void consume_seesaw_pairs(const DecodeParams& p, const DecodeTma& tma
     warpgroup_commit_batch();
   };
   auto issue_pv_remote = [&](int stage) {  // P: the other warpgroup's, in the block's rope slab
-    Tensor sVt = make_tensor(make_smem_ptr(mla_common::opaque(ss.k[stage])), typename Traits::SmemLayoutVt{});
+    Tensor sVt = make_tensor(make_smem_ptr(ss.k[mla_common::warp_uniform(stage)]), typename Traits::SmemLayoutVt{});
     Tensor tOrV = thr_pv_remote.partition_fragment_B(local_tile(sVt, Shape<Int<kHeadDimV / 2>, Int<kBlockN>>{}, make_coord(wg, 0)));
-    Tensor tOrPs = thr_pv_remote.partition_fragment_A(make_tensor(make_smem_ptr(mla_common::opaque(Traits::p_tile(ss, stage))), typename Traits::SmemLayoutSlab{}));
+    Tensor tOrPs = thr_pv_remote.partition_fragment_A(make_tensor(make_smem_ptr(Traits::p_tile(ss, mla_common::warp_uniform(stage))), typename Traits::SmemLayoutSlab{}));
     warpgroup_fence_operand(tOrO);
     warpgroup_arrive();
 #pragma unroll
