@@ -127,7 +127,7 @@ __device__ void consume_kv_tiles(const DecodeParams& p, typename Traits::SharedS
   using Element = typename Traits::Element;
   using MmaElement = typename Traits::MmaElement;
   const int tid = threadIdx.x;          // 0..255 over the two math warpgroups
-  const int warpgroup = tid / 128;
+  const int warpgroup = mla_common::warp_uniform(tid / 128);
   const int tid_in_wg = tid % 128;
   static_assert(2 * kStagingBytes <= int(sizeof(MmaElement)) * cosize_v<typename Traits::SmemLayoutK>,
                 "the epilogue stages both warpgroups' output in one K stage");
@@ -349,7 +349,7 @@ __global__ void __launch_bounds__(kNumThreads, 1)
     mla_decode_kernel(__grid_constant__ const DecodeParams params, __grid_constant__ const DecodeTma tma) {
 #if defined(__CUDA_ARCH__) && __CUDA_ARCH__ == 900 && defined(__CUDA_ARCH_FEAT_SM90_ALL)
   auto& ss = mla_common::shared_storage_1024<typename Traits::SharedStorage>();
-  const int warpgroup = __shfl_sync(0xffffffff, threadIdx.x / 128, 0);
+  const int warpgroup = mla_common::warp_uniform(threadIdx.x / 128);
   const int m_block = blockIdx.x;
   const PartRange range = PartRange::load(params, blockIdx.y);
   // The combine kernel may start now: its CTAs fill SMs whose parts are done (or empty) and wait

@@ -90,7 +90,7 @@ __device__ void consume_fp8mma_tiles(const DecodeParams& p, typename Traits::Sha
                                      const PartRange& range, int m_block) {
   using Element = typename Traits::Element;
   const int tid = threadIdx.x;  // 0..255 over the two math warpgroups
-  const int warpgroup = tid / 128;
+  const int warpgroup = mla_common::warp_uniform(tid / 128);
   const int tid_in_wg = tid % 128;
 
   typename Traits::TiledMmaQK mma_qk;  // one warpgroup
@@ -262,7 +262,7 @@ __global__ void __launch_bounds__(kNumThreads, 1)
     mla_decode_fp8mma_kernel(__grid_constant__ const DecodeParams params, __grid_constant__ const DecodeTma tma) {
 #if defined(__CUDA_ARCH__) && __CUDA_ARCH__ == 900 && defined(__CUDA_ARCH_FEAT_SM90_ALL)
   auto& ss = mla_common::shared_storage_1024<typename Traits::SharedStorage>();
-  const int warpgroup = __shfl_sync(0xffffffff, threadIdx.x / 128, 0);
+  const int warpgroup = mla_common::warp_uniform(threadIdx.x / 128);
   const int m_block = blockIdx.x;
   const PartRange range = PartRange::load(params, blockIdx.y);
   mla_common::launch_dependents();  // the combine kernel may start (decode_kernel.cuh)

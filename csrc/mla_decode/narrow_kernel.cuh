@@ -498,7 +498,7 @@ __global__ void __launch_bounds__(Traits::kThreads, 1)
     mla_decode_narrow_kernel(__grid_constant__ const DecodeParams params, __grid_constant__ const DecodeTma tma) {
 #if defined(__CUDA_ARCH__) && __CUDA_ARCH__ == 900 && defined(__CUDA_ARCH_FEAT_SM90_ALL)
   auto& ss = mla_common::shared_storage_1024<typename Traits::SharedStorage>();
-  const int warpgroup = __shfl_sync(0xffffffff, threadIdx.x / 128, 0);
+  const int warpgroup = mla_common::warp_uniform(threadIdx.x / 128);
   const PartRange range = PartRange::load(params, blockIdx.y);
   mla_common::launch_dependents();  // the combine kernel may start its prologue (see decode_kernel.cuh)
 

@@ -67,7 +67,7 @@ __device__ void consume_seesaw_pairs(const DecodeParams& p, const DecodeTma& tma
   static_assert(2 * kStagingBytes <= int(sizeof(Element)) * cosize_v<typename Traits::SmemLayoutK>,
                 "the epilogue stages both warpgroups' output in one K stage");
   const int tid = threadIdx.x;  // 0..255 over the two math warpgroups
-  const int wg = tid / 128, tid_in_wg = tid % 128;
+  const int wg = mla_common::warp_uniform(tid / 128), tid_in_wg = tid % 128;
 
   typename Traits::TiledMmaQK mma_qk;
   typename Traits::TiledMmaPVLocal mma_pv_local;
@@ -392,7 +392,7 @@ __global__ void __launch_bounds__(Traits::kThreads, 1)
     mla_decode_seesaw_kernel(__grid_constant__ const DecodeParams params, __grid_constant__ const DecodeTma tma) {
 #if defined(__CUDA_ARCH__) && __CUDA_ARCH__ == 900 && defined(__CUDA_ARCH_FEAT_SM90_ALL)
   auto& ss = mla_common::shared_storage_1024<typename Traits::SharedStorage>();
-  const int warpgroup = __shfl_sync(0xffffffff, threadIdx.x / 128, 0);
+  const int warpgroup = mla_common::warp_uniform(threadIdx.x / 128);
   const PartRange range = PartRange::load(params, blockIdx.y);
   mla_common::launch_dependents();  // the combine kernel waits in griddepcontrol.wait
 
