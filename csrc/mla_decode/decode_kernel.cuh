@@ -60,24 +60,26 @@ struct Fp8SlabConverter {
     const char* slab_bytes = reinterpret_cast<const char*>(ss.k[stage]) + Traits::kFp8StagingOffset + slab * kFp8SlabBytes;
     return *reinterpret_cast<const uint4*>(slab_bytes + fp8_slab_offset(tid / 4, tid % 4));
   }
-  // Writes it, converted, to the 16-bit slab `slab` (zeros for rows >= valid_keys).
-  __device__ __forceinline__ static void write(typename Traits::SharedStorage& ss, int stage, int slab, int tid,
-                                               int valid_keys, uint4 in) {
-    // Re-derived through an opaque move: otherwise the compiler hoists every slab's swizzled
-    // addresses out of the loop over the tiles and holds them across it.
-    Tensor sK = make_tensor(make_smem_ptr(ss.k[stage]), typename Traits::SmemLayoutK{});
-    tid = mla_common::opaque(tid);
-    const int row = tid / 4, col = slab * kTmaColumns + (tid % 4) * 16;
+  // Byte offset, within any 16-bit slab ([64 rows][128 B], 128-byte swizzle: 16-byte chunk c of row r
+  // at c ^ (r % 8)), of the first of the two 16-byte chunks this thread writes (key row tid / 4,
+  // columns 16 (tid % 4) ... + 15); the second is at this offset ^ 16. The same in every slab, so a
+  // slab's two stores are these offsets plus an immediate: computed once per tile, not per slab.
+  __device__ __forceinline__ static uint32_t write_offset(int tid) {
+    const int row = tid / 4, chunk = (tid % 4) * 2;
+    return row * 128 + ((chunk ^ (row % 8)) << 4);
+  }
+  // Writes this thread's chunk, converted, to the 16-bit slab `slab` of the tile at tile_addr (zeros
+  // for rows >= valid_keys: the e4m3 bytes are zeroed before the conversion, 4 selects, not 8).
+  __device__ __forceinline__ static void write(uint32_t tile_addr, uint32_t offset, int slab, bool zero, uint4 in) {
+    const uint32_t slab_addr = tile_addr + slab * 8192;
+    static_assert(kBlockN * kTmaColumns * sizeof(typename Traits::MmaElement) == 8192, "a 16-bit slab is 8 KB");
+    if (zero) in = make_uint4(0, 0, 0, 0);
     const uint32_t words[4] = {in.x, in.y, in.z, in.w};
     uint32_t out[8];
 #pragma unroll
     for (int w = 0; w < 4; ++w) e4m3x4_to_f16x2(words[w], out[2 * w], out[2 * w + 1]);
-    if (row >= valid_keys) {
-#pragma unroll
-      for (int j = 0; j < 8; ++j) out[j] = 0;
-    }
-    mla_common::st_shared_16(&sK(row, col), make_uint4(out[0], out[1], out[2], out[3]));
-    mla_common::st_shared_16(&sK(row, col + 8), make_uint4(out[4], out[5], out[6], out[7]));
+    mla_common::st_shared_16(slab_addr + offset, make_uint4(out[0], out[1], out[2], out[3]));
+    mla_common::st_shared_16(slab_addr + (offset ^ 16), make_uint4(out[4], out[5], out[6], out[7]));
   }
   // Converts the tile of `stage`, calling on_group(first_slab, end_slab) after each group is
   // visible to WGMMA. The slabs of a group are waited for, then all read, then all written, so that
@@ -90,6 +92,10 @@ struct Fp8SlabConverter {
       mla_common::named_barrier_sync<int(DecodeBarrier::kFp8Converted), 256>();
       on_group(first_slab, end_slab);
     };
+    // The tile's base from a warp-uniform stage, this thread's offset in a slab, its row's zeroing.
+    const uint32_t tile_addr = mla_common::smem_addr(ss.k[mla_common::warp_uniform(stage)]);
+    const uint32_t offset = write_offset(tid);
+    const bool zero = tid / 4 >= valid_keys;
     // Converts slabs [first_slab, end_slab); with read_next, also reads slab end_slab (returned).
     auto convert = [&](int first_slab, int end_slab, bool read_next) {
       uint4 staged[5] = {};
@@ -101,7 +107,7 @@ struct Fp8SlabConverter {
 #pragma unroll
       for (int slab = first_slab; slab < end_slab + extra_reads; ++slab) staged[slab - first_slab] = read(ss, stage, slab, tid);
 #pragma unroll
-      for (int slab = first_slab; slab < end_slab; ++slab) write(ss, stage, slab, tid, valid_keys, staged[slab - first_slab]);
+      for (int slab = first_slab; slab < end_slab; ++slab) write(tile_addr, offset, slab, zero, staged[slab - first_slab]);
       return staged[end_slab - first_slab];
     };
     convert(0, 4, false);
@@ -112,7 +118,7 @@ struct Fp8SlabConverter {
     publish(6, 7);
     const uint4 staged8 = convert(7, 8, true);  // slab 8 overwrites its own staged bytes: read before the barrier
     publish(7, 8);
-    write(ss, stage, 8, tid, valid_keys, staged8);
+    write(tile_addr, offset, 8, zero, staged8);
     publish(8, 9);
   }
 };
