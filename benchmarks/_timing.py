@@ -32,28 +32,44 @@ class GraphTimer:
         return s.elapsed_time(e)
 
     def time(self, graph, rep_ms, min_reps=20, max_reps=600):
-        for _ in range(3):
-            graph.replay()
-        est = self.estimate_ms(graph.replay)
-        flush_ms = self.estimate_ms(self.flush)
-        n = int(max(min_reps, min(max_reps, rep_ms / (est + flush_ms + 0.01))))
-        res = dict(reps=n)
+        return self.time_interleaved([graph], rep_ms, min_reps, max_reps)[0]
+
+    def time_interleaved(self, graphs, rep_ms, min_reps=20, max_reps=600, rounds=4):
+        """time() of several graphs (the kernels of one config), their replays interleaved: each
+        graph's replays are cut into `rounds` rounds, and in every round each graph runs its share in
+        turn, starting from a different graph each round. Clock and power drift over the config (the
+        GPU warms up as it goes) then weighs on every kernel alike, instead of favouring the first."""
+        reps = []
+        for g in graphs:
+            for _ in range(3):
+                g.replay()
+            est = self.estimate_ms(g.replay)
+            flush_ms = self.estimate_ms(self.flush)
+            n = int(max(min_reps, min(max_reps, rep_ms / (est + flush_ms + 0.01))))
+            reps.append(-(-n // rounds))  # per round
+        k = len(graphs)
+        res = [dict(reps=r * rounds) for r in reps]
         for mode in ("cold", "warm"):
-            ev = [(torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True))
-                  for _ in range(n)]
-            for s, e in ev:
-                if mode == "cold":
-                    self.flush()
-                else:
-                    torch.cuda._sleep(SPIN_CYCLES)
-                s.record()
-                graph.replay()
-                e.record()
-            torch.cuda.synchronize()
-            ts = sorted(s.elapsed_time(e) * 1e3 for s, e in ev)
-            res[f"{mode}_us"] = statistics.median(ts)
-            res[f"{mode}_p10_us"] = ts[len(ts) // 10]
-            res[f"{mode}_p90_us"] = ts[(9 * len(ts)) // 10]
+            events = [[] for _ in graphs]
+            for rnd in range(rounds):
+                for j in range(k):
+                    i = (rnd + j) % k
+                    for _ in range(reps[i]):
+                        s, e = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
+                        if mode == "cold":
+                            self.flush()
+                        else:
+                            torch.cuda._sleep(SPIN_CYCLES)
+                        s.record()
+                        graphs[i].replay()
+                        e.record()
+                        events[i].append((s, e))
+                torch.cuda.synchronize()  # bounds the events in flight
+            for i in range(k):
+                ts = sorted(s.elapsed_time(e) * 1e3 for s, e in events[i])
+                res[i][f"{mode}_us"] = statistics.median(ts)
+                res[i][f"{mode}_p10_us"] = ts[len(ts) // 10]
+                res[i][f"{mode}_p90_us"] = ts[(9 * len(ts)) // 10]
         return res
 
 

@@ -7,7 +7,8 @@ For every config:
   2. check mla_attn (and FlashInfer's BatchMLAPagedAttentionWrapper, backend "fa3", when importable)
      against a float32 torch reference: eager call into NaN-poisoned outputs, then a CUDA graph of one
      call whose outputs are NaN-poisoned before the replay;
-  3. time the whole op as a CUDA graph (scheduling metadata / FlashInfer plan made once outside):
+  3. time the whole op as a CUDA graph (scheduling metadata / FlashInfer plan made once outside),
+     the kernels' replays interleaved in 4 rounds, each starting from another kernel:
        cold = median over replays each preceded by a 512 MB read (evicts the 60 MB L2),
        warm = median over replays each preceded by a ~20 us spin kernel (no memory traffic);
      replays per config are bounded by a time budget (--rep-ms per mode, scaled down when the
@@ -363,7 +364,9 @@ def time_metadata(ours, p, c, iters=20):
 # ----------------------------------------------------------------------------------------------
 # driver
 # ----------------------------------------------------------------------------------------------
-def run_kernel(kern, p, c, ref, timer, rep_ms):
+def check_kernel(kern, p, c, ref):
+    """Checks one kernel (eager call, then a CUDA graph of one call) against the reference; returns
+    its result row and the graph to time (None if it failed to run)."""
     r = dict(kernel=kern.name)
     try:
         prep = kern.prepare(p, c)
@@ -383,9 +386,7 @@ def run_kernel(kern, p, c, ref, timer, rep_ms):
         r["max_abs"] = max(eager_chk["max_abs"], graph_chk["max_abs"])
         r["lse_max_abs"] = max(eager_chk["lse_max_abs"], graph_chk["lse_max_abs"])
         r["ok"] = eager_chk["ok"] and graph_chk["ok"]
-        r.update(timer.time(g, rep_ms))
-        r["nvml_after"] = nvml_sample()
-        del g, gout, glse, prep
+        return r, (g, prep)
     except Exception:
         r["error"] = traceback.format_exc()[-3000:]
         r["ok"] = False
@@ -393,7 +394,22 @@ def run_kernel(kern, p, c, ref, timer, rep_ms):
             torch.cuda.synchronize()
         except Exception:
             pass
-    return r
+        return r, None
+
+
+def run_kernels(kerns, p, c, ref, timer, rep_ms):
+    """Checks every kernel of a config, then times those that ran with their replays interleaved
+    (GraphTimer.time_interleaved), so that no kernel is favoured by its place in the order."""
+    checked = [check_kernel(k, p, c, ref) for k in kerns]
+    timed = [(r, gp[0]) for r, gp in checked if gp is not None]
+    try:
+        for (r, _), t in zip(timed, timer.time_interleaved([g for _, g in timed], rep_ms)):
+            r.update(t)
+            r["nvml_after"] = nvml_sample()
+    except Exception:
+        for r, _ in timed:
+            r["error"], r["ok"] = traceback.format_exc()[-3000:], False
+    return [r for r, _ in checked]
 
 
 def fmt(v, f="{:.1f}", none="-"):
@@ -615,8 +631,7 @@ def run(args, extra_kernels=()):
             row.update(time_metadata(ours, p, c))
         except Exception:
             row["md_error"] = traceback.format_exc()[-1500:]
-        for k in kerns:
-            r = run_kernel(k, p, c, ref, timer, rep_ms)
+        for k, r in zip(kerns, run_kernels(kerns, p, c, ref, timer, rep_ms)):
             row["ours" if k is ours else k.name] = r
             if "cold_us" in r:
                 log(f"   {k.name:15s} {'ok  ' if r['ok'] else 'FAIL'} relL2 {r['rel_l2']:.1e} "
@@ -625,7 +640,7 @@ def run(args, extra_kernels=()):
                     f"{row['flops'] / r['cold_us'] / 1e6:5.0f} TFLOP/s ({r['reps']} reps)")
             else:
                 log(f"   {k.name:15s} ERROR {r['error'].strip().splitlines()[-1][:300]}")
-            torch.cuda.empty_cache()
+        torch.cuda.empty_cache()
         if "md_us" in row:
             log(f"   get_decode_metadata {row['md_us']:.1f} us (events), {row['md_wall_us']:.1f} us host")
         results["rows"].append(row)
