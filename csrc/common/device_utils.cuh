@@ -58,6 +58,16 @@ __device__ __forceinline__ uint32_t smem_addr(const void* smem) {
   return static_cast<uint32_t>(__cvta_generic_to_shared(smem));
 }
 
+// Waits until the phase of parity `phase` of the mbarrier at `bar` has completed by polling it
+// (test_wait) instead of suspending in try_wait, as cutlass::arch::ClusterBarrier::wait does: the 4
+// warps of a warpgroup that wait for the same TMA slab then reach the WGMMA that needs all of them
+// closer together, at the price of issue slots while they wait (issue_qk_slabs: kPollSlabs).
+__device__ __forceinline__ void poll_wait(const uint64_t* bar, uint32_t phase) {
+  asm volatile(
+      "{\n.reg .pred P1;\nLAB_POLL:\nmbarrier.test_wait.parity.shared::cta.b64 P1, [%0], %1;\n@!P1 bra LAB_POLL;\n}"
+      ::"r"(smem_addr(bar)), "r"(phase) : "memory");
+}
+
 // Stores 4 bytes at a shared-window address.
 __device__ __forceinline__ void st_shared_4(uint32_t addr, uint32_t v) {
   asm volatile("st.shared.b32 [%0], %1;" ::"r"(addr), "r"(v) : "memory");

@@ -90,7 +90,7 @@ __device__ void consume_seesaw_pairs(const DecodeParams& p, const DecodeTma& tma
   // each issued once its slab landed. Warpgroup 0 goes in slab order; warpgroup 1 starts with its
   // own V half, which its PVs free first. The rope slab is last: it waits for both halves to be free.
   auto issue_qk_slabs = [&](int stage, uint32_t phase, int first_slab, int end_slab) {
-    mla_decode::issue_qk_slabs<typename Traits::SmemLayoutQ, typename Traits::SmemLayoutK>(
+    mla_decode::issue_qk_slabs<typename Traits::SmemLayoutQ, typename Traits::SmemLayoutK, /*kPollSlabs=*/true>(
         mma_qk, thr_qk, tSrS, ss.q, ss.k[mla_common::warp_uniform(stage)], ss.kv_full[stage], phase, first_slab, end_slab);
   };
   auto start_qk = [&] {
