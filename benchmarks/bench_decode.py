@@ -403,9 +403,10 @@ def run_kernels(kerns, p, c, ref, timer, rep_ms):
     checked = [check_kernel(k, p, c, ref) for k in kerns]
     timed = [(r, gp[0]) for r, gp in checked if gp is not None]
     try:
-        for (r, _), t in zip(timed, timer.time_interleaved([g for _, g in timed], rep_ms)):
-            r.update(t)
-            r["nvml_after"] = nvml_sample()
+        times = timer.time_interleaved([g for _, g in timed], rep_ms)
+        after = nvml_sample()  # clock and power once all of them were timed (together)
+        for (r, _), t in zip(timed, times):
+            r.update(t, nvml_after=after)
     except Exception:
         for r, _ in timed:
             r["error"], r["ok"] = traceback.format_exc()[-3000:], False
