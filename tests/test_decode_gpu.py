@@ -93,6 +93,25 @@ def test_long_context():
     check_unit_scale(case, True, out, lse)
 
 
+@pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float16])
+@pytest.mark.parametrize("h_q,s_q", [(128, 1), (128, 2), (64, 1), (16, 1)])
+def test_scores_growing_along_the_context(h_q, s_q, dtype):
+    """Keys scaled by a ramp from 0.1 to 8 along each request: the running row max moves by more
+    than the kernels' slack (kMaxSlack, decode_tile_io.cuh: O is rescaled) several times and by less
+    (P above 1) in between."""
+    lens, page = [5000, 2100], 64
+    case = make_decode_case(lens, s_q, h_q, page, seed=11, dtype=dtype)
+    for b, L in enumerate(lens):
+        for j in range(-(-L // page)):
+            t = torch.arange(j * page, (j + 1) * page, dtype=torch.float32)
+            ramp = 0.1 * 80.0 ** (t / L)
+            page_id = case["block_table"][b, j]
+            case["kv_cache"][page_id] = (case["kv_cache"][page_id].float() * ramp[:, None]).to(dtype)
+    case = to_cuda(case)
+    out, lse = run(case, s_q > 1)
+    check_unit_scale(case, s_q > 1, out, lse)
+
+
 @pytest.mark.parametrize("h_q,s_q", [(128, 1), (16, 2), (64, 4)])
 def test_flashmla_tolerances(h_q, s_q):
     """FlashMLA-style data (randn/10 clamped to +-1) under FlashMLA's own tolerances."""

@@ -274,8 +274,8 @@ __device__ void consume_kv_tiles(const DecodeParams& p, typename Traits::SharedS
 
         // -- Online softmax in log2 units over the 64 keys of the block.
         float base[2];
-        owner_softmax_step(tSrS, tScS, blk * kBlockN, last_key, is_full_block(blk, lowest_last_key), score_scale, row_max,
-                           row_sum, base, rescale);
+        owner_softmax_step(tSrS, tScS, blk * kBlockN, last_key, is_full_block(blk, lowest_last_key), score_scale,
+                           kMaxSlack, row_max, row_sum, base, rescale);
         // The other WG must be done reading the previous P before it is overwritten.
         if (blk > seg.blk_lo) named_barrier_sync<int(DecodeBarrier::kPFree0), 256>(warpgroup);
 #pragma unroll

@@ -187,21 +187,34 @@ __device__ __forceinline__ bool is_full_block(int blk, int lowest_last_key) {
   return (blk + 1) * kBlockN - 1 <= lowest_last_key;
 }
 
+// The running row max (log2 units) after a block whose row max is block_max: it moves only when the
+// block's max exceeds it by more than `slack` (FlashAttention-4's conditional rescale). P =
+// exp2(S - running max) then stays below 2^slack, and while the max holds the factor that rescales
+// O and the denominator is exactly 1, so the 128 multiplies per thread are skipped; with the exact
+// max they ran on about 40 % of h_q 128 blocks (random data). kMaxSlack = 8: P <= 256, exact range in
+// bf16/fp16, far from fp32 overflow in the sums. 0 is the exact max (P quantised to e4m3 after a
+// fixed scale needs P <= 1).
+constexpr float kMaxSlack = 8.f;
+__device__ __forceinline__ float next_running_max(float running, float block_max, float slack) {
+  return block_max > running + slack ? block_max : running;
+}
+
 // The block owner's online-softmax step over its 64 x 64 raw scores (the 64-row kernels,
 // decode_kernel.cuh and fp8mma_kernel.cuh): the block max as above (tScS: the elements' (row, key)
-// coordinates in the block), then the running max and this warpgroup's denominator move to it.
-// Returns per row the base that P = exp2(S score_scale - base) subtracts (0 for a fully masked row,
-// keeping exp2 finite) and the factor that rescales O.
+// coordinates in the block), then the running max (next_running_max, `max_slack`) and this
+// warpgroup's denominator move to it. Returns per row the base that P = exp2(S score_scale - base)
+// subtracts (0 for a fully masked row, keeping exp2 finite) and the factor that rescales O.
 template <typename TensorS, typename TensorC>
 __device__ __forceinline__ void owner_softmax_step(TensorS& tSrS, const TensorC& tScS, int key0, const int (&last_key)[2],
-                                                   bool full_block, const float (&score_scale)[2], float (&row_max)[2],
-                                                   float (&row_sum)[2], float (&base)[2], float (&rescale)[2]) {
+                                                   bool full_block, const float (&score_scale)[2], float max_slack,
+                                                   float (&row_max)[2], float (&row_sum)[2], float (&base)[2],
+                                                   float (&rescale)[2]) {
   float block_max[2];
   block_max_of_scores(tSrS, [&](int e) { return key0 + int(cute::get<1>(tScS(e))); }, last_key, full_block,
                       score_scale, block_max);
 #pragma unroll
   for (int i = 0; i < 2; ++i) {
-    const float new_max = fmaxf(row_max[i], block_max[i]);
+    const float new_max = next_running_max(row_max[i], block_max[i], max_slack);
     base[i] = new_max == -INFINITY ? 0.f : new_max;
     rescale[i] = exp2f(row_max[i] - base[i]);
     row_max[i] = new_max;

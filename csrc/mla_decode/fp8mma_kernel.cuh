@@ -184,8 +184,8 @@ __device__ void consume_fp8mma_tiles(const DecodeParams& p, typename Traits::Sha
 
         // -- Online softmax in log2 units over the 64 keys of the block.
         float base[2];
-        owner_softmax_step(tSrS, tScS, blk * kBlockN, last_key, is_full_block(blk, lowest_last_key), score_scale, row_max,
-                           row_sum, base, rescale);
+        owner_softmax_step(tSrS, tScS, blk * kBlockN, last_key, is_full_block(blk, lowest_last_key), score_scale,
+                           /*max_slack=*/0.f, row_max, row_sum, base, rescale);  // P * kPScale fits e4m3 only if P <= 1
         // The other WG must be done reading the previous P before it is overwritten.
         if (blk > seg.blk_lo) named_barrier_sync<int(DecodeBarrier::kPFree0), 256>(warpgroup);
         // P times kPScale as e4m3. Elements 8q + 2i (+1) and 8q + 4 + 2i (+1) are keys 16q + 2c (+1)

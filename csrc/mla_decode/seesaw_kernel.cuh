@@ -237,7 +237,7 @@ __device__ void consume_seesaw_pairs(const DecodeParams& p, const DecodeTma& tma
         float max_a[2];
 #pragma unroll
         for (int i = 0; i < 2; ++i) {
-          max_a[i] = fmaxf(row_max[i], block_max[i]);
+          max_a[i] = next_running_max(row_max[i], block_max[i], kMaxSlack);
           base[i] = base_of(max_a[i]);
           factor[i] = exp2f(row_max[i] - base[i]);
           row_sum[i] *= factor[i];
@@ -310,7 +310,7 @@ __device__ void consume_seesaw_pairs(const DecodeParams& p, const DecodeTma& tma
         float base[2], factor[2];
 #pragma unroll
         for (int i = 0; i < 2; ++i) {
-          const float max_b = fmaxf(ss.max_a[row0() + 8 * i], block_max[i]);
+          const float max_b = next_running_max(ss.max_a[row0() + 8 * i], block_max[i], kMaxSlack);
           base[i] = base_of(max_b);
           factor[i] = exp2f(row_max[i] - base[i]);
           row_sum[i] *= factor[i];
