@@ -7,7 +7,7 @@ import pytest
 import torch
 
 import mla_attn
-from mla_attn.metadata import schedule_cpu
+from mla_attn.metadata import DecodeMetadata, device_num_sms, schedule_cpu
 from mla_attn.reference import mla_decode_ref
 
 from cases import make_decode_case
@@ -110,6 +110,25 @@ def test_scores_growing_along_the_context(h_q, s_q, dtype):
     case = to_cuda(case)
     out, lse = run(case, s_q > 1)
     check_unit_scale(case, s_q > 1, out, lse)
+
+
+@pytest.mark.parametrize("batch", [4, 64])
+@pytest.mark.parametrize("h_q,s_q,page_size,causal", [(128, 1, 64, True), (128, 2, 16, True), (128, 4, 64, False),
+                                                     (80, 2, 32, True)])
+def test_long_segments(h_q, s_q, page_size, causal, batch):
+    """Schedules of 1, 3 and 5 parts, so that segments run 32+ blocks, with split points at either
+    parity of the block index. Batch 64 (60 empty requests): 128+ q-tiles of work, the seesaw kernel
+    with the steady loop (decode_api.cpp: kSteadyMinQTiles) and its hand-over to the general loop at
+    masked, tail and last pairs; batch 4: the kernel without it."""
+    lens = [6000, 4099, 2112, 3333] + [0] * (batch - 4)
+    case = to_cuda(make_decode_case(lens, s_q, h_q, page_size, seed=h_q + s_q + page_size))
+    num_sms = device_num_sms("cuda")
+    for parts in (1, 3, 5):
+        tile_sched, req_splits = torch.ops.mla_attn.get_decode_metadata(
+            case["cache_seqlens"], None, s_q, h_q, causal, parts, num_sms)
+        md = DecodeMetadata(tile_sched, req_splits, parts, s_q, h_q, causal)
+        out, lse = run(case, causal, metadata=md)
+        check_unit_scale(case, causal, out, lse)
 
 
 @pytest.mark.parametrize("h_q,s_q", [(128, 1), (16, 2), (64, 4)])

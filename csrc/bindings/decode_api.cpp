@@ -17,6 +17,8 @@ using at::Tensor;
 using mla_decode::DecodeParams;
 using namespace mla_bindings;
 
+constexpr int64_t kSteadyMinQTiles = 128;  // batch x q-tiles from which the seesaw kernel has a steady loop
+
 int num_q_tiles(int64_t max_seqlen_q, int64_t num_heads_q) {
   return int((max_seqlen_q * num_heads_q + mla_decode::kBlockM - 1) / mla_decode::kBlockM);
 }
@@ -167,7 +169,15 @@ void mla_decode_cuda_impl(const Tensor& q, const std::optional<Tensor>& q_pe, co
           // With deterministic=True chosen by h_q alone, so that a request's result does not
           // depend on the batch it is in.
           const bool seesaw = deterministic ? p.num_heads_q > kBlockM : rows > kBlockM;
-          if (seesaw) return run_mla_decode_seesaw<Element>(p, tma, stream);
+          // The steady loop pays in segments of 32+ blocks, but its code costs every call 0.3-5 us
+          // more when not in L2 (cold), even where no segment is that long (measured, H200: h128 s1
+          // b32 L4096 73.0 -> 78.0 us; b1 +2-3 %). Lengths are on the device, so with >= 128
+          // q-tiles of work (h128: b >= 64 at s_q 1, b >= 32 at s_q 2), where segments of 32+
+          // blocks are likely (h128 s2 b128 L16384 -3.4 %, s2 b32 L16384 -2.9 %, s1 b128 L1024
+          // +1.2 %). deterministic: always (a request's path then depends on its length alone).
+          const bool steady = deterministic || int64_t(p.batch) * tiles >= kSteadyMinQTiles;
+          if (seesaw && steady) return run_mla_decode_seesaw<Element, true>(p, tma, stream);
+          if (seesaw) return run_mla_decode_seesaw<Element, false>(p, tma, stream);
           return run_mla_decode<Element, false>(p, tma, stream);
         }
         // fp8: the narrow kernel converts in registers. At 32 rows its per-tile latency is higher

@@ -31,8 +31,9 @@ template <typename Element>
 cudaError_t run_mla_decode_fp8mma(const DecodeParams& params, const DecodeTma& tma, cudaStream_t stream);
 
 // The same for a 16-bit cache with the seesaw kernel: the two math warpgroups take a pair of KV
-// blocks at once, one's softmax overlapping the other's MMAs (seesaw_kernel.cuh).
-template <typename Element>
+// blocks at once, one's softmax overlapping the other's MMAs (seesaw_kernel.cuh). kSteadyLoop: long
+// segments run their unmasked pairs in a loop without the masking, tail and last-pair code.
+template <typename Element, bool kSteadyLoop>
 cudaError_t run_mla_decode_seesaw(const DecodeParams& params, const DecodeTma& tma, cudaStream_t stream);
 
 // The same for at most kRows (16 or 32) query rows per request (max_seqlen_q x heads): the narrow

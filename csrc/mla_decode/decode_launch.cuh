@@ -73,10 +73,11 @@ cudaError_t run_mla_decode_fp8mma(const DecodeParams& params, const DecodeTma& t
   return launch_split_and_combine<Element, Traits>(mla_decode_fp8mma_kernel<Traits>, params, tma, stream);
 }
 
-template <typename Element>
+template <typename Element, bool kSteadyLoop>
 cudaError_t run_mla_decode_seesaw(const DecodeParams& params, const DecodeTma& tma, cudaStream_t stream) {
   using Traits = SeesawTraits<Element>;
-  return launch_split_and_combine<Element, Traits>(mla_decode_seesaw_kernel<Traits>, params, tma, stream);
+  return launch_split_and_combine<Element, Traits>(mla_decode_seesaw_kernel<Traits, kSteadyLoop>, params, tma,
+                                                   stream);
 }
 
 template <typename Element, int kRows, int kMathWarpgroups, bool kFp8Kv>

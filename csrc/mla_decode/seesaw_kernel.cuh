@@ -59,9 +59,16 @@ __device__ void produce_seesaw_tiles(const DecodeParams& p, const DecodeTma& tma
   });
 }
 
-template <typename Traits>
-__device__ void consume_seesaw_pairs(const DecodeParams& p, const DecodeTma& tma, typename Traits::SharedStorage& ss,
-                                     const PartRange& range, int m_block) {
+// kSteadyLoop: segments of this many blocks run their full pairs in the steady loop
+// (consume_seesaw_pairs).
+constexpr int kSteadyMinBlocks = 32;
+
+// Inlined into the kernel: as a separate function (two pair loops make it large) its WGMMAs were
+// serialized (ptxas C7520).
+template <typename Traits, bool kSteadyLoop>
+__device__ __forceinline__ void consume_seesaw_pairs(const DecodeParams& p, const DecodeTma& tma,
+                                                     typename Traits::SharedStorage& ss, const PartRange& range,
+                                                     int m_block) {
   using Element = typename Traits::Element;
   using Barrier = cutlass::arch::ClusterBarrier;
   static_assert(2 * kStagingBytes <= int(sizeof(Element)) * cosize_v<typename Traits::SmemLayoutK>,
@@ -156,13 +163,14 @@ __device__ void consume_seesaw_pairs(const DecodeParams& p, const DecodeTma& tma
   };
   // Block max of block `blk`'s raw scores, masked only where a row needs it (decode_tile_io.cuh);
   // exponentiate applies the scale.
-  auto block_max_of_block = [&](int blk, const int (&last_key)[2], int lowest_last_key, float (&block_max)[2]) {
+  // full: no row masks any key of the block (is_full_block, or known so by the caller).
+  auto block_max_of_block = [&](int blk, const int (&last_key)[2], bool full, float (&block_max)[2]) {
     // Key of element e: key0 + 8 (e >> 2) + 2 (lane % 4) + (e & 1) (from an opaque thread index,
     // as row0).
     const int key0 = blk * kBlockN + 2 * (mla_common::opaque(int(threadIdx.x)) % 4);
     const float scale[2] = {p.scale_log2, p.scale_log2};
-    block_max_of_scores(tSrS, [&](int e) { return key0 + 8 * (e >> 2) + (e & 1); }, last_key,
-                        is_full_block(blk, lowest_last_key), scale, block_max);
+    block_max_of_scores(tSrS, [&](int e) { return key0 + 8 * (e >> 2) + (e & 1); }, last_key, full, scale,
+                        block_max);
   };
   // tOrP as packed pairs (elements e, e + 1 in word e / 2): converting element by element leaves
   // each 16-bit value in a register of its own.
@@ -223,17 +231,23 @@ __device__ void consume_seesaw_pairs(const DecodeParams& p, const DecodeTma& tma
       }
     }
 
-    for (int blk = seg.blk_lo; blk < seg.blk_hi; blk += 2) {
-      const bool has_b = blk + 1 < seg.blk_hi;
+    // kSteady: a pair of two blocks that no row masks, neither the segment's last, with a next pair
+    // of two: no masking, tail, missing b or held-back stage, so the loop over such pairs carries
+    // none of that code (one loop for all pairs was 2,666 instructions, 1,045 of them such code in
+    // line; ncu put 7 % of the softmax phases' stall samples on instruction fetch). Blocks are full
+    // up to some block (is_full_block), so the steady pairs come first; the rest run the general body.
+    auto run_pair = [&](const int blk, auto steady) __attribute__((always_inline)) {
+      constexpr bool kSteady = decltype(steady)::value;
+      const bool has_b = kSteady || blk + 1 < seg.blk_hi;
       const int stage_a = iteration % 2, stage_b = (iteration + 1) % 2;
       const uint32_t phase_a = (iteration / 2) & 1, phase_b = ((iteration + 1) / 2) & 1;
-      const bool has_next_a = blk + 2 < seg.blk_hi, has_next_b = blk + 3 < seg.blk_hi;
+      const bool has_next_a = kSteady || blk + 2 < seg.blk_hi, has_next_b = kSteady || blk + 3 < seg.blk_hi;
       if (wg == 0) {
         warpgroup_wait<0>();  // S_a (and the previous pair's last PV)
         warpgroup_fence_operand(tSrS);
         warpgroup_fence_operand(tOrO);
         float block_max[2], base[2], factor[2];
-        block_max_of_block(blk, last_key, lowest_last_key, block_max);
+        block_max_of_block(blk, last_key, kSteady || is_full_block(blk, lowest_last_key), block_max);
         float max_a[2];
 #pragma unroll
         for (int i = 0; i < 2; ++i) {
@@ -249,7 +263,7 @@ __device__ void consume_seesaw_pairs(const DecodeParams& p, const DecodeTma& tma
         named_barrier_sync<int(SeesawBarrier::kMaxA), 256>();
         exponentiate(base, row_sum);
         scale_o(factor);
-        if (is_tail(blk)) {  // (then there is no b)
+        if (!kSteady && is_tail(blk)) {  // (then there is no b)
           zero_tail_of_own_half(stage_a, phase_a, blk);
           tail_zeroed();
         }
@@ -263,7 +277,7 @@ __device__ void consume_seesaw_pairs(const DecodeParams& p, const DecodeTma& tma
           row_sum[i] *= factor[i];
           row_max[i] = max_b;
         }
-        if (has_b && is_tail(blk + 1)) {
+        if (!kSteady && has_b && is_tail(blk + 1)) {
           zero_tail_of_own_half(stage_b, phase_b, blk + 1);
           tail_zeroed();
         }
@@ -274,7 +288,7 @@ __device__ void consume_seesaw_pairs(const DecodeParams& p, const DecodeTma& tma
         // reload starts while warpgroup 1 still exponentiates P_b (h_q 128 x1.008, BENCHMARKS.md).
         warpgroup_wait<0>();
         warpgroup_fence_operand(tOrO);
-        release_unless_last(stage_a, blk);
+        kSteady ? release(stage_a) : release_unless_last(stage_a, blk);
         named_barrier_sync<int(SeesawBarrier::kPReady), 256>();
         if (has_b) {
           scale_o(factor);
@@ -288,7 +302,7 @@ __device__ void consume_seesaw_pairs(const DecodeParams& p, const DecodeTma& tma
             issue_qk_slabs(stage_a, phase_a ^ 1, 4, kSlabs);
           } else {
             warpgroup_wait<0>();
-            release_unless_last(stage_b, blk + 1);
+            kSteady ? release(stage_b) : release_unless_last(stage_b, blk + 1);
           }
         }
       } else {
@@ -301,9 +315,9 @@ __device__ void consume_seesaw_pairs(const DecodeParams& p, const DecodeTma& tma
         warpgroup_fence_operand(tSrS);
         warpgroup_fence_operand(tOrO);
         if (has_b) {
-          block_max_of_block(blk + 1, last_key, lowest_last_key, block_max);
+          block_max_of_block(blk + 1, last_key, kSteady || is_full_block(blk + 1, lowest_last_key), block_max);
         }
-        if (is_tail(blk)) {  // S_a is done; there is no b
+        if (!kSteady && is_tail(blk)) {  // S_a is done; there is no b
           zero_tail_of_own_half(stage_a, phase_a, blk);
           tail_zeroed();
         }
@@ -323,7 +337,7 @@ __device__ void consume_seesaw_pairs(const DecodeParams& p, const DecodeTma& tma
         named_barrier_sync<int(SeesawBarrier::kMaxB), 256>();
         scale_o(factor);
         if (has_b) {
-          if (is_tail(blk + 1)) {
+          if (!kSteady && is_tail(blk + 1)) {
             zero_tail_of_own_half(stage_b, phase_b, blk + 1);
             tail_zeroed();
           }
@@ -336,11 +350,11 @@ __device__ void consume_seesaw_pairs(const DecodeParams& p, const DecodeTma& tma
         if (has_b) named_barrier_sync<int(SeesawBarrier::kRemoteIssued), 256>();
         if (has_b) {
           warpgroup_wait<1>();
-          release_unless_last(stage_b, blk + 1);
+          kSteady ? release(stage_b) : release_unless_last(stage_b, blk + 1);
         }
         warpgroup_wait<0>();
         warpgroup_fence_operand(tOrO);
-        release_unless_last(stage_a, blk);
+        kSteady ? release(stage_a) : release_unless_last(stage_a, blk);
         if (has_next_b) {
           start_qk();
           issue_qk_slabs(stage_b, phase_b ^ 1, 4, 8);
@@ -349,6 +363,25 @@ __device__ void consume_seesaw_pairs(const DecodeParams& p, const DecodeTma& tma
         }
       }
       iteration += has_b ? 2 : 1;
+    };
+    // The steady loop only in long segments: a call that runs both loops fetches ~25 KB more code,
+    // ~3-4 us when it is not in L2 (cold), which about 30 steady pairs repay. The general loop comes
+    // first in the source, so that ptxas places the steady loop after it (placed before, it cost the
+    // same cold fetch to calls that jump over it).
+    const bool long_segment = kSteadyLoop && seg.blk_hi - seg.blk_lo >= kSteadyMinBlocks;
+    auto is_steady_pair = [&](int blk) {
+      return long_segment && blk + 3 < seg.blk_hi && is_full_block(blk + 1, lowest_last_key);
+    };
+    for (int blk = seg.blk_lo; blk < seg.blk_hi;) {
+      if (!is_steady_pair(blk)) {
+        run_pair(blk, std::false_type{});
+        blk += 2;
+      } else if constexpr (kSteadyLoop) {
+        do {
+          run_pair(blk, std::true_type{});
+          blk += 2;
+        } while (is_steady_pair(blk));
+      }
     }
     warpgroup_wait<0>();
     warpgroup_fence_operand(tOrO);
@@ -387,7 +420,7 @@ __device__ void consume_seesaw_pairs(const DecodeParams& p, const DecodeTma& tma
   }
 }
 
-template <typename Traits>
+template <typename Traits, bool kSteadyLoop>
 __global__ void __launch_bounds__(Traits::kThreads, 1)
     mla_decode_seesaw_kernel(__grid_constant__ const DecodeParams params, __grid_constant__ const DecodeTma tma) {
 #if defined(__CUDA_ARCH__) && __CUDA_ARCH__ == 900 && defined(__CUDA_ARCH_FEAT_SM90_ALL)
@@ -412,7 +445,7 @@ __global__ void __launch_bounds__(Traits::kThreads, 1)
     produce_seesaw_tiles<Traits>(params, tma, ss, range, blockIdx.x, threadIdx.x / 32 - 8);
   } else {
     cutlass::arch::warpgroup_reg_alloc<kSeesawMathRegisters>();
-    consume_seesaw_pairs<Traits>(params, tma, ss, range, blockIdx.x);
+    consume_seesaw_pairs<Traits, kSteadyLoop>(params, tma, ss, range, blockIdx.x);
   }
 #endif
 }
