@@ -20,7 +20,7 @@ CASES = [
     ([700], 1, 16, 64, False, False),          # one request split over many CTAs -> combine (16 rows: narrow kernel)
     ([113, 0, 1023], 2, 8, 16, False, True),   # empty request, tail blocks, page 16, q_pe split (narrow; fp8: 3 WGs)
     ([300, 65], 7, 32, 32, True, False),        # varlen causal (16-bit: 224 rows, the seesaw kernel, Q by cp.async)
-    ([200], 1, 128, 64, False, False),         # two q tiles (16-bit cache: the seesaw kernel)
+    ([200], 1, 128, 64, False, False),         # two q tiles, batch 1 (16-bit cache: the 64-row kernel)
     ([130, 300, 0], 2, 128, 64, True, True),   # Q tiles by TMA (h_q 128), several requests per CTA, varlen
     ([130, 0, 1000], 3, 96, 16, True, True),   # seesaw: odd block counts (a pair without b), tails, page 16, varlen
     ([500, 70], 2, 16, 32, False, False),       # 32 rows: the fp8 narrow kernel with N = 32

@@ -17,10 +17,47 @@ using at::Tensor;
 using mla_decode::DecodeParams;
 using namespace mla_bindings;
 
-constexpr int64_t kSteadyMinQTiles = 128;  // batch x q-tiles from which the seesaw kernel has a steady loop
-
 int num_q_tiles(int64_t max_seqlen_q, int64_t num_heads_q) {
   return int((max_seqlen_q * num_heads_q + mla_decode::kBlockM - 1) / mla_decode::kBlockM);
+}
+
+// The split kernel of a 16-bit cache (an fp8 cache's choice is in mla_decode_cuda_impl).
+enum class Kernel16 { kNarrow16, kRows64, kSeesaw, kSeesawSteady };
+
+// The seesaw kernel from kSeesawMinQTiles q-tiles of work (batch x q-tiles per request), with the
+// steady loop from kSteadyMinQTiles.
+constexpr int64_t kSeesawMinQTiles = 5;
+constexpr int64_t kSteadyMinQTiles = 128;
+
+Kernel16 choose_16bit_kernel(const DecodeParams& p, int tiles, bool deterministic) {
+  using namespace mla_decode;
+  const int rows = p.max_seqlen_q * p.num_heads_q;  // of the longest request
+  const int64_t work = int64_t(p.batch) * tiles;
+  // Few query rows: the transposed (narrow) kernel, whose MMAs have N = rows instead of 64 padded
+  // rows. 16 rows only: 32 measured slower than the 64-row kernel (H200, cold, h16 s2 b1 L1024: 25.2
+  // vs 16.1 us; b128 L1024 56.7 vs 50.2; at batch > 1 0.74-1.08x, faster only at b128 L65536:
+  // BENCHMARKS.md). Not with deterministic=True: rows depends on the batch's max_seqlen_q, and a
+  // request's result must not depend on the batch it is in (hence h_q alone below, too).
+  if (!deterministic && rows <= 16) return Kernel16::kNarrow16;
+  // The seesaw kernel overlaps one warpgroup's softmax with the other's MMAs, which pays where the
+  // MMAs bound the time: a request's rows fill two or more q-tiles, which share each KV tile
+  // (measured, H200: h_q 128 5-12 % faster with 32+ requests of 4k+ keys; h16 s64 b32 L4096 549 ->
+  // 492 us). At one q-tile the 64-row kernel's earlier stage release keeps more loads in flight (the
+  // seesaw there: 0.80-0.97x on h16 s2/s4, h32, h64 cells). With little work the seesaw kernel's
+  // larger code costs more than its overlap gains when the code is not in L2 (cold; warm it is
+  // faster): h128 s1 b1 L1024 19.0 vs 15.7 us with the 64-row kernel, b1 L16384 27.2 vs 24.7, s2
+  // b1 L1024 19.7 vs 16.6 (b1 L16384 32.5 vs 32.0), s1 b32 L1024 (64 q-tiles) 33.3 vs 32.0 but b32
+  // L4096 72.6 vs 78.6: segments of ~17 blocks repay the code (at h_q 128 batch 1, ~64k keys: such
+  // single requests may lose a few % here; not measured).
+  const bool seesaw = deterministic ? p.num_heads_q > kBlockM : rows > kBlockM && work >= kSeesawMinQTiles;
+  if (!seesaw) return Kernel16::kRows64;
+  // The steady loop pays in segments of 32+ blocks, but its code costs every call 0.3-5 us more when
+  // not in L2, even where no segment is that long (measured, H200: h128 s1 b32 L4096 73.0 -> 78.0
+  // us; b1 +2-3 %). Lengths are on the device, so: from 128 q-tiles of work (h128: b >= 64 at s_q 1,
+  // b >= 32 at s_q 2), where segments of 32+ blocks are likely (h128 s2 b128 L16384 -3.4 %, s2 b32
+  // L16384 -2.9 %, s1 b128 L1024 +1.2 %); deterministic: always (a request's path then depends on
+  // its length alone).
+  return deterministic || work >= kSteadyMinQTiles ? Kernel16::kSeesawSteady : Kernel16::kSeesaw;
 }
 
 void mla_decode_cuda_impl(const Tensor& q, const std::optional<Tensor>& q_pe, const Tensor& kv_cache,
@@ -145,41 +182,26 @@ void mla_decode_cuda_impl(const Tensor& q, const std::optional<Tensor>& q_pe, co
   DecodeTma tma;
   const char* tma_error = make_kv_tma(p, fp8_kv ? TmaElement::kFp8 : bf16 ? TmaElement::kBf16 : TmaElement::kFp16, &tma);
   TORCH_CHECK(tma_error == nullptr, "mla_attn: ", tma_error ? tma_error : "");
-  tma.q_by_tma = !fp8_kv && heads > kBlockM &&  // the seesaw kernel (below)
+  const Kernel16 kernel16 = choose_16bit_kernel(p, tiles, deterministic);
+  tma.q_by_tma = !fp8_kv && heads > kBlockM &&
+                 (kernel16 == Kernel16::kSeesaw || kernel16 == Kernel16::kSeesawSteady) &&
                  make_q_tma(p, varlen ? q.size(0) : q.size(1), varlen ? 1 : batch,
                             bf16 ? TmaElement::kBf16 : TmaElement::kFp16, &tma);
   const cudaError_t err = dispatch_half_type<cutlass::bfloat16_t, cutlass::half_t>(
       q.scalar_type(), "decode", [&]<typename Element>() {
+        if (!fp8_kv) {
+          switch (kernel16) {
+            case Kernel16::kNarrow16: return run_mla_decode_narrow<Element, 16, 2, false>(p, tma, stream);
+            case Kernel16::kRows64: return run_mla_decode<Element, false>(p, tma, stream);
+            case Kernel16::kSeesaw: return run_mla_decode_seesaw<Element, false>(p, tma, stream);
+            case Kernel16::kSeesawSteady: return run_mla_decode_seesaw<Element, true>(p, tma, stream);
+          }
+        }
         // Few query rows (those of the longest request): the transposed (narrow) kernel, whose MMAs
         // have N = rows instead of 64 padded rows and whose Q tile is 18-36 KB. Not with
-        // deterministic=True: rows depends on the batch's max_seqlen_q, and a request's result must
-        // not depend on the batch it is in.
+        // deterministic=True (as in choose_16bit_kernel).
         const int rows = p.max_seqlen_q * p.num_heads_q;
         const bool narrow = !deterministic && rows <= kNarrowMaxRows;
-        if (!fp8_kv) {
-          // 16-bit: 16 rows only. 32 rows measured slower than the 64-row kernel (H200, cold, h16
-          // s2 b1 L1024: 25.2 vs 16.1 us; warm 16.4 vs 15.3; b128 L1024 56.7 vs 50.2; at batch > 1
-          // 0.74-1.08x, faster only at b128 L65536: BENCHMARKS.md).
-          if (narrow && rows <= 16) return run_mla_decode_narrow<Element, 16, 2, false>(p, tma, stream);
-          // The seesaw kernel overlaps one warpgroup's softmax with the other's MMAs, which pays
-          // where the MMAs bound the time: a request's rows fill two or more q-tiles, which share
-          // each KV tile (measured, H200: h_q 128 5-12 % faster with 32+ requests of 4k+ keys; h16
-          // s64 b32 L4096 549 -> 492 us). At one q-tile the 64-row kernel's earlier stage release
-          // keeps more loads in flight (the seesaw there: 0.80-0.97x on h16 s2/s4, h32, h64 cells).
-          // With deterministic=True chosen by h_q alone, so that a request's result does not
-          // depend on the batch it is in.
-          const bool seesaw = deterministic ? p.num_heads_q > kBlockM : rows > kBlockM;
-          // The steady loop pays in segments of 32+ blocks, but its code costs every call 0.3-5 us
-          // more when not in L2 (cold), even where no segment is that long (measured, H200: h128 s1
-          // b32 L4096 73.0 -> 78.0 us; b1 +2-3 %). Lengths are on the device, so with >= 128
-          // q-tiles of work (h128: b >= 64 at s_q 1, b >= 32 at s_q 2), where segments of 32+
-          // blocks are likely (h128 s2 b128 L16384 -3.4 %, s2 b32 L16384 -2.9 %, s1 b128 L1024
-          // +1.2 %). deterministic: always (a request's path then depends on its length alone).
-          const bool steady = deterministic || int64_t(p.batch) * tiles >= kSteadyMinQTiles;
-          if (seesaw && steady) return run_mla_decode_seesaw<Element, true>(p, tma, stream);
-          if (seesaw) return run_mla_decode_seesaw<Element, false>(p, tma, stream);
-          return run_mla_decode<Element, false>(p, tma, stream);
-        }
         // fp8: the narrow kernel converts in registers. At 32 rows its per-tile latency is higher
         // (few registers to load ahead): measured slower than the 64-row kernel for a single request
         // (H200, h16 s2 b1 L 1024: 30.1 vs 24.6 us). At 16 rows, three math warpgroups keep more
