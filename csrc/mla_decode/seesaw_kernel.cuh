@@ -234,8 +234,8 @@ __device__ __forceinline__ void consume_seesaw_pairs(const DecodeParams& p, cons
     // kSteady: a pair of two blocks that no row masks, neither the segment's last, with a next pair
     // of two: no masking, tail, missing b or held-back stage, so the loop over such pairs carries
     // none of that code (one loop for all pairs was 2,666 instructions, 1,045 of them such code in
-    // line; ncu put 7 % of the softmax phases' stall samples on instruction fetch). Blocks are full
-    // up to some block (is_full_block), so the steady pairs come first; the rest run the general body.
+    // line; ncu put 7 % of the softmax phases' stall samples on instruction fetch). The loop below
+    // runs a pair with the steady body where it qualifies (with kSteadyLoop), else the general one.
     auto run_pair = [&](const int blk, auto steady) __attribute__((always_inline)) {
       constexpr bool kSteady = decltype(steady)::value;
       const bool has_b = kSteady || blk + 1 < seg.blk_hi;
