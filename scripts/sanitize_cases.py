@@ -84,8 +84,7 @@ def main():
     for (lens, s_q, h_q, page, varlen, split_pe), (fp8, fp8_mma) in [(c, m) for c in CASES for m in modes]:
         if fp8_mma and s_q * h_q <= 16:
             continue
-        c = make_decode_case(lens, s_q, h_q, page, varlen=varlen, split_pe=split_pe)
-        c = {k: (v.cuda() if isinstance(v, torch.Tensor) else v) for k, v in c.items()}
+        c = cuda(make_decode_case(lens, s_q, h_q, page, varlen=varlen, split_pe=split_pe))
         c = to_fp8_case(c) if fp8 else {**c, "k_scale": None}
         kw = dict(max_seqlen_q=c["max_seqlen_q"]) if varlen else {}
         out, lse = mla_attn.mla_decode(c["q"], c["kv_cache"], c["block_table"], c["cache_seqlens"],
