@@ -23,6 +23,9 @@ struct DecodeTraits {
   using MmaElement = std::conditional_t<kFp8Kv, cutlass::half_t, Element>;
   static constexpr bool kScaledQ = !std::is_same_v<Element, MmaElement>;
   static constexpr int kThreads = kNumThreads;
+  // Declared before SharedStorage uses it: a later member declaration would change what kStages
+  // means inside the class, which GCC 13+ rejects ([basic.scope.class]).
+  static constexpr int kStages = mla_decode::kStages;
   // Q tile [64 rows, 576] and K tile [64 keys, 576], K-major (head dim contiguous), 128-byte
   // swizzle: each 64-column slab is 64 rows x 128 B = 8 KB, which is exactly what one TMA box of
   // 64 columns writes, so TMA and WGMMA agree on the layout.
@@ -62,7 +65,6 @@ struct DecodeTraits {
   // of the 16-bit tile overlaps only staged slabs <= 2s - 8), given a barrier between the reads
   // and the writes of each slab.
   static constexpr int kFp8StagingOffset = int(sizeof(MmaElement)) * kBlockN * kHeadDimK / 2;
-  static constexpr int kStages = mla_decode::kStages;
   // Where the producer's copy of rows [row, row + rows_per_copy) of a slab lands.
   __device__ static void* kv_copy_dst(SharedStorage& ss, int stage, int slab, int row) {
     if constexpr (kFp8Kv) {
