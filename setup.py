@@ -5,8 +5,9 @@
 #   CUDA_HOME                   CUDA toolkit root (default /usr/local/cuda; nvcc >= 12.3 required).
 #                               The `nvcc` on PATH is never consulted.
 #   CUTLASS_DIR                 CUTLASS checkout to take headers from (its include/ must hold cute/).
-#                               Otherwise: third_party/cutlass submodule, then the nvidia-cutlass
-#                               wheel (cutlass_library/source/include).
+#                               Otherwise: third_party/cutlass (scripts/fetch_cutlass.sh clones the
+#                               commit pinned in third_party/cutlass.pin there), then the
+#                               nvidia-cutlass wheel (cutlass_library/source/include).
 #   MAX_JOBS                    parallel compile jobs (honoured by torch's ninja build).
 #   NVCC_THREADS                nvcc --threads N (default 2).
 #   MLA_ATTN_PTXAS_VERBOSE=1    ptxas -v --warn-on-spills --warn-on-local-memory-usage.
@@ -24,8 +25,21 @@ from setuptools import setup
 
 ROOT = Path(__file__).resolve().parent
 PKG_DIR = ROOT / "python" / "mla_attn"
-CUTLASS_PIN = "4.2.0"  # third_party/cutlass is pinned at v4.2.0 (59b61c606fe7aa4d33e60d3e6352cbfde98361c3)
-MIN_NVCC = (12, 3)
+MIN_NVCC = (12, 4)
+
+
+def read_cutlass_pin() -> dict:
+    """third_party/cutlass.pin: url=, tag= (vX.Y.Z) and commit= of the CUTLASS the kernels target."""
+    pin = {}
+    for line in (ROOT / "third_party" / "cutlass.pin").read_text().splitlines():
+        key, sep, value = line.partition("=")
+        if sep and not key.startswith("#"):
+            pin[key.strip()] = value.strip()
+    return pin
+
+
+CUTLASS_PIN = read_cutlass_pin()
+CUTLASS_PIN_VERSION = CUTLASS_PIN["tag"].lstrip("v")
 
 
 def log(msg: str) -> None:
@@ -72,8 +86,8 @@ def nvcc_version(cuda_home: Path) -> tuple:
 
 
 # ---------------------------------------------------------------------------------------------
-# CUTLASS headers: $CUTLASS_DIR, then the third_party/cutlass submodule, then the
-# nvidia-cutlass==4.2.0.0 wheel (located with importlib, not imported).
+# CUTLASS headers: $CUTLASS_DIR, then the pinned checkout in third_party/cutlass, then the
+# nvidia-cutlass wheel (located with importlib, not imported).
 # ---------------------------------------------------------------------------------------------
 def _include_of(root: Path):
     for cand in (root / "include", root):
@@ -94,12 +108,11 @@ def find_cutlass():
     else:
         tried.append("  1. $CUTLASS_DIR: not set")
 
-    sub = ROOT / "third_party" / "cutlass" / "include"
-    if (sub / "cute").is_dir():
-        return sub, "submodule"
-    tried.append(
-        f"  2. submodule {sub}: not checked out (git submodule update --init third_party/cutlass)"
-    )
+    pinned = ROOT / "third_party" / "cutlass"
+    if (pinned / "include" / "cute").is_dir():
+        check_pinned_commit(pinned)
+        return pinned / "include", f"third_party/cutlass@{CUTLASS_PIN['tag']}"
+    tried.append(f"  2. {pinned}: not fetched (scripts/fetch_cutlass.sh)")
 
     spec = importlib.util.find_spec("cutlass_library")
     if spec is not None and spec.submodule_search_locations:
@@ -109,8 +122,20 @@ def find_cutlass():
                 return inc, "nvidia-cutlass wheel"
         tried.append("  3. nvidia-cutlass wheel: cutlass_library found but has no source/include/cute")
     else:
-        tried.append(f"  3. nvidia-cutlass wheel: not installed (pip install nvidia-cutlass=={CUTLASS_PIN}.0)")
+        tried.append(f"  3. nvidia-cutlass wheel: not installed (pip install nvidia-cutlass=={CUTLASS_PIN_VERSION}.0)")
     sys.exit("error: CUTLASS headers not found. Looked in, in order:\n" + "\n".join(tried))
+
+
+def check_pinned_commit(checkout: Path) -> None:
+    """Warns when third_party/cutlass is a git checkout of another commit than the pin."""
+    try:
+        head = subprocess.check_output(["git", "-C", str(checkout), "rev-parse", "HEAD"], text=True,
+                                       stderr=subprocess.DEVNULL).strip()
+    except (OSError, subprocess.CalledProcessError):
+        log(f"WARNING: {checkout} is not a git checkout; cannot check it against the pinned commit")
+        return
+    if head != CUTLASS_PIN["commit"]:
+        log(f"WARNING: {checkout} is at {head}, the pin is {CUTLASS_PIN['tag']} ({CUTLASS_PIN['commit']})")
 
 
 def cutlass_version(inc: Path) -> str:
@@ -139,8 +164,8 @@ CUTLASS_VER = cutlass_version(CUTLASS_INC)
 TORCH_CUDA_INC = find_torch_cuda_include()
 log(f"CUDA_HOME={cuda_home} (nvcc {NVCC_VER[0]}.{NVCC_VER[1]})")
 log(f"CUTLASS {CUTLASS_VER} headers from {CUTLASS_SOURCE}: {CUTLASS_INC}")
-if CUTLASS_VER != CUTLASS_PIN:
-    log(f"WARNING: CUTLASS {CUTLASS_VER} found, the kernels are developed against {CUTLASS_PIN}")
+if CUTLASS_VER != CUTLASS_PIN_VERSION:
+    log(f"WARNING: CUTLASS {CUTLASS_VER} found, the kernels are developed against {CUTLASS_PIN_VERSION}")
 log(f"torch wheel CUDA headers: {TORCH_CUDA_INC or 'none'}")
 
 # Imported only now: torch reads CUDA_HOME at import time.
