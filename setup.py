@@ -232,6 +232,86 @@ if TORCH_CUDA_INC is not None:
 
 
 # ---------------------------------------------------------------------------------------------
+# The C++ runtime. The extension must use the libstdc++ that torch runs on, never a private static
+# copy: a second copy's iostreams and locale facets mix with the process's (they share data symbols
+# but not code), so the first TORCH_CHECK message that formats a number crashed with SIGSEGV instead
+# of raising. Toolchains installed without a shared libstdc++ (or with -static-libstdc++ in their
+# specs) link that copy into every shared object; for those we link the loaded libstdc++.so.6
+# explicitly, and every build is checked afterwards.
+# ---------------------------------------------------------------------------------------------
+_PROBE_SOURCE = """#include <sstream>
+#include <stdexcept>
+extern "C" int mla_attn_probe(long x) {
+  std::ostringstream s;
+  s << x;
+  if (x) throw std::runtime_error(s.str());
+  return 0;
+}
+"""
+
+
+def defines_cxx_runtime(shared_object: str):
+    """Whether `shared_object` carries its own C++ runtime (defines __cxa_throw); None if unknown."""
+    try:
+        out = subprocess.check_output(["nm", "-D", "--defined-only", shared_object], text=True,
+                                      stderr=subprocess.DEVNULL)
+    except (OSError, subprocess.CalledProcessError):
+        return None
+    return any(line.split()[-1] == "__cxa_throw" for line in out.splitlines() if line.strip())
+
+
+def loaded_libstdcxx():
+    """The libstdc++.so.6 this process (which imported torch) runs on, or None."""
+    try:
+        with open("/proc/self/maps") as maps:
+            paths = {line.split()[-1] for line in maps if "/libstdc++.so" in line}
+    except OSError:
+        return None
+    return sorted(paths)[0] if paths else None
+
+
+def shared_cxx_runtime_link_args(cxx: str) -> list:
+    """Extra link arguments that make `cxx` link the shared libstdc++ (none on usual toolchains)."""
+    import tempfile
+
+    with tempfile.TemporaryDirectory() as tmp:
+        src, lib = os.path.join(tmp, "probe.cpp"), os.path.join(tmp, "probe.so")
+        Path(src).write_text(_PROBE_SOURCE)
+
+        def private_runtime(extra: list):
+            subprocess.check_call([cxx, "-shared", "-fPIC", src, "-o", lib] + extra)
+            return defines_cxx_runtime(lib)
+
+        try:
+            private = private_runtime([])
+        except (OSError, subprocess.CalledProcessError) as e:
+            log(f"WARNING: could not probe how {cxx} links libstdc++ ({e})")
+            return []
+        if not private:
+            return []
+        shared = loaded_libstdcxx()
+        if shared is None or private_runtime([shared]):
+            sys.exit(f"error: {cxx} links a static copy of libstdc++ into shared objects, and linking "
+                     f"{shared or 'the libstdc++.so.6 torch uses (not found)'} instead did not help. "
+                     "Build with a compiler that has a shared libstdc++ (CXX=...).")
+        log(f"{cxx} links libstdc++ statically into shared objects: linking {shared} (torch's) instead")
+        return [shared]
+
+
+class BuildExtensionSharedCxxRuntime(BuildExtension):
+    def build_extensions(self):
+        cxx = (getattr(self.compiler, "linker_so_cxx", None) or self.compiler.linker_so)[0]
+        extra = shared_cxx_runtime_link_args(cxx)
+        for ext in self.extensions:
+            ext.extra_link_args = list(ext.extra_link_args or []) + extra
+        super().build_extensions()
+        for ext in self.extensions:
+            if defines_cxx_runtime(self.get_ext_fullpath(ext.name)):
+                sys.exit(f"error: {self.get_ext_fullpath(ext.name)} carries its own copy of libstdc++; "
+                         "its error paths would crash instead of raising. Build with another compiler.")
+
+
+# ---------------------------------------------------------------------------------------------
 # Generated build config (gitignored), read by mla_attn at runtime and by the tests.
 # ---------------------------------------------------------------------------------------------
 def write_build_config() -> None:
@@ -266,6 +346,6 @@ setup(
             py_limited_api=False,
         )
     ],
-    cmdclass={"build_ext": BuildExtension.with_options(use_ninja=True)},
+    cmdclass={"build_ext": BuildExtensionSharedCxxRuntime.with_options(use_ninja=True)},
     zip_safe=False,
 )
