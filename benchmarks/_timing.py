@@ -1,6 +1,6 @@
 """Timing helpers shared by the benchmarks: CUDA-graph replay timing with an L2 flush (cold) or a
 spin (warm) before each replay, the streaming-read and matmul ceilings of the same run, and GPU
-clock/power samples. Method: shared/anchors (RESULTS.md "Method")."""
+clock/power samples. The method is described in benchmarks/README.md."""
 import statistics
 import subprocess
 import time

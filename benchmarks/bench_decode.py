@@ -18,7 +18,7 @@ Ceilings of the same run: HBM streaming read (Triton kernel if importable, else 
 bf16 8192^3 matmul.
 
 Outputs: <out>/bench_decode.json and <out>/bench_decode.md (markdown table printed last).
-Method follows shared/anchors (RESULTS.md "Method"), so ratios to the static anchor table are
+The static peer table below was measured with the same method, so ratios to it are
 meaningful; absolute numbers move by up to ~10 % between machines, so prefer the live FlashInfer
 ratio measured in this same run.
 
@@ -49,9 +49,8 @@ REL_L2_TOL, LSE_TOL = 2e-2, 1e-2
 FP8_MMA_REL_L2_TOL, FP8_MMA_LSE_TOL = 5e-2, 1e-1
 FP8_K_SCALE = 0.02  # --kv-dtype fp8: randn data / 0.02 spans about +-200 of e4m3's +-448
 
-# Best anchor (fastest correct cold time, us) per config, copied from the static anchor tables:
-#   main grid: shared/anchors/RESULTS.md, table "Best anchor per config (cold, correct results only)";
-#   ext grid : shared/anchors/RESULTS_ext.md, "best anchor" tables of groups A, B and C.
+# Best peer (fastest correct cold time, us, of FlashMLA, FA3 and FlashInfer) per config, from a
+# separate measurement of the peers (main and ext grids).
 # Measured on another H200 (power-capped, ~10 % machine-to-machine drift): indicative only. Lrand rows
 # used other random lengths (same distribution), so their ratio is approximate too.
 STATIC_BEST = {
@@ -315,7 +314,7 @@ class FlashInferFA3:
 class FlashMLA:
     """deepseek-ai/FlashMLA's SM90 dense decode, when a build of it is given (--flashmla SO:PKG_ROOT:
     the compiled module and the folder holding its flash_mla/ Python package). mla_attn ships no
-    FlashMLA code or binary; shared/anchors/README.md says how the anchors were built. Page 64 only."""
+    FlashMLA code or binary. Page 64 only."""
     name = "flashmla"
 
     def __init__(self, spec):
@@ -455,7 +454,7 @@ def write_outputs(results, out_dir):
         lines.append("")
     lines.append("cold/warm: median us of a CUDA-graph replay of the whole op (cold: L2 flushed by a 512 MB "
                  "read first). TB/s and TFLOP/s from cold. FI = FlashInfer fa3 (live, this run). "
-                 "x FI = FI cold / ours cold; x static = best anchor of shared/anchors (other run) / ours "
+                 "x FI = FI cold / ours cold; x static = best peer time of the static table in bench_decode.py (another H200, another run) / ours "
                  "(> 1: ours faster). md us = get_decode_metadata, eager, CUDA events.")
     lines.append("")
     fmla = any(row.get("flashmla") for row in results["rows"])

@@ -1,6 +1,6 @@
 #!/usr/bin/env python3
-"""Plots from the benchmark JSON files (needs matplotlib: `pip install mla_attn[plot]`; the GPU machine
-has none, so run this wherever the JSON lands).
+"""Plots from the benchmark JSON files (needs matplotlib: `pip install mla_attn[plot]`;
+run it wherever the JSON lands).
 
     python benchmarks/plot_results.py benchmarks/results/run_all.json [more.json ..] [--out DIR]
 

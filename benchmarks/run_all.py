@@ -7,7 +7,7 @@
      write DIR/bench_prefill.json and .md), skipped with a message while it does not exist.
 Writes into --out (default benchmarks/results/): bench_decode.{json,md} and bench_prefill.{json,md}
 (by the sweeps, as they go), run_all.json (every result) and run_all.md (per sweep: every peer, % of
-roofline); then the PNG plots when matplotlib imports. The GPU machine has no matplotlib: plot elsewhere
+roofline); then the PNG plots when matplotlib imports. Without matplotlib, plot elsewhere
 with `python benchmarks/plot_results.py DIR/run_all.json`.
 
 usage: python benchmarks/run_all.py [bench_decode options: --configs all --quick --only .. --out DIR ..]
