@@ -358,10 +358,13 @@ __device__ void consume_narrow_tiles(const DecodeParams& p, typename Traits::Sha
     }
     warpgroup_wait<0>();
     warpgroup_fence_operand(tOrO);
+#ifdef MLA_ATTN_RACECHECK
     {
-      // compute-sanitizer's racecheck orders the hand-offs below correctly only if all math
-      // warpgroups have run their warpgroup-local barriers equally often (scripts/racecheck_probe.cu):
-      // each catches up with the one that ran most in this request (2 per tile, 1 more for a tail tile).
+      // Only for compute-sanitizer (a build with MLA_ATTN_RACECHECK=1, scripts/sanitize.sh): its
+      // racecheck orders the hand-offs below correctly only if all math warpgroups have run their
+      // warpgroup-local barriers equally often (scripts/racecheck_probe.cu), which the kernel does not
+      // need: each catches up with the one that ran most in this request (2 per tile, 1 more for a
+      // tail tile).
       const int num_blocks = seg.blk_hi - seg.blk_lo, it0 = iteration - num_blocks;
       const int first_tail = max(seg.blk_lo, seg.seqlen_k / kBlockN);  // tiles with valid_keys < kBlockN
       auto owned_below = [](int x, int w) { return (x + kMathWarpgroups - 1 - w) / kMathWarpgroups; };  // x >= 0
@@ -374,6 +377,7 @@ __device__ void consume_narrow_tiles(const DecodeParams& p, typename Traits::Sha
       for (int w = 0; w < kMathWarpgroups; ++w) most = max(most, local_syncs(w));
       for (int i = local_syncs(warpgroup); i < most; ++i) warpgroup_sync();
     }
+#endif
 
     // ---- Epilogue: merge the warpgroups' states, (M, L) per query row, then O through sQ
     // (every QK of the request is done: all warpgroups passed their last wait).
