@@ -3,11 +3,11 @@
 //
 // At most num_sm_parts - 1 requests are split (one per part boundary): with more requests than that
 // the grid covers the scheduler's list of split requests instead of the batch (a CTA for every row of
-// 128 unsplit requests took 3-6 us just to start and exit).
+// many unsplit requests took long just to start and exit).
 // Grid (requests, ceil(max_rows / rows per CTA), chunks), 4 warps, kWarpsPerRow of them per query
 // row and chunk of 512 / chunks columns. With >= 2048 rows in those requests each warp merges a row
-// of its own, with no barrier (at h_q 128 a CTA per row took two waves of CTAs and 10-20 us for
-// 32-128 split requests); with fewer, a row's splits are spread over the 4 warps of a CTA (one row
+// of its own, with no barrier (at h_q 128 a CTA per row took two waves of CTAs); with fewer, a
+// row's splits are spread over the 4 warps of a CTA (one row
 // per CTA), and the launcher picks chunks so that a batch of few rows still spreads over the SMs.
 // The row's warps write its split weights exp(lse_s - lse) to shared memory; lanes form groups of
 // kThreadsPerSplit (a split's chunk, 16-byte loads of 8 values, coalesced), each group sums splits g, g + groups,
@@ -94,8 +94,8 @@ __global__ void __launch_bounds__(kCombineThreads)
     return v;
   };
 
-  // The row's warps load the split LSEs once between them, several loads per lane in flight (up to
-  // 132 splits at batch 1; each warp loading all of them cost 1-2 us there).
+  // The row's warps load the split LSEs once between them, several loads per lane in flight (one
+  // split per SM at batch 1; each warp loading all of them was slower there).
   float* weights = row_weights[warp / kWarpsPerRow];
   const int row_lane = (warp % kWarpsPerRow) * 32 + lane;
   constexpr int kRowThreads = 32 * kWarpsPerRow, kLseInFlight = 4;

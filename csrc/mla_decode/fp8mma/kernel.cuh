@@ -238,8 +238,8 @@ __device__ void consume_fp8mma_tiles(const DecodeParams& p, typename Traits::Sha
       } else {
         // -- V^T of this block, while the owner computes S and this WG's previous PV runs. (This WG
         // owns the next block; issuing that block's S here, ahead of its PV of this block in the
-        // WGMMA queue, delays the PV: 9-15 % slower, measured. The producer warpgroup transposing
-        // instead was 8 % slower, 20-30 % at batch 1.)
+        // WGMMA queue, delays the PV: measured slower. So was the producer warpgroup transposing
+        // instead, most at batch 1.)
         transpose_v<Traits>(ss, stage, phase, vt_buffer, tid_in_wg, valid_keys);
         warpgroup_wait<0>();  // this WG's PV of the previous block: it no longer reads P or that stage
         if (blk > seg.blk_lo) release_stage(iteration - 1);

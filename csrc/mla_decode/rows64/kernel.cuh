@@ -255,7 +255,7 @@ __device__ void consume_kv_tiles(const DecodeParams& p, typename Traits::SharedS
         // The previous block's stage is free once this WG's PV of it completes (the other WG
         // released it before its P V). With one q-tile (16-bit cache) the CTA's loads are what
         // bounds it: release right after the first QK group, so that the next block's load starts
-        // while the rest of QK^T runs (measured: 1-4 % faster at h_q 16; 3-10 % slower with two q-tiles).
+        // while the rest of QK^T runs (measured faster with one q-tile, slower with two).
         const bool release_early = !Traits::kFp8Kv && p.num_q_tiles == 1;
         auto release_previous_stage = [&] {
           if (blk > seg.blk_lo && tid_in_wg == 0) cutlass::arch::ClusterBarrier::arrive(&ss.kv_empty[(iteration - 1) % kStages]);

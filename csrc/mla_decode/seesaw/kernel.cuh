@@ -240,8 +240,8 @@ __device__ __forceinline__ void consume_seesaw_pairs(const DecodeParams& p, cons
 
     // kSteady: a pair of two blocks that no row masks, neither the segment's last, with a next pair
     // of two: no masking, tail, missing b or held-back stage, so the loop over such pairs carries
-    // none of that code (one loop for all pairs was 2,666 instructions, 1,045 of them such code in
-    // line; ncu put 7 % of the softmax phases' stall samples on instruction fetch). The loop below
+    // none of that code (in one loop for all pairs, that code stood in line and instruction fetch
+    // stalled the softmax phases). The loop below
     // runs a pair with the steady body where it qualifies (with kSteadyLoop), else the general one.
     auto run_pair = [&](const int blk, auto steady) __attribute__((always_inline)) {
       constexpr bool kSteady = decltype(steady)::value;
@@ -292,7 +292,7 @@ __device__ __forceinline__ void consume_seesaw_pairs(const DecodeParams& p, cons
           return pack_pair<Element>(tSrS(e) * factor[row_half(e)], tSrS(e + 1) * factor[row_half(e)]);
         });
         // V_a's half 0 is free once P_a V_a completes: released before the P hand-off, so that its
-        // reload starts while warpgroup 1 still exponentiates P_b (h_q 128 x1.008, BENCHMARKS.md).
+        // reload starts while warpgroup 1 still exponentiates P_b (measured faster, BENCHMARKS.md).
         warpgroup_wait<0>();
         warpgroup_fence_operand(tOrO);
         kSteady ? release(stage_a) : release_unless_last(stage_a, blk);
@@ -314,8 +314,8 @@ __device__ __forceinline__ void consume_seesaw_pairs(const DecodeParams& p, cons
         }
       } else {
         float block_max[2] = {-INFINITY, -INFINITY};
-        // max_a before S_b completes: warpgroup 0 goes on to P_a V_a while S_b runs (h_q 128
-        // ×1.008, up to 2.5 % on s1 cells with 32+ requests; BENCHMARKS.md).
+        // max_a before S_b completes: warpgroup 0 goes on to P_a V_a while S_b runs (measured faster,
+        // BENCHMARKS.md).
         named_barrier_sync<int(SeesawBarrier::kMaxA), 256>();
         // S_b. Unconditional: a wait under a branch makes ptxas serialize all WGMMAs.
         warpgroup_wait<0>();
@@ -371,8 +371,8 @@ __device__ __forceinline__ void consume_seesaw_pairs(const DecodeParams& p, cons
       }
       iteration += has_b ? 2 : 1;
     };
-    // The steady loop only in long segments: a call that runs both loops fetches ~25 KB more code,
-    // ~3-4 us when it is not in L2 (cold), which about 30 steady pairs repay. The general loop comes
+    // The steady loop only in long segments: a call that runs both loops fetches more code, slow
+    // when it is not in L2 (cold), which only a long run of steady pairs repays. The general loop comes
     // first in the source, so that ptxas places the steady loop after it (placed before, it cost the
     // same cold fetch to calls that jump over it).
     const bool long_segment = kSteadyLoop && seg.blk_hi - seg.blk_lo >= kSteadyMinBlocks;

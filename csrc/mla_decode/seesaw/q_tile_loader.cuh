@@ -14,8 +14,8 @@ namespace mla_decode {
 // How the seesaw kernel's Q tiles arrive: by TMA where DecodeTma::q_by_tma (h_q a multiple of 64:
 // a tile is heads [h0, h0 + 64) of one token, all rows valid), 9 slab copies issued by math thread 0
 // completing `q_full`; otherwise by cp.async from all math threads (rows past the request
-// zero-filled). Measured (H200): h_q 128 at batch 1 1-4 % faster by TMA. The 64-row kernel keeps
-// its plain cp.async load: with this loader its batch-1 cells ran 3-6 % slower, TMA or not.
+// zero-filled). TMA measured faster at h_q 128, batch 1. The 64-row kernel keeps its plain cp.async
+// load: with this loader its batch-1 cells ran slower, TMA or not.
 struct QTileLoader {
   const DecodeParams& p;
   const DecodeTma& tma;

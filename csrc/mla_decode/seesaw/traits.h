@@ -73,7 +73,7 @@ struct SeesawTraits {
 // the order each pair meets them: kMaxA, [kTailZeroed], kMaxB, [kTailZeroed], kPReady,
 // [kRemoteIssued]. Every hand-off is a bar.sync on both sides, in the same sequence in both
 // warpgroups: racecheck mis-orders bar.arrive hand-offs and barrier sequences that differ between
-// the warpgroups (scripts/racecheck_probe.cu), and measured no slower (BENCHMARKS.md).
+// the warpgroups (scripts/racecheck_probe.cu); docs/decode.md weighs the bar.arrive variant.
 enum class SeesawBarrier : int {
   kQReady = 1,      // Q landed (cp.async, or TMA on q_full) and is fenced for WGMMA
   kMaxA = 2,        // max_a is written (WG 0 -> 1)

@@ -74,7 +74,7 @@ constexpr int kStagingPitch = 512 + 16;                    // bytes
 constexpr int kStagingBytes = kBlockM * kStagingPitch;     // per warpgroup
 
 // Fragments -> `staging`, then the warpgroup copies the rows out, a warp per row and 16 bytes per
-// lane (coalesced stores; one 512-byte bulk copy per row instead was up to 1 us slower at batch 1).
+// lane (coalesced stores; one 512-byte bulk copy per row instead measured slower at batch 1).
 template <typename Element, typename TensorO, typename Sync>
 __device__ __forceinline__ void stage_output_columns(const OutputTile& tile, uint32_t staging, int tid_in_wg, int r0,
                                                      const float (&inv_sum)[2], int col_base, const TensorO& tOrO,
@@ -108,7 +108,7 @@ __device__ __forceinline__ void stage_output_columns(const OutputTile& tile, uin
 // request is split, both in q's dtype. The LSE (natural log; +inf final or -inf partial for a row
 // with no visible key) is written by the threads with write_lse and lane % 4 == 0. Through shared
 // memory (`staging`, kStagingBytes the warpgroup owns): stores straight from the accumulator touch 8
-// rows per instruction and took ~6 us per tile. sync() is a barrier over the warpgroup. On return
+// rows per instruction and were much slower. sync() is a barrier over the warpgroup. On return
 // other threads may still read `staging`: synchronise before reusing it.
 template <typename Element, typename TensorO, typename Sync>
 __device__ __forceinline__ void store_output_columns_staged(const DecodeParams& p, const Segment& seg, int m_block,

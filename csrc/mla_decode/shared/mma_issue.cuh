@@ -13,9 +13,9 @@ namespace mla_decode {
 // each issued once the slab has landed (kv_full[slab] at `phase`); the k-steps accumulate into tSrS
 // after the first (callers start a tile with ScaleOut::Zero). Pass a warp-uniform k_smem
 // (mla_common::warp_uniform): its descriptors are then built on the uniform datapath.
-// kPollSlabs: poll the slab barriers (mla_common::poll_wait) instead of suspending in try_wait.
-// Measured (H200, same call): the seesaw kernel x1.0075 on h_q 128 cells, the e4m3-MMA kernel
-// x0.984 (there the polling warps take issue slots from the other warpgroup's work).
+// kPollSlabs: poll the slab barriers (mla_common::poll_wait) instead of suspending in try_wait:
+// measured faster in the seesaw kernel, slower in the e4m3-MMA kernel (there the polling warps take
+// issue slots from the other warpgroup's work).
 template <typename SmemLayoutQ, typename SmemLayoutK, bool kPollSlabs = false, typename Mma, typename ThrMma,
           typename TensorS, typename T>
 __device__ __forceinline__ void issue_qk_slabs(Mma& mma, const ThrMma& thr, TensorS& tSrS, T* q_smem, T* k_smem,
