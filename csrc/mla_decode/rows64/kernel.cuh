@@ -356,21 +356,10 @@ __device__ void consume_kv_tiles(const DecodeParams& p, typename Traits::SharedS
 }
 
 // The kernel's policy for the shared shell (shared/kernel_shell.cuh).
-template <typename Traits_>
-struct Rows64Kernel {
-  using Traits = Traits_;
-  using SharedStorage = typename Traits::SharedStorage;
-  static constexpr int kThreads = kNumThreads, kMathWarpgroups = kNumMathWarpgroups;
-  static constexpr int kMathRegisters = mla_decode::kMathRegisters, kProducerRegisters = mla_decode::kProducerRegisters;
-
-  __device__ __forceinline__ static void init_barriers(SharedStorage& ss) { init_kv_ring<Traits>(ss, kNumMathWarpgroups); }
-  // The four warps issue slabs w, w + 4, w + 8.
-  __device__ __forceinline__ static void produce(const DecodeParams& p, const DecodeTma& tma, SharedStorage& ss,
-                                                 const PartRange& range, int warp) {
-    produce_kv_tiles<Traits>(p, tma, ss, range, blockIdx.x, warp, 4);
-  }
-  __device__ __forceinline__ static void consume(const DecodeParams& p, const DecodeTma&, SharedStorage& ss,
-                                                 const PartRange& range, int) {
+template <typename Traits>
+struct Rows64Kernel : KvRingKernel<Traits> {
+  __device__ __forceinline__ static void consume(const DecodeParams& p, const DecodeTma&,
+                                                 typename Traits::SharedStorage& ss, const PartRange& range, int) {
     consume_kv_tiles<Traits>(p, ss, range, blockIdx.x);
   }
 };

@@ -103,4 +103,21 @@ __device__ void produce_kv_tiles(const DecodeParams& p, const DecodeTma& tma,
   });
 }
 
+// The policy (shared/kernel_shell.cuh) of a kernel fed by this producer with 64-row q-tiles
+// (rows64, fp8mma) but for its consume(): two math warpgroups that both release each stage, and
+// the producer's four warps, warp w issuing slabs w, w + 4, w + 8 of q-tile blockIdx.x.
+template <typename Traits_>
+struct KvRingKernel {
+  using Traits = Traits_;
+  using SharedStorage = typename Traits::SharedStorage;
+  static constexpr int kThreads = kNumThreads, kMathWarpgroups = kNumMathWarpgroups;
+  static constexpr int kMathRegisters = mla_decode::kMathRegisters, kProducerRegisters = mla_decode::kProducerRegisters;
+
+  __device__ __forceinline__ static void init_barriers(SharedStorage& ss) { init_kv_ring<Traits>(ss, kNumMathWarpgroups); }
+  __device__ __forceinline__ static void produce(const DecodeParams& p, const DecodeTma& tma, SharedStorage& ss,
+                                                 const PartRange& range, int warp) {
+    produce_kv_tiles<Traits>(p, tma, ss, range, blockIdx.x, warp, 4);
+  }
+};
+
 }  // namespace mla_decode
