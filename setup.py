@@ -13,6 +13,9 @@
 #   MLA_ATTN_PTXAS_VERBOSE=1    ptxas -v --warn-on-spills --warn-on-local-memory-usage.
 #   MLA_ATTN_DISABLE_FP16=1     drop fp16 instantiation sources, define MLA_ATTN_DISABLE_FP16.
 #   MLA_ATTN_DISABLE_BF16=1     same for bf16.
+#   MLA_ATTN_RACECHECK=1        define MLA_ATTN_RACECHECK: code that only compute-sanitizer's racecheck
+#                               needs (extra barriers; scripts/sanitize.sh refuses racecheck without it).
+#                               Not for production builds.
 import glob
 import importlib.util
 import os
@@ -194,6 +197,10 @@ sources = [rel(s) for s in sources]
 log(f"sources ({len(sources)}): {' '.join(sources)}")
 
 feature_macros = [f"-DMLA_ATTN_DISABLE_{d.upper()}" for d in ("bf16", "fp16") if d not in DTYPES]
+RACECHECK = env_flag("MLA_ATTN_RACECHECK")
+if RACECHECK:
+    feature_macros.append("-DMLA_ATTN_RACECHECK")
+    log("MLA_ATTN_RACECHECK=1: building the racecheck-only barriers (for compute-sanitizer, not production)")
 info_macros = [
     f"-DMLA_ATTN_CUTLASS_SOURCE=\"{CUTLASS_SOURCE}\"",
     f"-DMLA_ATTN_NVCC_VERSION=\"{NVCC_VER[0]}.{NVCC_VER[1]}\"",
@@ -325,6 +332,7 @@ CUDA_HOME = {str(cuda_home)!r}
 TORCH_VERSION = "{torch.__version__}"
 DTYPES = {tuple(DTYPES)!r}
 PTXAS_VERBOSE = {env_flag("MLA_ATTN_PTXAS_VERBOSE")!r}
+RACECHECK = {RACECHECK!r}
 '''
     PKG_DIR.mkdir(parents=True, exist_ok=True)
     path = PKG_DIR / "_build_config.py"

@@ -12,13 +12,13 @@ constexpr int kNumMathWarpgroups = 2;
 constexpr int kNumThreads = (kNumMathWarpgroups + 1) * 128;  // + one producer warpgroup
 constexpr int kMathRegisters = 232;  // 2 x 128 x 232 + 128 x 40 <= 64K registers
 constexpr int kProducerRegisters = 40;
-// Seesaw kernel (16-bit cache, seesaw_kernel.cuh). Its math warpgroups hold O (128 registers), S
+// Seesaw kernel (16-bit cache, seesaw/kernel.cuh). Its math warpgroups hold O (128 registers), S
 // (32) and P (16): 232 / 40 compiles without spills (240 / 24 spilled, in the math warpgroups).
 constexpr int kSeesawMathRegisters = 232;
 constexpr int kSeesawProducerRegisters = 40;
 // Narrow kernel (<= 32 query rows per request with an fp8 cache, <= 16 with a 16-bit one;
-// narrow_kernel.cuh): Q (<= 36 KB) and P^T leave room for 5 fp8 stages (16-bit: two 72 KB stages);
-// its producer only issues TMA. Its math warpgroups and their registers depend on the rows (narrow_traits.h).
+// narrow/kernel.cuh): Q (<= 36 KB) and P^T leave room for 5 fp8 stages (16-bit: two 72 KB stages);
+// its producer only issues TMA. Its math warpgroups and their registers depend on the rows (narrow/traits.h).
 constexpr int kNarrowMaxRows = 32;
 constexpr int kNarrowStages = 5;
 constexpr int kNarrowProducerRegisters = 24;

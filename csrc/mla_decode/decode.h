@@ -26,19 +26,19 @@ bool make_q_tma(const DecodeParams& params, int64_t num_tokens, int64_t num_batc
 template <typename Element, bool kFp8Kv>
 cudaError_t run_mla_decode(const DecodeParams& params, const DecodeTma& tma, cudaStream_t stream);
 
-// The same for an fp8 cache with fp8 MMAs: Q and P rounded to e4m3 too (fp8mma_kernel.cuh).
+// The same for an fp8 cache with fp8 MMAs: Q and P rounded to e4m3 too (fp8mma/kernel.cuh).
 template <typename Element>
 cudaError_t run_mla_decode_fp8mma(const DecodeParams& params, const DecodeTma& tma, cudaStream_t stream);
 
 // The same for a 16-bit cache with the seesaw kernel: the two math warpgroups take a pair of KV
-// blocks at once, one's softmax overlapping the other's MMAs (seesaw_kernel.cuh). kSteadyLoop: long
+// blocks at once, one's softmax overlapping the other's MMAs (seesaw/kernel.cuh). kSteadyLoop: long
 // segments run their unmasked pairs in a loop without the masking, tail and last-pair code.
 template <typename Element, bool kSteadyLoop>
 cudaError_t run_mla_decode_seesaw(const DecodeParams& params, const DecodeTma& tma, cudaStream_t stream);
 
 // The same for at most kRows (16 or 32) query rows per request (max_seqlen_q x heads): the narrow
 // kernel, whose MMAs have N = kRows, with kMathWarpgroups (2, or 3 at 16 rows with an fp8 cache)
-// consuming tiles (narrow_kernel.cuh, narrow_traits.h). kFp8Kv as above.
+// consuming tiles (narrow/kernel.cuh, narrow/traits.h). kFp8Kv as above.
 template <typename Element, int kRows, int kMathWarpgroups, bool kFp8Kv>
 cudaError_t run_mla_decode_narrow(const DecodeParams& params, const DecodeTma& tma, cudaStream_t stream);
 

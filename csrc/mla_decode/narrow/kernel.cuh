@@ -1,0 +1,527 @@
+// Split-KV paged MLA decode for few query rows (<= 32 per request), sm_90a: an fp8 (e4m3) or a
+// 16-bit cache.
+//
+// Same grid, schedule, producer and partials as rows64/kernel.cuh (one q-tile: blockIdx.x = 0), but
+// the MMAs are transposed, so that N = kRows instead of 64 padded rows (2-4x less MMA work, and a Q
+// tile of 18-36 KB instead of 72 KB):
+//   S^T [64 keys, kRows]  = K [64 keys, 576] . Q^T     A = K, B = Q (smem)
+//   O^T [512, kRows]     += V^T [512, 64 keys] . P^T   A = V^T, B = P^T (smem)
+// 16-bit cache: A is the stage itself (V^T seen MN-major); two 72 KB stages. fp8 cache: the fp8 tile
+// never needs a 16-bit copy in shared memory: each math thread loads its A fragments from it (LDS
+// for K, ldmatrix.trans for V^T), converts them to fp16 in registers (exact; the MMAs run in fp16
+// for bf16 q too, see narrow/traits.h), and issues register-A WGMMAs; shared memory holds 5 fp8 stages.
+//
+// Warpgroup roles (W = Traits::kMathWarpgroups, 2 or 3 (16 rows, batch > 1); (W + 1) x 128 threads):
+//   WG W  producer: its 4 warps issue the TMA copies (shared/kv_producer.cuh), slabs w, w + 4, w + 8.
+//   WG 0..W-1 math: KV tiles go round-robin between them by global tile index, and each keeps its
+//         own softmax state and full O^T [512, kRows]: no hand-off per tile. At the end of a request
+//         the states are merged through shared memory (the Q buffer) into warpgroups 0 and 1, which
+//         store half of the output dims each.
+//
+// Operand layouts of the fp8 path (64 x N x 16 WGMMA, thread = (warp w, lane = 4g + c)):
+//   A (K): row 16w + g (+8), k = 2c, 2c + 1 (+8). A thread loads 16 contiguous bytes of a row per
+//     slab, so logical k of the MMA is a permuted dim: within a slab, logical 16t + 2c + 8h + e is
+//     dim 16c + 4t + 2h + e. Q is stored with the same permutation (q_column), so S is exact.
+//   A (V^T): ldmatrix.trans of 8 keys x 16 dims gives a thread bytes (key 2c, dim 2g), (2c, 2g + 1),
+//     (2c + 1, 2g), (2c + 1, 2g + 1): permuted to keys 2c, 2c + 1 of dims 2g and of 2g + 1.
+//     Accumulator row 16w + g (+8) of m-tile m is dim 64m + 16w + 2g (+1), so the epilogue stores
+//     adjacent dim pairs. Keys stay in order, so P^T needs no permutation.
+//   C: row 16w + g (+8), column 8n + 2c (+1): a thread holds 2 keys x kRows / 4 query rows.
+#pragma once
+#include <cute/tensor.hpp>
+#include <cutlass/arch/barrier.h>
+#include <cutlass/arch/reg_reconfig.h>
+#include <cutlass/numeric_types.h>
+
+#include "common/device_utils.cuh"
+#include "mla_decode/config.h"
+#include "mla_decode/narrow/traits.h"
+#include "mla_decode/params.h"
+#include "mla_decode/shared/fp8_dequant.cuh"
+#include "mla_decode/shared/kv_producer.cuh"
+#include "mla_decode/shared/launch.cuh"
+#include "mla_decode/shared/schedule.cuh"
+
+namespace mla_decode {
+using namespace cute;
+using mla_common::named_barrier_sync;
+
+// Column of the permuted Q tile that holds dim d (even) of a query row; d + 1 follows it.
+__device__ __forceinline__ int q_column(int d) {
+  const int r = d % kTmaColumns;
+  return d - r + ((r / 4) % 4) * 16 + (r / 16) * 2 + ((r / 2) % 2) * 8;
+}
+
+template <typename Traits>
+__device__ void consume_narrow_tiles(const DecodeParams& p, typename Traits::SharedStorage& ss,
+                                     const PartRange& range, int warpgroup) {
+  using Element = typename Traits::Element;
+  using MmaElement = typename Traits::MmaElement;
+  constexpr int kRows = Traits::kRows;
+  constexpr int kCols = kRows / 4;  // query rows (C columns) per thread
+  constexpr int kSteps = kTmaColumns / 16;  // k16 steps per slab (QK) and per 64-key tile (PV)
+  constexpr int kMTiles = kHeadDimV / 64;
+  constexpr int kMathWarpgroups = Traits::kMathWarpgroups, kMathThreads = Traits::kMathThreads;
+  constexpr int kAheadK = Traits::kAheadK, kAheadV = Traits::kAheadV;
+  const int tid = threadIdx.x % 128, warp = tid / 32, lane = tid % 32, g = lane / 4, c = lane % 4;
+
+  typename Traits::TiledMmaQK mma_qk;
+  typename Traits::TiledMmaPV mma_pv;
+  mma_pv.accumulate_ = GMMA::ScaleOut::One;
+  auto thr = mma_qk.get_thread_slice(tid);
+  auto thr_pv = mma_pv.get_thread_slice(tid);
+  Tensor sQ = make_tensor(make_smem_ptr(ss.q), typename Traits::SmemLayoutQ{});
+  Tensor sPt = make_tensor(make_smem_ptr(ss.pt[warpgroup]), typename Traits::SmemLayoutPt{});
+  Tensor tSrS = partition_fragment_C(mma_qk, Shape<Int<kBlockN>, Int<kRows>>{});    // (MMA, 1, 1)
+  Tensor tOrO = partition_fragment_C(mma_pv, Shape<Int<kHeadDimV>, Int<kRows>>{});  // (MMA, 8, 1)
+  // fp8: A operands, two slabs (QK) or two m-tiles (PV) deep: the next is converted while the WGMMAs
+  // of the previous run. Register j of k-step t is element pair (2j, 2j + 1) of A(_, 0, t).
+  Tensor tA = make_tensor<MmaElement>(Shape<Shape<_2, _2, _2>, _1, Int<2 * kSteps>>{});
+  uint32_t* a_regs = reinterpret_cast<uint32_t*>(raw_pointer_cast(tA.data()));
+  // Element e of a C fragment: key row 16w + g + 8 * ((e >> 1) & 1), column col_of(col_index(e)).
+  auto col_index = [](int e) { return (e >> 2) * 2 + (e & 1); };
+  auto col_of = [&](int j) { return 8 * (j / 2) + 2 * c + (j % 2); };
+  // Immediate barrier ids under predicates: a register id would stay live across the tile loop.
+  auto warpgroup_sync = [&] {
+    constexpr int kId0 = int(NarrowBarrier::kWarpgroup0);
+    if (warpgroup == 0) named_barrier_sync<kId0, 128>();
+    else if (kMathWarpgroups == 2 || warpgroup == 1) named_barrier_sync<kId0 + 1, 128>();
+    else named_barrier_sync<kId0 + 2, 128>();
+  };
+
+  // ---- Q [kRows, 576] into sQ (rows past the request are zero). The T threads of a row (lanes of
+  // one warp) load its 16-byte chunks t, t + T, ... fp8: as fp16 into the permuted layout, a bf16
+  // row scaled by fp16_row_scale, undone in the row's score scale (ss.score_scale).
+  auto load_q = [&](const Segment& s) {
+    // The first 256 math threads load it (a power of two per row, for the shuffles below).
+    constexpr int kChunks = kHeadDimK / 8, kThreadsPerRow = 256 / kRows;
+    constexpr int kChunksPerThread = (kChunks + kThreadsPerRow - 1) / kThreadsPerRow;
+    if (threadIdx.x >= 256) return;
+    // Opaque thread index: otherwise the row's addresses are hoisted out of the request loop and
+    // held (spilled) across the whole tile loop. k_scale is read here, in flight with Q, and kept in
+    // shared memory for the epilogue rather than in a register across the tile loop.
+    const int thread = mla_common::opaque(int(threadIdx.x));
+    const float k_scale = Traits::kFp8Kv ? *mla_common::opaque(p.k_scale) : 1.f;
+    const int row = thread / kThreadsPerRow, first = thread % kThreadsPerRow;
+    const bool valid = row < s.seqlen_q * p.num_heads_q;
+    const int t = valid ? row / p.num_heads_q : 0;
+    const auto q = QRow<Element>::at(p, s, t, valid ? row % p.num_heads_q : 0);
+    uint4 chunk[kChunksPerThread];
+    float row_max = 0.f;
+#pragma unroll
+    for (int i = 0; i < kChunksPerThread; ++i) {
+      const int d0 = (first + i * kThreadsPerRow) * 8;
+      chunk[i] = make_uint4(0, 0, 0, 0);
+      if (valid && d0 < kHeadDimK) chunk[i] = *reinterpret_cast<const uint4*>((d0 < kHeadDimV ? q.nope : q.pe) + d0);
+      if constexpr (!std::is_same_v<Element, MmaElement>) {
+        const Element* v = reinterpret_cast<const Element*>(&chunk[i]);
+        for (int k = 0; k < 8; ++k) row_max = fmaxf(row_max, fabsf(float(v[k])));
+      }
+    }
+    float scale = 1.f;
+    if constexpr (!std::is_same_v<Element, MmaElement>) {
+      for (int x = 1; x < kThreadsPerRow; x *= 2) row_max = fmaxf(row_max, __shfl_xor_sync(0xffffffff, row_max, x));
+      scale = fp16_row_scale(row_max);
+    }
+    if (first == 0) {  // per-row softmax constants (read per tile: registers are scarce at kRows 32)
+      ss.score_scale[row] = p.scale_log2 * k_scale / scale;
+      ss.last_key[row] = p.causal ? min(s.seqlen_k - s.seqlen_q + t, s.seqlen_k - 1) : s.seqlen_k - 1;
+      for (int w = 0; w < kMathWarpgroups; ++w) ss.run_max[w][row] = -INFINITY;
+      if (row == 0) ss.k_scale = k_scale;
+    }
+#pragma unroll
+    for (int i = 0; i < kChunksPerThread; ++i) {
+      const int d0 = (first + i * kThreadsPerRow) * 8;
+      if (d0 >= kHeadDimK) continue;
+      if constexpr (!Traits::kFp8Kv) {
+        *reinterpret_cast<uint4*>(&sQ(row, d0)) = chunk[i];
+        continue;
+      }
+      const uint32_t w[4] = {chunk[i].x, chunk[i].y, chunk[i].z, chunk[i].w};
+      for (int k = 0; k < 4; ++k) {
+        uint32_t pair = w[k];
+        if constexpr (!std::is_same_v<Element, MmaElement>) pair = scaled_f16x2<Element>(w[k], scale);
+        *reinterpret_cast<uint32_t*>(&sQ(row, q_column(d0 + 2 * k))) = pair;
+      }
+    }
+  };
+
+  int iteration = 0;
+  Segment seg;
+  for (int b = range.begin_b; range.next_segment(p, b, 0, seg); b = seg.b + 1) {
+    load_q(seg);
+    const int rows_in_request = seg.seqlen_q * p.num_heads_q;
+    cutlass::arch::fence_view_async_shared();
+    named_barrier_sync<int(NarrowBarrier::kQReady), kMathThreads>();
+
+    float col_sum[kCols];  // this thread's share of each of its query rows' softmax sum
+#pragma unroll
+    for (int j = 0; j < kCols; ++j) col_sum[j] = 0.f;
+    clear(tOrO);
+
+    for (int blk = seg.blk_lo; blk < seg.blk_hi; ++blk, ++iteration) {
+      if (iteration % kMathWarpgroups != warpgroup) continue;
+      const int stage = iteration % Traits::kStages;
+      const uint32_t phase = (iteration / Traits::kStages) & 1;
+      uint8_t* tile = reinterpret_cast<uint8_t*>(ss.kv[stage]);
+      const uint32_t tile_addr = static_cast<uint32_t>(__cvta_generic_to_shared(tile));
+      // -- Tail tile: zero the key rows past the sequence end (never loaded, or slots past L), so
+      // that 0-probability keys cannot inject NaN/Inf through P V.
+      const int valid_keys = max(seg.seqlen_k - blk * kBlockN, 0);
+      if (valid_keys < kBlockN) {
+        for (int slab = 0; slab < kSlabs; ++slab) cutlass::arch::ClusterBarrier::wait(&ss.kv_full[stage][slab], phase);
+        constexpr int kChunksPerSlabRow = Traits::kSlabRowBytes / 16, kChunksPerRow = kSlabs * kChunksPerSlabRow;
+        for (int i = tid; i < (kBlockN - valid_keys) * kChunksPerRow; i += 128) {
+          const int row = valid_keys + i / kChunksPerRow, chunk = i % kChunksPerRow;
+          mla_common::st_shared_zero16(tile + (chunk / kChunksPerSlabRow) * Traits::kSlabBytes +
+                                       row * Traits::kSlabRowBytes + (chunk % kChunksPerSlabRow) * 16);
+        }
+        cutlass::arch::fence_view_async_shared();  // before TMA (async proxy) reuses the stage
+        warpgroup_sync();
+      }
+
+      // fp8: the raw V^T fragments of m-tile m (2 ldmatrix.x4.trans: 4 k-steps of A).
+      uint32_t raw_v[kMTiles][2][4];
+      auto load_v = [&](int m) {
+#pragma unroll
+        for (int pair = 0; pair < 2; ++pair) {  // k-steps 2 pair, 2 pair + 1: keys 32 pair + lane
+          mla_common::ldsm_x4_trans(tile_addr + m * kFp8SlabBytes + fp8_slab_offset(32 * pair + lane, warp), raw_v[m][pair]);
+        }
+      };
+      if constexpr (Traits::kFp8Kv) {
+        // -- S^T = K Q^T: per slab, 16 bytes of rows 16w + g and 16w + g + 8 -> 4 k-steps of A. The raw
+        // bytes are loaded kAheadK slabs before their conversion, so LDS latency is off the chain.
+        uint4 raw_k[kSlabs][2];
+        auto load_k = [&](int slab) {
+          cutlass::arch::ClusterBarrier::wait(&ss.kv_full[stage][slab], phase);
+          const uint32_t slab_addr = tile_addr + slab * kFp8SlabBytes;
+          raw_k[slab][0] = mla_common::ld_shared_16(slab_addr + fp8_slab_offset(16 * warp + g, c));
+          raw_k[slab][1] = mla_common::ld_shared_16(slab_addr + fp8_slab_offset(16 * warp + g + 8, c));
+        };
+#pragma unroll
+        for (int slab = 0; slab < kAheadK; ++slab) load_k(slab);
+        mma_qk.accumulate_ = GMMA::ScaleOut::Zero;
+        warpgroup_fence_operand(tSrS);
+#pragma unroll
+        for (int slab = 0; slab < kSlabs; ++slab) {
+          if (slab + kAheadK < kSlabs) load_k(slab + kAheadK);
+          // This A buffer was read two commit groups ago. Slab 0 also waits for the previous PV: a
+          // register-A WGMMA chain that starts with PV groups in flight makes ptxas serialize it.
+          if (slab == 0) warpgroup_wait<0>(); else warpgroup_wait<1>();
+          const int buf = (slab % 2) * kSteps;
+          const uint4 lo = raw_k[slab][0], hi = raw_k[slab][1];
+          const uint32_t row0[4] = {lo.x, lo.y, lo.z, lo.w}, row8[4] = {hi.x, hi.y, hi.z, hi.w};
+#pragma unroll
+          for (int t = 0; t < kSteps; ++t) {
+            uint32_t* a = a_regs + 4 * (buf + t);
+            e4m3x4_to_f16x2(row0[t], a[0], a[2]);
+            e4m3x4_to_f16x2(row8[t], a[1], a[3]);
+            for (int i = 0; i < 4; ++i) warpgroup_fence_operand(a[i]);  // converted before the arrive
+          }
+          Tensor tSrQ = thr.partition_fragment_B(make_tensor(make_smem_ptr(ss.q), typename Traits::SmemLayoutQ{}));
+          warpgroup_arrive();
+#pragma unroll
+          for (int t = 0; t < kSteps; ++t) {
+            cute::gemm(mma_qk, tA(_, 0, buf + t), tSrQ(_, 0, slab * kSteps + t), tSrS(_, 0, 0));
+            mma_qk.accumulate_ = GMMA::ScaleOut::One;
+          }
+          warpgroup_commit_batch();
+        }
+        // The first V^T fragments do not depend on P: load them under the softmax.
+#pragma unroll
+        for (int m = 0; m < kAheadV && m < kMTiles; ++m) load_v(m);
+      } else {
+        // -- S^T = K Q^T straight from the stage, a slab's 4 k-steps as soon as it lands.
+        Tensor tSrK = thr.partition_fragment_A(make_tensor(make_smem_ptr(ss.kv[stage]), typename Traits::SmemLayoutK{}));
+        Tensor tSrQ16 = thr.partition_fragment_B(sQ);
+        mma_qk.accumulate_ = GMMA::ScaleOut::Zero;
+        warpgroup_fence_operand(tSrS);
+#pragma unroll
+        for (int slab = 0; slab < kSlabs; ++slab) {
+          cutlass::arch::ClusterBarrier::wait(&ss.kv_full[stage][slab], phase);
+          warpgroup_arrive();
+#pragma unroll
+          for (int t = 0; t < kSteps; ++t) {
+            cute::gemm(mma_qk, tSrK(_, _, slab * kSteps + t), tSrQ16(_, _, slab * kSteps + t), tSrS);
+            mma_qk.accumulate_ = GMMA::ScaleOut::One;
+          }
+          warpgroup_commit_batch();
+        }
+      }
+      warpgroup_wait<0>();  // S, and this warpgroup's previous PV (P^T and O are free)
+      warpgroup_fence_operand(tSrS);
+      warpgroup_fence_operand(tOrO);  // the rescale below must not move above the wait
+
+      // -- Online softmax over the 64 keys of the tile, per query row (column).
+      const int key_row = blk * kBlockN + 16 * warp + g;
+      float tile_max[kCols], score_scale[kCols];
+      int last_key[kCols];
+#pragma unroll
+      for (int j = 0; j < kCols; ++j) {
+        score_scale[j] = ss.score_scale[col_of(j)];
+        last_key[j] = ss.last_key[col_of(j)];
+      }
+#pragma unroll
+      for (int j = 0; j < kCols; ++j) tile_max[j] = -INFINITY;
+#pragma unroll
+      for (int e = 0; e < size(tSrS); ++e) {
+        const int j = col_index(e);
+        const float s = key_row + 8 * ((e >> 1) & 1) <= last_key[j] ? tSrS(e) * score_scale[j] : -INFINITY;
+        tSrS(e) = s;
+        tile_max[j] = fmaxf(tile_max[j], s);
+      }
+#pragma unroll
+      for (int j = 0; j < kCols; ++j) {
+        for (int x = 4; x < 32; x *= 2) tile_max[j] = fmaxf(tile_max[j], __shfl_xor_sync(0xffffffff, tile_max[j], x));
+        if (g == 0) ss.col_stat[warpgroup][warp][col_of(j)] = tile_max[j];
+      }
+      warpgroup_sync();
+      float base[kCols], rescale[kCols], new_max[kCols];
+#pragma unroll
+      for (int j = 0; j < kCols; ++j) {
+        const float old_max = ss.run_max[warpgroup][col_of(j)];
+        new_max[j] = old_max;
+        for (int w = 0; w < 4; ++w) new_max[j] = fmaxf(new_max[j], ss.col_stat[warpgroup][w][col_of(j)]);
+        base[j] = new_max[j] == -INFINITY ? 0.f : new_max[j];  // fully masked so far: keep exp2 finite
+        rescale[j] = exp2f(old_max - base[j]);
+        col_sum[j] *= rescale[j];
+      }
+#pragma unroll
+      for (int e = 0; e < size(tSrS); ++e) {
+        const int j = col_index(e);
+        const float prob = exp2f(tSrS(e) - base[j]);
+        col_sum[j] += prob;
+        const MmaElement p16(prob);
+        mla_common::st_shared_2(&sPt(col_of(j), 16 * warp + g + 8 * ((e >> 1) & 1)), p16.raw());
+      }
+      bool any_rescale = false;
+#pragma unroll
+      for (int j = 0; j < kCols; ++j) any_rescale |= rescale[j] != 1.f;
+      if (__any_sync(0xffffffff, any_rescale)) {
+#pragma unroll
+        for (int m = 0; m < kMTiles; ++m) {
+#pragma unroll
+          for (int e = 0; e < size<0>(tOrO); ++e) tOrO(e, m, 0) *= rescale[col_index(e)];
+        }
+      }
+      cutlass::arch::fence_view_async_shared();  // P^T -> WGMMA
+      warpgroup_sync();                          // also: every warp has read col_stat and run_max
+      if (warp == 0 && g == 0) {
+#pragma unroll
+        for (int j = 0; j < kCols; ++j) ss.run_max[warpgroup][col_of(j)] = new_max[j];
+      }
+
+      if constexpr (Traits::kFp8Kv) {
+        // -- O^T += V^T P^T, per m-tile (64 dims).
+        Tensor tOrPt = thr.partition_fragment_B(sPt);
+#pragma unroll
+        for (int m = 0; m < kMTiles; ++m) {
+          if (m + kAheadV < kMTiles) load_v(m + kAheadV);
+          if (m == kMTiles - 1) {  // every byte of the tile has been loaded: hand the stage back
+            __syncwarp();
+            if (lane == 0) cutlass::arch::ClusterBarrier::arrive(&ss.kv_empty[stage]);
+          }
+          warpgroup_wait<1>();  // the WGMMAs that read this A buffer (two groups ago) are done
+          const int buf = (m % 2) * kSteps;
+#pragma unroll
+          for (int step = 0; step < kSteps; ++step) {
+            // raw_v[m][step / 2][2 (step % 2)]: keys 0-7 of the k-step, [.. + 1]: keys 8-15.
+            const uint32_t* r = raw_v[m][step / 2] + 2 * (step % 2);
+            uint32_t* a = a_regs + 4 * (buf + step);
+            e4m3x4_to_f16x2(__byte_perm(r[0], 0, 0x3120), a[0], a[1]);
+            e4m3x4_to_f16x2(__byte_perm(r[1], 0, 0x3120), a[2], a[3]);
+            for (int i = 0; i < 4; ++i) warpgroup_fence_operand(a[i]);
+          }
+          warpgroup_fence_operand(tOrO);
+          warpgroup_arrive();
+#pragma unroll
+          for (int t = 0; t < kSteps; ++t) cute::gemm(mma_pv, tA(_, 0, buf + t), tOrPt(_, 0, t), tOrO(_, m, 0));
+          warpgroup_commit_batch();
+        }
+      } else {
+        // -- O^T += V^T P^T, V^T straight from the stage; then the stage goes back to the producer.
+        Tensor tOrVt = thr_pv.partition_fragment_A(make_tensor(make_smem_ptr(ss.kv[stage]), typename Traits::SmemLayoutVt{}));
+        Tensor tOrPt16 = thr_pv.partition_fragment_B(sPt);
+        warpgroup_fence_operand(tOrO);
+        warpgroup_arrive();
+#pragma unroll
+        for (int m = 0; m < kMTiles; ++m) {
+#pragma unroll
+          for (int t = 0; t < kSteps; ++t) cute::gemm(mma_pv, tOrVt(_, m, t), tOrPt16(_, 0, t), tOrO(_, m, 0));
+        }
+        warpgroup_commit_batch();
+        warpgroup_wait<0>();  // the stage and P^T are read
+        warpgroup_fence_operand(tOrO);
+        __syncwarp();
+        if (lane == 0) cutlass::arch::ClusterBarrier::arrive(&ss.kv_empty[stage]);
+      }
+    }
+    warpgroup_wait<0>();
+    warpgroup_fence_operand(tOrO);
+#ifdef MLA_ATTN_RACECHECK
+    {
+      // Only for compute-sanitizer (a build with MLA_ATTN_RACECHECK=1, scripts/sanitize.sh): its
+      // racecheck orders the hand-offs below correctly only if all math warpgroups have run their
+      // warpgroup-local barriers equally often (scripts/racecheck_probe.cu), which the kernel does not
+      // need: each catches up with the one that ran most in this request (2 per tile, 1 more for a
+      // tail tile).
+      const int num_blocks = seg.blk_hi - seg.blk_lo, it0 = iteration - num_blocks;
+      const int first_tail = max(seg.blk_lo, seg.seqlen_k / kBlockN);  // tiles with valid_keys < kBlockN
+      auto owned_below = [](int x, int w) { return (x + kMathWarpgroups - 1 - w) / kMathWarpgroups; };  // x >= 0
+      auto count_own = [&](int first, int count, int w) { return max(owned_below(first + count, w) - owned_below(first, w), 0); };
+      auto local_syncs = [&](int w) {
+        return 2 * count_own(it0, num_blocks, w) +
+               count_own(it0 + first_tail - seg.blk_lo, seg.blk_hi - first_tail, w);
+      };
+      int most = 0;
+      for (int w = 0; w < kMathWarpgroups; ++w) most = max(most, local_syncs(w));
+      for (int i = local_syncs(warpgroup); i < most; ++i) warpgroup_sync();
+    }
+#endif
+
+    // ---- Epilogue: merge the warpgroups' states, (M, L) per query row, then O through sQ
+    // (every QK of the request is done: all warpgroups passed their last wait).
+#pragma unroll
+    for (int j = 0; j < kCols; ++j) {
+      for (int x = 4; x < 32; x *= 2) col_sum[j] += __shfl_xor_sync(0xffffffff, col_sum[j], x);
+      if (g == 0) ss.col_stat[warpgroup][warp][col_of(j)] = col_sum[j];
+    }
+    named_barrier_sync<int(NarrowBarrier::kMergeStats), kMathThreads>();
+    const bool is_partial = p.req_splits[2 * seg.b] > 1;
+    const int slot = p.req_splits[2 * seg.b + 1] + seg.split;
+#pragma unroll
+    for (int j = 0; j < kCols; ++j) {
+      const int col = col_of(j);
+      float wg_sum[kMathWarpgroups], wg_max[kMathWarpgroups], max_all = -INFINITY;
+      for (int w = 0; w < kMathWarpgroups; ++w) {
+        wg_max[w] = ss.run_max[w][col];
+        wg_sum[w] = ss.col_stat[w][0][col] + ss.col_stat[w][1][col] + ss.col_stat[w][2][col] + ss.col_stat[w][3][col];
+        max_all = fmaxf(max_all, wg_max[w]);
+      }
+      float total = 0.f, own_factor = 0.f;
+      for (int w = 0; w < kMathWarpgroups; ++w) {
+        const float factor = wg_max[w] == -INFINITY ? 0.f : exp2f(wg_max[w] - max_all);
+        total += factor * wg_sum[w];
+        if (w == warpgroup) own_factor = factor;
+      }
+      const bool empty = total == 0.f;  // no visible key in this split
+      // This warpgroup's share of the normalised output: O_w 2^(m_w - m) k_scale / sum.
+      own_factor = empty ? 0.f : own_factor * ss.k_scale / total;
+#pragma unroll
+      for (int m = 0; m < kMTiles; ++m) {
+#pragma unroll
+        for (int e = 0; e < size<0>(tOrO); ++e) {
+          if (col_index(e) == j) tOrO(e, m, 0) *= own_factor;
+        }
+      }
+      if (warpgroup == 0 && warp == 0 && g == 0 && col < rows_in_request) {
+        const float lse = empty ? (is_partial ? -INFINITY : INFINITY) : (max_all + __log2f(total)) * float(M_LN2);
+        const int t = col / p.num_heads_q, h = col % p.num_heads_q;
+        if (is_partial) {
+          p.partial_lse[int64_t(slot) * p.num_q_tiles * kBlockM + col] = lse;
+        } else {
+          p.lse[seg.b * p.lse_batch_stride + (seg.first_token + t) * p.lse_token_stride + h * p.lse_head_stride] = lse;
+        }
+      }
+    }
+    // Warpgroup r (0, 1) collects m-tiles [4r, 4r + 4) of O^T: hand-off i (r = 0 first, then r = 1)
+    // passes them from writer w != r to reader r (thread t to thread t) through one buffer. A barrier
+    // over all math threads follows each write, and each read unless the next writer is this reader.
+    float* handoff = reinterpret_cast<float*>(ss.q);
+    constexpr int kHalf = kMTiles / 2, kHandoffs = 2 * (kMathWarpgroups - 1);
+    auto reader = [](int i) { return i / (kMathWarpgroups - 1); };
+    auto writer = [&](int i) { const int k = i % (kMathWarpgroups - 1); return k + (k >= reader(i)); };
+#pragma unroll
+    for (int i = 0; i < kHandoffs; ++i) {
+      const int r = reader(i);
+      if (warpgroup == writer(i)) {
+#pragma unroll
+        for (int m = 0; m < kHalf; ++m) {
+#pragma unroll
+          for (int e = 0; e < size<0>(tOrO); ++e) {
+            handoff[(m * size<0>(tOrO) + e) * 128 + tid] = tOrO(e, r * kHalf + m, 0);
+          }
+        }
+      }
+      named_barrier_sync<int(NarrowBarrier::kMerge), kMathThreads>();
+      if (warpgroup == r) {
+#pragma unroll
+        for (int m = 0; m < kHalf; ++m) {
+#pragma unroll
+          for (int e = 0; e < size<0>(tOrO); ++e) {
+            tOrO(e, r * kHalf + m, 0) += handoff[(m * size<0>(tOrO) + e) * 128 + tid];
+          }
+        }
+      }
+      // After the last read the buffer is sQ again, for the next request's Q.
+      if (i + 1 == kHandoffs || writer(i + 1) != r) named_barrier_sync<int(NarrowBarrier::kMerge), kMathThreads>();
+    }
+
+    // ---- Store this warpgroup's dims [256 wg, 256 wg + 256).
+#pragma unroll
+    for (int j = 0; j < kCols; ++j) {
+      const int row = mla_common::opaque(col_of(j));  // opaque: its divisions are not hoisted and held
+      if (row >= rows_in_request) continue;
+      const int t = row / p.num_heads_q, h = row % p.num_heads_q;
+      const int64_t partial_index = int64_t(slot) * p.num_q_tiles * kBlockM + row;
+      Element* partial_row = static_cast<Element*>(p.partial_out) + partial_index * kHeadDimV;  // q's dtype too
+      Element* out_row = static_cast<Element*>(p.out) + seg.b * p.out_batch_stride +
+                         (seg.first_token + t) * p.out_token_stride + h * p.out_head_stride;
+#pragma unroll
+      for (int m = 0; m < kMTiles; ++m) {
+        if (m / kHalf != warpgroup) continue;  // static m: O stays in registers
+        // Elements e (row half 0) and e + 2 (row half 1) of column j. fp8: dims d and d + 1 (the
+        // ldmatrix.trans order); 16-bit: accumulator rows in order, dims d and d + 8.
+        const int e = (j / 2) * 4 + (j % 2);
+        const float v0 = tOrO(e, m, 0), v1 = tOrO(e + 2, m, 0);
+        if constexpr (Traits::kFp8Kv) {
+          const int dim = 64 * m + 16 * warp + 2 * g;
+          const Element pair[2] = {Element(v0), Element(v1)};
+          const uint32_t bits = *reinterpret_cast<const uint32_t*>(pair);
+          if (is_partial) {
+            *reinterpret_cast<uint32_t*>(partial_row + dim) = bits;
+          } else {
+            *reinterpret_cast<uint32_t*>(out_row + dim) = bits;
+          }
+        } else {
+          const int dim = 64 * m + 16 * warp + g;
+          if (is_partial) {
+            partial_row[dim] = Element(v0);
+            partial_row[dim + 8] = Element(v1);
+          } else {
+            out_row[dim] = Element(v0);
+            out_row[dim + 8] = Element(v1);
+          }
+        }
+      }
+    }
+  }
+}
+
+// The kernel's policy for the shared shell (shared/kernel_shell.cuh). One q-tile: m_block 0.
+template <typename Traits_>
+struct NarrowKernel {
+  using Traits = Traits_;
+  using SharedStorage = typename Traits::SharedStorage;
+  static constexpr int kThreads = Traits::kThreads, kMathWarpgroups = Traits::kMathWarpgroups;
+  static constexpr int kMathRegisters = Traits::kMathRegisters, kProducerRegisters = kNarrowProducerRegisters;
+
+  // kv_empty: the 4 warps of the warpgroup that consumed a tile arrive.
+  __device__ __forceinline__ static void init_barriers(SharedStorage& ss) { init_kv_ring<Traits>(ss, 4); }
+  __device__ __forceinline__ static void produce(const DecodeParams& p, const DecodeTma& tma, SharedStorage& ss,
+                                                 const PartRange& range, int warp) {
+    produce_kv_tiles<Traits>(p, tma, ss, range, 0, warp, 4);
+  }
+  __device__ __forceinline__ static void consume(const DecodeParams& p, const DecodeTma&, SharedStorage& ss,
+                                                 const PartRange& range, int warpgroup) {
+    consume_narrow_tiles<Traits>(p, ss, range, warpgroup);
+  }
+};
+
+template <typename Element, int kRows, int kMathWarpgroups, bool kFp8Kv>
+cudaError_t run_mla_decode_narrow(const DecodeParams& params, const DecodeTma& tma, cudaStream_t stream) {
+  return launch_split_and_combine<NarrowKernel<NarrowTraits<Element, kRows, kMathWarpgroups, kFp8Kv>>>(params, tma,
+                                                                                                        stream);
+}
+
+}  // namespace mla_decode

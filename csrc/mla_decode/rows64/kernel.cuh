@@ -1,0 +1,372 @@
+// Split-KV paged MLA decode for sm_90a.
+//
+// Grid (num_q_tiles, num_sm_parts): CTA (m, part) owns query rows [64m, 64m + 64) of every request
+// in its part of the schedule (tile_sched[part]) and walks that part's KV blocks in order. Rows of a
+// request are (token, head) pairs, token-major; all rows attend to the request's single KV head.
+//
+// Warpgroup roles (384 threads):
+//   WG 2  producer: its warps issue TMA copies of 64-key x 576-dim K tiles (9 swizzle slabs per
+//         page piece, one lane per piece, warp w slabs w, w + 4, w + 8) into a 2-stage ring; one
+//         kv_full mbarrier per slab, one kv_empty per stage. FP8 cache: the slabs land as bytes
+//         in the upper half of the stage.
+//   WG 0,1 math: KV blocks alternate between them (FP8: both first convert a block's tile in place
+//         to 16 bit, Fp8SlabConverter). The owner of a block computes S = Q K^T for all 64 keys, the
+//         online-softmax step and P = exp2(S - m), and hands P and the new row max to the other
+//         through shared memory; both then add P V to their half of O (256 columns), with V read
+//         from the same K tile (its first 512 columns).
+// A split writes either the final row (request not split) or an fp32 partial + LSE that
+// combine/combine_kernel.cuh merges.
+#pragma once
+#include <cute/tensor.hpp>
+#include <cute/arch/copy_sm90_tma.hpp>
+#include <cutlass/arch/barrier.h>
+#include <cutlass/arch/reg_reconfig.h>
+#include <cutlass/numeric_types.h>
+#include <cuda_bf16.h>
+#include <cuda_fp16.h>
+#include <type_traits>
+
+#include "common/device_utils.cuh"
+#include "mla_decode/config.h"
+#include "mla_decode/params.h"
+#include "mla_decode/rows64/traits.h"
+#include "mla_decode/shared/causal_mask.cuh"
+#include "mla_decode/shared/epilogue.cuh"
+#include "mla_decode/shared/fp8_dequant.cuh"
+#include "mla_decode/shared/kv_producer.cuh"
+#include "mla_decode/shared/launch.cuh"
+#include "mla_decode/shared/mma_issue.cuh"
+#include "mla_decode/shared/online_softmax.cuh"
+#include "mla_decode/shared/q_load.cuh"
+#include "mla_decode/shared/schedule.cuh"
+
+namespace mla_decode {
+using namespace cute;
+using mla_common::named_barrier_sync;
+
+// fp8 cache: both math warpgroups convert a block's staged e4m3 tile to the fp16 tile the
+// WGMMAs read, slab by slab as the slabs land; the owner issues each slab group's QK^T before
+// converting the next (the WGMMAs run while it converts). Math thread t converts 16-byte chunk t of
+// every slab (key row t / 4, columns 16 (t % 4) ... + 15); rows past the sequence end become zeros
+// (never loaded, or slots past L), so no tail zeroing is needed. e4m3 values are exact in fp16; the
+// scale is applied to the scores and the output.
+//
+// In place: 16-bit slab s overwrites the staged bytes of slabs 2s - 9 and 2s - 8 (if >= 0), so a
+// barrier must separate every read of those from the writes of s: slabs are converted in the
+// groups {0-3} {4, 5} {6} {7, and slab 8 read} {8 written}, with a barrier over both warpgroups
+// after each group, which also makes the group visible to the WGMMAs.
+template <typename Traits>
+struct Fp8SlabConverter {
+  static_assert(std::is_same_v<typename Traits::MmaElement, cutlass::half_t>, "e4m3 converts to the fp16 tile");
+  static_assert(kFp8SlabBytes / 16 == 256, "one 16-byte chunk of a slab per math thread");
+
+  // Reads this thread's chunk of staged slab `slab`.
+  __device__ __forceinline__ static uint4 read(const typename Traits::SharedStorage& ss, int stage, int slab, int tid) {
+    const char* slab_bytes = reinterpret_cast<const char*>(ss.k[stage]) + Traits::kFp8StagingOffset + slab * kFp8SlabBytes;
+    return *reinterpret_cast<const uint4*>(slab_bytes + fp8_slab_offset(tid / 4, tid % 4));
+  }
+  // Byte offset, within any 16-bit slab ([64 rows][128 B], 128-byte swizzle: 16-byte chunk c of row r
+  // at c ^ (r % 8)), of the first of the two 16-byte chunks this thread writes (key row tid / 4,
+  // columns 16 (tid % 4) ... + 15); the second is at this offset ^ 16. The same in every slab, so a
+  // slab's two stores are these offsets plus an immediate: computed once per tile, not per slab.
+  __device__ __forceinline__ static uint32_t write_offset(int tid) {
+    const int row = tid / 4, chunk = (tid % 4) * 2;
+    return row * 128 + ((chunk ^ (row % 8)) << 4);
+  }
+  // Writes this thread's chunk, converted, to the 16-bit slab `slab` of the tile at tile_addr (zeros
+  // for rows >= valid_keys: the e4m3 bytes are zeroed before the conversion, 4 selects, not 8).
+  __device__ __forceinline__ static void write(uint32_t tile_addr, uint32_t offset, int slab, bool zero, uint4 in) {
+    const uint32_t slab_addr = tile_addr + slab * 8192;
+    static_assert(kBlockN * kTmaColumns * sizeof(typename Traits::MmaElement) == 8192, "a 16-bit slab is 8 KB");
+    if (zero) in = make_uint4(0, 0, 0, 0);
+    const uint32_t words[4] = {in.x, in.y, in.z, in.w};
+    uint32_t out[8];
+#pragma unroll
+    for (int w = 0; w < 4; ++w) e4m3x4_to_f16x2(words[w], out[2 * w], out[2 * w + 1]);
+    mla_common::st_shared_16(slab_addr + offset, make_uint4(out[0], out[1], out[2], out[3]));
+    mla_common::st_shared_16(slab_addr + (offset ^ 16), make_uint4(out[4], out[5], out[6], out[7]));
+  }
+  // Converts the tile of `stage`, calling on_group(first_slab, end_slab) after each group is
+  // visible to WGMMA. The slabs of a group are waited for, then all read, then all written, so that
+  // their loads are in flight together.
+  template <typename OnGroup>
+  __device__ __forceinline__ static void convert_tile(typename Traits::SharedStorage& ss, int stage, uint32_t phase,
+                                                      int tid, int valid_keys, OnGroup&& on_group) {
+    auto publish = [&](int first_slab, int end_slab) {
+      cutlass::arch::fence_view_async_shared();
+      mla_common::named_barrier_sync<int(Rows64Barrier::kFp8Converted), 256>();
+      on_group(first_slab, end_slab);
+    };
+    // The tile's base from a warp-uniform stage, this thread's offset in a slab, its row's zeroing.
+    const uint32_t tile_addr = mla_common::smem_addr(ss.k[mla_common::warp_uniform(stage)]);
+    const uint32_t offset = write_offset(tid);
+    const bool zero = tid / 4 >= valid_keys;
+    // Converts slabs [first_slab, end_slab); with read_next, also reads slab end_slab (returned).
+    auto convert = [&](int first_slab, int end_slab, bool read_next) {
+      uint4 staged[5] = {};
+      const int extra_reads = read_next;
+#pragma unroll
+      for (int slab = first_slab; slab < end_slab + extra_reads; ++slab) {
+        cutlass::arch::ClusterBarrier::wait(&ss.kv_full[stage][slab], phase);
+      }
+#pragma unroll
+      for (int slab = first_slab; slab < end_slab + extra_reads; ++slab) staged[slab - first_slab] = read(ss, stage, slab, tid);
+#pragma unroll
+      for (int slab = first_slab; slab < end_slab; ++slab) write(tile_addr, offset, slab, zero, staged[slab - first_slab]);
+      return staged[end_slab - first_slab];
+    };
+    convert(0, 4, false);
+    publish(0, 4);
+    convert(4, 6, false);
+    publish(4, 6);
+    convert(6, 7, false);
+    publish(6, 7);
+    const uint4 staged8 = convert(7, 8, true);  // slab 8 overwrites its own staged bytes: read before the barrier
+    publish(7, 8);
+    write(tile_addr, offset, 8, zero, staged8);
+    publish(8, 9);
+  }
+};
+
+// The math warpgroups. KV blocks of a segment alternate between them: the owner of a block
+// computes its full S = Q K^T (64 x 64), the online-softmax step and P, and publishes P and the new
+// row max in shared memory; both warpgroups then rescale their half of O and add P V for their 256
+// columns. (The softmax is not overlapped with MMAs yet: docs/decode.md, "Limits".)
+template <typename Traits>
+__device__ void consume_kv_tiles(const DecodeParams& p, typename Traits::SharedStorage& ss,
+                                 const PartRange& range, int m_block) {
+  using Element = typename Traits::Element;
+  using MmaElement = typename Traits::MmaElement;
+  const int tid = threadIdx.x;          // 0..255 over the two math warpgroups
+  const int warpgroup = mla_common::warp_uniform(tid / 128);
+  const int tid_in_wg = tid % 128;
+  static_assert(2 * kStagingBytes <= int(sizeof(MmaElement)) * cosize_v<typename Traits::SmemLayoutK>,
+                "the epilogue stages both warpgroups' output in one K stage");
+
+  typename Traits::TiledMmaQK mma_qk;   // one warpgroup
+  typename Traits::TiledMmaPV mma_pv;   // two warpgroups, split along the 512 output columns
+  auto thr_qk = mma_qk.get_thread_slice(tid_in_wg);
+  auto thr_pv = mma_pv.get_thread_slice(tid);
+
+  Tensor sQ = make_tensor(make_smem_ptr(ss.q), typename Traits::SmemLayoutQ{});   // (64, 576)
+  Tensor sP = make_tensor(make_smem_ptr(ss.p), typename Traits::SmemLayoutP{});   // (64, 64)
+  Tensor tSsP = thr_qk.partition_C(sP);  // where this thread's probabilities go in P
+  // Coordinates (row, key) / (row, dim) of each accumulator element of this thread.
+  Tensor tScS = thr_qk.partition_C(make_identity_tensor(Shape<Int<kBlockM>, Int<kBlockN>>{}));
+  Tensor tOrO = partition_fragment_C(mma_pv, Shape<Int<kBlockM>, Int<kHeadDimV>>{});  // (64, 256) per WG
+  Tensor tSrS = partition_fragment_C(mma_qk, Shape<Int<kBlockM>, Int<kBlockN>>{});    // (64, 64)
+  // Each thread holds two rows of every accumulator, r0 and r0 + 8: element e of an SM90 WGMMA
+  // accumulator ((2 columns, 2 row halves, N/8), ...) belongs to row r0 + 8 * row_half(e).
+  const int r0 = get<0>(tScS(0));
+  auto row_half = [](int e) { return (e >> 1) & 1; };
+  // fp8: the scale multiplies every score and every output value (the tile holds stored values).
+  const float k_scale = Traits::kFp8Kv ? *p.k_scale : 1.f;
+  const float scale_log2 = p.scale_log2 * k_scale;
+
+  // ---- kScaledQ (bf16 q, fp8 cache): each thread rescales the chunks it copied (its own cp.async
+  // writes, visible after cp_async_wait_all) in place from bf16 to fp16 times fp16_row_scale of the
+  // row (the 4 threads of a row are adjacent lanes), and records the factor in ss.q_scale. The loops
+  // are not unrolled: once per request, code size matters more (cold instruction fetch at batch 1).
+  auto scale_q_rows = [&] {
+    constexpr int kChunks = kHeadDimK / 8, kThreadsPerRow = 256 / kBlockM;
+    const int thread = threadIdx.x, r = thread / kThreadsPerRow;
+    float row_max = 0.f;
+#pragma unroll 1
+    for (int c = thread % kThreadsPerRow; c < kChunks; c += kThreadsPerRow) {
+      const uint4 raw = *reinterpret_cast<const uint4*>(&sQ(r, c * 8));
+      const Element* v = reinterpret_cast<const Element*>(&raw);
+#pragma unroll
+      for (int k = 0; k < 8; ++k) row_max = fmaxf(row_max, fabsf(float(v[k])));
+    }
+    for (int x = 1; x < kThreadsPerRow; x *= 2) row_max = fmaxf(row_max, __shfl_xor_sync(0xffffffff, row_max, x));
+    const float scale = fp16_row_scale(row_max);
+    if (thread % kThreadsPerRow == 0) ss.q_scale[r] = scale;
+#pragma unroll 1
+    for (int c = thread % kThreadsPerRow; c < kChunks; c += kThreadsPerRow) {
+      uint4 raw = *reinterpret_cast<const uint4*>(&sQ(r, c * 8));
+      uint32_t* words = reinterpret_cast<uint32_t*>(&raw);
+#pragma unroll
+      for (int k = 0; k < 4; ++k) words[k] = scaled_f16x2<Element>(words[k], scale);
+      mla_common::st_shared_16(&sQ(r, c * 8), raw);
+    }
+  };
+
+  int iteration = 0;
+  Segment seg;
+  bool have_segment = range.next_segment(p, range.begin_b, m_block, seg);
+  if (have_segment) issue_q_tile_load<Element, typename Traits::SmemLayoutQ>(p, seg, ss.q);
+  while (have_segment) {
+    const int row_base = m_block * kBlockM;
+    mla_common::cp_async_wait_all();
+    if constexpr (Traits::kScaledQ) scale_q_rows();
+    cutlass::arch::fence_view_async_shared();
+    named_barrier_sync<int(Rows64Barrier::kQReady), 256>();
+    // Score scale of this thread's two rows, log2 units (a scaled Q row's factor undone here).
+    float score_scale[2];
+#pragma unroll
+    for (int i = 0; i < 2; ++i) score_scale[i] = Traits::kScaledQ ? scale_log2 / ss.q_scale[r0 + 8 * i] : scale_log2;
+
+    const int last_key[2] = {last_visible_key(p, seg, row_base + r0), last_visible_key(p, seg, row_base + r0 + 8)};
+    const int lowest_last_key = last_visible_key(p, seg, 0);
+    float row_max[2] = {-INFINITY, -INFINITY};  // running max, log2 units; equal in both WGs
+    float row_sum[2] = {0.f, 0.f};              // this WG's share of the denominator
+    clear(tOrO);
+
+    for (int blk = seg.blk_lo; blk < seg.blk_hi; ++blk, ++iteration) {
+      const int stage = iteration % kStages;
+      const uint32_t phase = (iteration / kStages) & 1;
+      const int owner = (blk - seg.blk_lo) & 1;
+      float rescale[2];
+      // -- Tail block: both warpgroups zero the key rows past the sequence end (never loaded, or
+      // holding slots past L) so that 0-probability keys cannot inject NaN/Inf through P V (the fp8
+      // converter writes those rows as zeros instead).
+      const int valid_keys = max(seg.seqlen_k - blk * kBlockN, 0);
+      if (!Traits::kFp8Kv && valid_keys < kBlockN) {
+        Tensor sK = make_tensor(make_smem_ptr(ss.k[stage]), typename Traits::SmemLayoutK{});
+        for (int slab = 0; slab < kSlabs; ++slab) cutlass::arch::ClusterBarrier::wait(&ss.kv_full[stage][slab], phase);
+        constexpr int kChunks = kHeadDimK / 8;
+        for (int i = tid; i < (kBlockN - valid_keys) * kChunks; i += 256) {
+          mla_common::st_shared_zero16(&sK(valid_keys + i / kChunks, i % kChunks * 8));
+        }
+        cutlass::arch::fence_view_async_shared();
+        named_barrier_sync<int(Rows64Barrier::kTailZeroed), 256>();
+      }
+      if (owner == warpgroup) {
+        // -- S = Q K^T, one WGMMA commit group per slab group, each issued as soon as its slabs
+        // have landed (16-bit cache) or been converted (fp8); a barrier wait inside a group makes
+        // the compiler serialize the MMAs.
+        constexpr int kStepsPerSlab = kTmaColumns / 16;
+        warpgroup_fence_operand(tSrS);
+        mma_qk.accumulate_ = GMMA::ScaleOut::Zero;
+        auto issue_qk = [&](int first_slab, int end_slab) {
+          // The stage index made warp-uniform: the descriptors are built on the uniform datapath
+          // (no R2UR per WGMMA).
+          Tensor tSrQ = thr_qk.partition_fragment_A(make_tensor(make_smem_ptr(ss.q), typename Traits::SmemLayoutQ{}));
+          Tensor tSrK = thr_qk.partition_fragment_B(
+              make_tensor(make_smem_ptr(ss.k[mla_common::warp_uniform(stage)]), typename Traits::SmemLayoutK{}));
+          warpgroup_arrive();
+#pragma unroll
+          for (int k = first_slab * kStepsPerSlab; k < end_slab * kStepsPerSlab; ++k) {
+            cute::gemm(mma_qk, tSrQ(_, _, k), tSrK(_, _, k), tSrS);
+            mma_qk.accumulate_ = GMMA::ScaleOut::One;
+          }
+          warpgroup_commit_batch();
+        };
+        // The previous block's stage is free once this WG's PV of it completes (the other WG
+        // released it before its P V). With one q-tile (16-bit cache) the CTA's loads are what
+        // bounds it: release right after the first QK group, so that the next block's load starts
+        // while the rest of QK^T runs (measured faster with one q-tile, slower with two).
+        const bool release_early = !Traits::kFp8Kv && p.num_q_tiles == 1;
+        auto release_previous_stage = [&] {
+          if (blk > seg.blk_lo && tid_in_wg == 0) cutlass::arch::ClusterBarrier::arrive(&ss.kv_empty[(iteration - 1) % kStages]);
+        };
+        if constexpr (Traits::kFp8Kv) {
+          Fp8SlabConverter<Traits>::convert_tile(ss, stage, phase, tid, valid_keys, issue_qk);
+        } else {
+#pragma unroll
+          for (int slab = 0; slab < kSlabs; ++slab) {
+            cutlass::arch::ClusterBarrier::wait(&ss.kv_full[stage][slab], phase);
+            issue_qk(slab, slab + 1);
+            if (slab == 0 && release_early) {
+              warpgroup_wait<1>();  // the PV group issued before this first QK group
+              release_previous_stage();
+            }
+          }
+        }
+        warpgroup_wait<0>();  // S, and this WG's PV of the previous block
+        if (!release_early) release_previous_stage();
+        warpgroup_fence_operand(tSrS);
+
+        // -- Online softmax in log2 units over the 64 keys of the block.
+        float base[2];
+        owner_softmax_step(tSrS, tScS, blk * kBlockN, last_key, is_full_block(blk, lowest_last_key), score_scale,
+                           kMaxSlack, row_max, row_sum, base, rescale);
+        // The other WG must be done reading the previous P before it is overwritten.
+        if (blk > seg.blk_lo) named_barrier_sync<int(Rows64Barrier::kPFree0), 256>(warpgroup);
+#pragma unroll
+        for (int e = 0; e < size(tSrS); e += 2) {  // elements e, e + 1: adjacent keys of one row
+          const int i = row_half(e);
+          const float p0 = exp2f(fmaf(tSrS(e), score_scale[i], -base[i]));
+          const float p1 = exp2f(fmaf(tSrS(e + 1), score_scale[i], -base[i]));
+          row_sum[i] += p0 + p1;
+          const MmaElement pair[2] = {MmaElement(p0), MmaElement(p1)};
+          *reinterpret_cast<uint32_t*>(&tSsP(e)) = *reinterpret_cast<const uint32_t*>(pair);
+        }
+        __syncwarp();  // the quad's other lanes read row_max as the previous block's non-owner
+        if (tid_in_wg % 4 == 0) {
+          ss.row_max[r0] = row_max[0];
+          ss.row_max[r0 + 8] = row_max[1];
+        }
+        cutlass::arch::fence_view_async_shared();
+        named_barrier_sync<int(Rows64Barrier::kPReady0), 256>(warpgroup);
+      } else {
+        // fp8: first help convert the block (while this WG's previous PV runs), before kPFree,
+        // which the owner reaches only after its QK^T.
+        if constexpr (Traits::kFp8Kv) {
+          Fp8SlabConverter<Traits>::convert_tile(ss, stage, phase, tid, valid_keys, [](int, int) {});
+        }
+        warpgroup_wait<0>();  // this WG's PV of the previous block: it no longer reads P
+        if (blk > seg.blk_lo && tid_in_wg == 0) {
+          cutlass::arch::ClusterBarrier::arrive(&ss.kv_empty[(iteration - 1) % kStages]);
+        }
+        if (blk > seg.blk_lo) named_barrier_sync<int(Rows64Barrier::kPFree0), 256>(owner);
+        // V of this block is observed through the owner's hand-off, and directly here (16-bit
+        // cache; an fp8 tile was converted above).
+        if constexpr (!Traits::kFp8Kv) {
+          for (int slab = 0; slab < kHeadDimV / kTmaColumns; ++slab) {
+            cutlass::arch::ClusterBarrier::wait(&ss.kv_full[stage][slab], phase);
+          }
+        }
+        named_barrier_sync<int(Rows64Barrier::kPReady0), 256>(owner);
+        adopt_row_max(ss.row_max, r0, row_max, row_sum, rescale);
+      }
+
+      // ---- O[:, own 256 columns] = O * rescale + P V.
+      rescale_and_issue_pv<typename Traits::SmemLayoutP, typename Traits::SmemLayoutVt>(mma_pv, thr_pv, tOrO, rescale,
+                                                                                         ss.p, ss.k[mla_common::warp_uniform(stage)]);
+    }
+    warpgroup_wait<0>();
+    warpgroup_fence_operand(tOrO);
+    // The last block's stage is released after the epilogue, which stages the output there.
+
+    // Every QK of this segment has completed (the other warpgroup's last PV needed the last S), so
+    // sQ is free: the next segment's Q load overlaps this epilogue.
+    Segment next;
+    const bool have_next = range.next_segment(p, seg.b + 1, m_block, next);
+    if (have_next) issue_q_tile_load<Element, typename Traits::SmemLayoutQ>(p, next, ss.q);
+
+    // ---- Epilogue: total denominator over both warpgroups' blocks, then normalise and store.
+    float sums[2];
+    total_row_sums<int(Rows64Barrier::kRowSum)>(ss.row_sum, warpgroup, r0, row_sum, sums);
+    if (seg.blk_lo < seg.blk_hi) {
+      // Through the last block's stage (both warpgroups' PVs are done: kRowSum), then release it.
+      const int last_stage = (iteration - 1) % kStages;
+      auto warpgroup_sync = [&] { named_barrier_sync<int(Rows64Barrier::kStaged0), 128>(warpgroup); };
+      store_output_columns_staged<Element>(p, seg, m_block, r0, row_max, sums, k_scale, /*write_lse=*/warpgroup == 0,
+                                           mla_common::smem_addr(ss.k[last_stage]) + warpgroup * kStagingBytes,
+                                           tid_in_wg, 256 * warpgroup, tOrO, warpgroup_sync);
+      warpgroup_sync();
+      if (tid_in_wg == 0) cutlass::arch::ClusterBarrier::arrive(&ss.kv_empty[last_stage]);
+    } else {  // no key block was loaded: no stage to stage through
+      store_empty_output_tile<Element>(p, seg, m_block);
+    }
+    seg = next;
+    have_segment = have_next;
+  }
+}
+
+// The kernel's policy for the shared shell (shared/kernel_shell.cuh).
+template <typename Traits>
+struct Rows64Kernel : KvRingKernel<Traits> {
+  __device__ __forceinline__ static void consume(const DecodeParams& p, const DecodeTma&,
+                                                 typename Traits::SharedStorage& ss, const PartRange& range, int) {
+    consume_kv_tiles<Traits>(p, ss, range, blockIdx.x);
+  }
+};
+
+template <typename Element, bool kFp8Kv>
+cudaError_t run_mla_decode(const DecodeParams& params, const DecodeTma& tma, cudaStream_t stream) {
+  return launch_split_and_combine<Rows64Kernel<Rows64Traits<Element, kFp8Kv>>>(params, tma, stream);
+}
+
+}  // namespace mla_decode

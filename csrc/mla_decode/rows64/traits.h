@@ -1,0 +1,98 @@
+// CuTe types of the rows64 kernel (rows64/kernel.cuh, 64 query rows per tile): WGMMA atoms, swizzled
+// shared-memory layouts, and the struct that *is* the shared-memory map.
+#pragma once
+#include <cute/tensor.hpp>
+#include <cute/atom/mma_traits_sm90_gmma.hpp>
+#include <cutlass/arch/barrier.h>
+#include <type_traits>
+
+#include "mla_decode/config.h"
+#include "mla_decode/shared/fp8_dequant.cuh"
+
+namespace mla_decode {
+using namespace cute;
+
+template <typename Element_, bool kFp8Kv_>
+struct Rows64Traits {
+  using Element = Element_;  // cutlass::bfloat16_t or cutlass::half_t: q and out
+  // fp8 (e4m3) cache: each K tile arrives as fp8 bytes in the upper half of its stage buffer and is
+  // converted in place to the 16-bit tile below (by the math warpgroups).
+  static constexpr bool kFp8Kv = kFp8Kv_;
+  // The type of the Q, K and P tiles in smem and of the MMAs: q's type, or fp16 with an fp8 cache
+  // (e4m3 -> fp16 is one cvt per pair, -> bf16 four; a bf16 Q row is stored scaled, fp16_row_scale).
+  using MmaElement = std::conditional_t<kFp8Kv, cutlass::half_t, Element>;
+  static constexpr bool kScaledQ = !std::is_same_v<Element, MmaElement>;
+  static constexpr int kThreads = kNumThreads;
+  // Declared before SharedStorage uses it: a later member declaration would change what kStages
+  // means inside the class, which GCC 13+ rejects ([basic.scope.class]).
+  static constexpr int kStages = mla_decode::kStages;
+  // Q tile [64 rows, 576] and K tile [64 keys, 576], K-major (head dim contiguous), 128-byte
+  // swizzle: each 64-column slab is 64 rows x 128 B = 8 KB, which is exactly what one TMA box of
+  // 64 columns writes, so TMA and WGMMA agree on the layout.
+  using SmemLayoutQ = decltype(tile_to_shape(GMMA::Layout_K_SW128_Atom<MmaElement>{},
+                                             Shape<Int<kBlockM>, Int<kHeadDimK>>{}));
+  using SmemLayoutK = decltype(tile_to_shape(GMMA::Layout_K_SW128_Atom<MmaElement>{},
+                                             Shape<Int<kBlockN>, Int<kHeadDimK>>{}));
+  // V^T [512 dims, 64 keys] is the same bytes as the first 512 columns of the K tile, seen
+  // MN-major (atoms of 64 dims x 8 keys, keys iterated first): V is never loaded twice.
+  using SmemLayoutVt = decltype(tile_to_shape(GMMA::Layout_MN_SW128_Atom<MmaElement>{},
+                                              Shape<Int<kHeadDimV>, Int<kBlockN>>{}, Step<_2, _1>{}));
+  // P [64 rows, 64 keys]: written by the block's owner warpgroup, read by both for PV.
+  using SmemLayoutP = decltype(tile_to_shape(GMMA::Layout_K_SW128_Atom<MmaElement>{},
+                                             Shape<Int<kBlockM>, Int<kBlockN>>{}));
+
+  // S = Q K^T: the warpgroup that owns a KV block computes all 64 x 64 scores.
+  using TiledMmaQK = decltype(make_tiled_mma(
+      GMMA::ss_op_selector<MmaElement, MmaElement, float, Shape<Int<kBlockM>, Int<kBlockN>, _64>>()));
+  // O += P V: warpgroup w owns output columns [256w, 256w + 256).
+  using TiledMmaPV = decltype(make_tiled_mma(
+      GMMA::ss_op_selector<MmaElement, MmaElement, float, Shape<Int<kBlockM>, Int<kHeadDimV / 2>, _64>,
+                           GMMA::Major::K, GMMA::Major::MN>(),
+      Layout<Shape<_1, Int<kNumMathWarpgroups>, _1>>{}));
+
+  struct SharedStorage {
+    alignas(1024) MmaElement q[cosize_v<SmemLayoutQ>];
+    alignas(1024) MmaElement k[kStages][cosize_v<SmemLayoutK>];
+    alignas(1024) MmaElement p[cosize_v<SmemLayoutP>];
+    float q_scale[kBlockM];                      // kScaledQ: the power of two Q row r is stored times
+    float row_max[kBlockM];                      // running row max after the block in sP
+    float row_sum[kNumMathWarpgroups][kBlockM];  // per-warpgroup softmax denominators (epilogue)
+    uint64_t kv_full[kStages][kSlabs];           // TMA bytes of one 64-column slab have landed
+    uint64_t kv_empty[kStages];                  // both math warpgroups are done with a K tile
+  };
+  // fp8 staging: slab s of a tile sits at this byte offset of the stage buffer + s * kFp8SlabBytes
+  // (shared/fp8_dequant.cuh). Converting slabs in order never overwrites bytes not yet read (slab s
+  // of the 16-bit tile overlaps only staged slabs <= 2s - 8), given a barrier between the reads
+  // and the writes of each slab.
+  static constexpr int kFp8StagingOffset = int(sizeof(MmaElement)) * kBlockN * kHeadDimK / 2;
+  // Where the producer's copy of rows [row, row + rows_per_copy) of a slab lands.
+  __device__ static void* kv_copy_dst(SharedStorage& ss, int stage, int slab, int row) {
+    if constexpr (kFp8Kv) {
+      return reinterpret_cast<char*>(ss.k[stage]) + kFp8StagingOffset + slab * kFp8SlabBytes + row * kTmaColumns;
+    } else {
+      Tensor sK = make_tensor(make_smem_ptr(ss.k[stage]), SmemLayoutK{});
+      return &sK(row, slab * kTmaColumns);
+    }
+  }
+  static constexpr int kSmemBytes = int(sizeof(SharedStorage));
+  static_assert(kSmemBytes <= 227 * 1024, "shared memory map exceeds the sm_90 limit");
+};
+
+// Named barriers (id 0 is __syncthreads). Each guards one hand-off between the math warpgroups.
+// Hand-offs between the math warpgroups are full bar.sync on both sides (a bar.arrive producer side
+// would save little: the other side is already waiting). "0"/"1" variants belong to the warpgroup
+// that owns the block.
+enum class Rows64Barrier : int {
+  kQReady = 1,       // Q tile landed (cp.async) and is fenced for WGMMA
+  kPReady0 = 2,      // owner wrote P and row_max of its block (fenced for WGMMA)
+  kPReady1 = 3,
+  kPFree0 = 4,       // the non-owner is done reading the previous P (its PV completed)
+  kPFree1 = 5,
+  kRowSum = 6,       // both partial denominators are in row_sum
+  kTailZeroed = 7,   // the key rows past the sequence end are zeroed and fenced for WGMMA
+  kFp8Converted = 8,  // fp8 cache: a converted slab group is fenced for WGMMA (and, in place, its
+                      // staged bytes are read before a later slab overwrites them)
+  kStaged0 = 9,      // (+ warpgroup, 128 threads) its output rows are in shared memory / copied out
+};
+
+}  // namespace mla_decode

@@ -1,0 +1,123 @@
+// The TMA producer of the decode kernels: walks a CTA's schedule and loads its K tiles, slab by slab,
+// into a ring of Traits::kStages stages.
+#pragma once
+#include <cute/tensor.hpp>
+#include <cute/arch/copy_sm90_tma.hpp>
+#include <cutlass/arch/barrier.h>
+
+#include "common/device_utils.cuh"
+#include "mla_decode/config.h"
+#include "mla_decode/params.h"
+#include "mla_decode/shared/schedule.cuh"
+
+namespace mla_decode {
+using namespace cute;
+
+// The TMA copies of one KV block, as seen by one lane of a producer warp: copy c (lane c) loads
+// rows [c * rows, (c + 1) * rows) of the block from one page. Only copies that start before the
+// sequence end are issued; the math warpgroups zero the rest of the tile, so no page past
+// ceil(L / page_size) is ever dereferenced. The dependent block-table read happens here, before the
+// warp waits for a free stage, so it is off the critical path.
+template <typename Traits>
+struct BlockCopies {
+  int num_copies, rows, row_in_page, page;
+
+  // Rows per copy divide both page_size and kBlockN, and are >= 16, so <= 4 copies. No division
+  // by a run-time divisor per tile: a shift, and FastDivisor for the page (params.h).
+  __device__ static BlockCopies plan(const DecodeParams& p, const DecodeTma& tma, const int* pages,
+                                     const Segment& seg, int blk, int lane) {
+    BlockCopies c;
+    c.rows = 1 << tma.rows_per_copy_log2;
+    const int key0 = blk * kBlockN;
+    c.num_copies = (min(max(seg.seqlen_k - key0, 0), kBlockN) + c.rows - 1) >> tma.rows_per_copy_log2;
+    const int key = key0 + lane * c.rows;
+    const int page_index = __umulhi(uint32_t(key), tma.page_size.multiplier) >> tma.page_size.shift;
+    c.row_in_page = key - page_index * tma.page_size.divisor;
+    c.page = lane < c.num_copies ? min(max(pages[page_index], 0), p.num_pages - 1) : 0;
+    return c;
+  }
+  // Lane 0 posts the bytes slab `slab` of the block will bring. Expected bytes may be posted after
+  // some copies land (the transaction count may dip below zero within a phase).
+  __device__ void expect(typename Traits::SharedStorage& ss, int stage, int slab, int lane) const {
+    constexpr uint32_t kBytesPerSlabRow = Traits::kFp8Kv ? kTmaColumns : kTmaColumns * sizeof(typename Traits::MmaElement);
+    if (lane == 0) {
+      cutlass::arch::ClusterTransactionBarrier::arrive_and_expect_tx(&ss.kv_full[stage][slab],
+                                                                     num_copies * rows * kBytesPerSlabRow);
+    }
+  }
+  // Each lane issues its copy of slab `slab`; each 64-column slab completes its own barrier, so
+  // QK can start on a slab while the others are in flight.
+  __device__ void copy(const DecodeTma& tma, typename Traits::SharedStorage& ss, int stage, int slab, int lane) const {
+    if (lane < num_copies) {
+      SM90_TMA_LOAD_3D::copy(&tma.kv, &ss.kv_full[stage][slab], uint64_t(TMA::CacheHintSm90::EVICT_FIRST),
+                             Traits::kv_copy_dst(ss, stage, slab, lane * rows), slab * kTmaColumns,
+                             row_in_page, page);
+    }
+  }
+};
+
+// Calls fn(seg, pages, blk, iteration) for every KV block of this CTA's schedule, in order; iteration
+// counts the blocks (a block's place in the stage ring), pages is the request's block-table row.
+template <typename Fn>
+__device__ __forceinline__ void for_each_scheduled_block(const DecodeParams& p, const PartRange& range, int m_block,
+                                                         Fn&& fn) {
+  int iteration = 0;
+  Segment seg;
+  for (int b = range.begin_b; range.next_segment(p, b, m_block, seg); b = seg.b + 1) {
+    const int* pages = p.block_table + int64_t(seg.b) * p.block_table_stride;
+    for (int blk = seg.blk_lo; blk < seg.blk_hi; ++blk, ++iteration) fn(seg, pages, blk, iteration);
+  }
+}
+
+// Thread 0 initialises the ring's barriers: kv_full[stage][slab] (one arrival, plus the TMA bytes)
+// and kv_empty[stage] (empty_arrivals); the caller syncs the CTA after.
+template <typename Traits>
+__device__ __forceinline__ void init_kv_ring(typename Traits::SharedStorage& ss, int empty_arrivals) {
+  if (threadIdx.x != 0) return;
+  for (int s = 0; s < Traits::kStages; ++s) {
+    for (int slab = 0; slab < kSlabs; ++slab) cutlass::arch::ClusterTransactionBarrier::init(&ss.kv_full[s][slab], 1);
+    cutlass::arch::ClusterBarrier::init(&ss.kv_empty[s], empty_arrivals);
+  }
+  cutlass::arch::fence_barrier_init();
+}
+
+// Issues the K-tile loads of this CTA's schedule for slabs first_slab, first_slab + slab_step, ...
+// into a ring of Traits::kStages stages, one kv_empty barrier per stage. Runs on one warp (several
+// warps split the slabs: TMA issue from one thread is serial, and page 16 needs 4 copies x 9 slabs
+// per tile).
+// Traits: kStages, kFp8Kv, MmaElement (of the 16-bit tile), SharedStorage (kv_full [kStages][kSlabs], kv_empty [kStages])
+// and kv_copy_dst(ss, stage, slab, row): where rows [row, row + rows_per_copy) of a slab land.
+template <typename Traits>
+__device__ void produce_kv_tiles(const DecodeParams& p, const DecodeTma& tma,
+                                 typename Traits::SharedStorage& ss, const PartRange& range,
+                                 int m_block, int first_slab, int slab_step) {
+  const int lane = threadIdx.x % 32;
+  for_each_scheduled_block(p, range, m_block, [&](const Segment& seg, const int* pages, int blk, int iteration) {
+    const int stage = iteration % Traits::kStages;
+    const auto copies = BlockCopies<Traits>::plan(p, tma, pages, seg, blk, lane);
+    if (iteration >= Traits::kStages) {
+      cutlass::arch::ClusterBarrier::wait(&ss.kv_empty[stage], ((iteration / Traits::kStages) - 1) & 1);
+    }
+    for (int slab = first_slab; slab < kSlabs; slab += slab_step) copies.expect(ss, stage, slab, lane);
+    for (int slab = first_slab; slab < kSlabs; slab += slab_step) copies.copy(tma, ss, stage, slab, lane);
+  });
+}
+
+// The policy (shared/kernel_shell.cuh) of a kernel fed by this producer with 64-row q-tiles
+// (rows64, fp8mma) but for its consume(): two math warpgroups that both release each stage, and
+// the producer's four warps, warp w issuing slabs w, w + 4, w + 8 of q-tile blockIdx.x.
+template <typename Traits_>
+struct KvRingKernel {
+  using Traits = Traits_;
+  using SharedStorage = typename Traits::SharedStorage;
+  static constexpr int kThreads = kNumThreads, kMathWarpgroups = kNumMathWarpgroups;
+  static constexpr int kMathRegisters = mla_decode::kMathRegisters, kProducerRegisters = mla_decode::kProducerRegisters;
+
+  __device__ __forceinline__ static void init_barriers(SharedStorage& ss) { init_kv_ring<Traits>(ss, kNumMathWarpgroups); }
+  __device__ __forceinline__ static void produce(const DecodeParams& p, const DecodeTma& tma, SharedStorage& ss,
+                                                 const PartRange& range, int warp) {
+    produce_kv_tiles<Traits>(p, tma, ss, range, blockIdx.x, warp, 4);
+  }
+};
+
+}  // namespace mla_decode

@@ -1,0 +1,64 @@
+// Host side of a split kernel (kernel_shell.cuh) and the combine kernel behind it. Each kernel's
+// kernel.cuh defines its run_* launcher (decode.h) with this; its instantiations/ hold the explicit
+// instantiations.
+#pragma once
+#include <cuda_runtime.h>
+
+#include <algorithm>
+
+#include "mla_decode/combine/combine_kernel.cuh"
+#include "mla_decode/decode.h"
+#include "mla_decode/params.h"
+#include "mla_decode/shared/kernel_shell.cuh"
+
+namespace mla_decode {
+
+// Launches the split kernel (grid: q-tiles x parts) and, when any request is split, the combine
+// kernel chained with PDL.
+template <typename Kernel>
+cudaError_t launch_split_and_combine(const DecodeParams& params, const DecodeTma& tma, cudaStream_t stream) {
+  using Element = typename Kernel::Traits::Element;
+  const auto kernel = mla_decode_split_kernel<Kernel>;
+  constexpr int smem = Kernel::Traits::kSmemBytes + 1024;  // + slack to align the map to 1024 bytes
+  const cudaError_t attr =
+      cudaFuncSetAttribute(kernel, cudaFuncAttributeMaxDynamicSharedMemorySize, smem);
+  if (attr != cudaSuccess) return attr;
+  const dim3 grid(params.num_q_tiles, params.num_sm_parts);
+  kernel<<<grid, Kernel::kThreads, smem, stream>>>(params, tma);
+  cudaError_t err = cudaGetLastError();
+  if (err != cudaSuccess || params.num_sm_parts == 1) return err;  // one part: nothing is split
+
+  const int max_rows = params.max_seqlen_q * params.num_heads_q;
+  const int requests = std::min(params.batch, params.num_sm_parts - 1);  // that may be split
+  const int chunks = combine_chunks(requests, max_rows);
+  const int warps_per_row = combine_warps_per_row(requests, max_rows);
+  const int rows_per_cta = kCombineWarps / warps_per_row;
+  cudaLaunchConfig_t config = {};
+  config.gridDim = dim3(requests, (max_rows + rows_per_cta - 1) / rows_per_cta, chunks);
+  config.blockDim = dim3(kCombineThreads);
+  config.stream = stream;
+  cudaLaunchAttribute pdl[1];
+  pdl[0].id = cudaLaunchAttributeProgrammaticStreamSerialization;
+  pdl[0].val.programmaticStreamSerializationAllowed = 1;
+  config.attrs = pdl;
+  config.numAttrs = 1;
+  auto launch = [&](auto combine) -> cudaError_t {
+    // Same shared-memory carveout as the split kernel, so the SMs need no reconfiguration between them.
+    const cudaError_t attr = cudaFuncSetAttribute(combine, cudaFuncAttributePreferredSharedMemoryCarveout,
+                                                  int(cudaSharedmemCarveoutMaxShared));
+    return attr != cudaSuccess ? attr : cudaLaunchKernelEx(&config, combine, params);
+  };
+  // A warp per row only with >= 2048 rows, hence one chunk.
+  if (warps_per_row == 1) return launch(mla_combine_kernel<Element, 1, 1>);
+  static_assert(kCombineMaxChunks == 32, "one instantiation per chunk count");
+  switch (chunks) {
+    case 1: return launch(mla_combine_kernel<Element, 1, kCombineWarps>);
+    case 2: return launch(mla_combine_kernel<Element, 2, kCombineWarps>);
+    case 4: return launch(mla_combine_kernel<Element, 4, kCombineWarps>);
+    case 8: return launch(mla_combine_kernel<Element, 8, kCombineWarps>);
+    case 16: return launch(mla_combine_kernel<Element, 16, kCombineWarps>);
+    default: return launch(mla_combine_kernel<Element, 32, kCombineWarps>);
+  }
+}
+
+}  // namespace mla_decode
