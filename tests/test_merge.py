@@ -191,8 +191,8 @@ PAIR_ERRORS = [
      r"out_a: stride\(0\) = 34 elements is not a multiple of 16 bytes"),
     (dict(lse_a=torch.zeros(4, 2, dtype=torch.float64)), TypeError, r"lse_a must be float32"),
     (dict(lse_b=torch.zeros(4, 3)), ValueError, r"lse_b must have shape \(4, 2\)"),
-    (dict(lse_b=torch.zeros(4, 2, device="meta")), ValueError, r"lse_b is on meta"),
-    (dict(out_b=OA.to("meta")), ValueError, r"out_b is on meta but out_a is on cpu"),
+    (dict(lse_b=torch.zeros(4, 2, device="meta")), TypeError, r"lse_b is on meta"),
+    (dict(out_b=OA.to("meta")), TypeError, r"out_b is on meta but out_a is on cpu"),
     (dict(out_a=torch.zeros((), dtype=torch.bfloat16)), ValueError, r"out_a must be \[..., d\]"),
 ]
 

@@ -4,7 +4,7 @@ import pytest
 import torch
 
 import mla_attn
-from mla_attn.prefill import _prefill_cpu
+from mla_attn._ops import prefill_cpu
 
 from cases import make_prefill_case
 
@@ -24,7 +24,7 @@ def run(c, causal, **kw):
 def reference(c, causal, dtype):
     """The CPU op's math (mla_prefill_ref) run on the GPU tensors, in `dtype`."""
     q, k, v, k_pe = (None if t is None else t.to(dtype) for t in (c["q"], c["k"], c["v"], c["k_pe"]))
-    return _prefill_cpu(q, k, v, c["cu_seqlens_q"], c["cu_seqlens_k"], c["softmax_scale"], causal, k_pe)
+    return prefill_cpu(q, k, v, c["cu_seqlens_q"], c["cu_seqlens_k"], c["softmax_scale"], causal, k_pe)
 
 
 def check(c, causal, out, lse):
