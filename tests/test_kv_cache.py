@@ -159,11 +159,7 @@ def test_gather_truncated_and_empty_batch():
 
 
 @pytest.mark.parametrize("cache_dtype", [torch.bfloat16, FP8])
-def test_roundtrip_cpu(cache_dtype):
-    _roundtrip(cache_dtype, "cpu")
-
-
-def _roundtrip(cache_dtype, device):
+def test_roundtrip(cache_dtype, device):
     """Write T tokens of a few requests through a permuted block table, gather them back."""
     ps, lens = 16, [5, 40, 0, 17]
     g = torch.Generator().manual_seed(3)
@@ -207,7 +203,8 @@ def _op_case(device="cpu", cache_dtype=torch.bfloat16):
     return (kv_c, k_pe, cache, slots), (gcache.to(device), bt.to(device), cu.to(device), n)
 
 
-def _opcheck(cache_dtype, device):
+@pytest.mark.parametrize("cache_dtype", [torch.bfloat16, FP8])
+def test_opcheck(cache_dtype, device):
     (kv_c, k_pe, cache, slots), gather_args = _op_case(device, cache_dtype)
     k_scale = _scale(cache_dtype, device)
     # test_schema compares the (mutated) cache with allclose, which float8 lacks
@@ -219,11 +216,6 @@ def _opcheck(cache_dtype, device):
     for out_dtype in (None, torch.float32):
         torch.library.opcheck(OPS.gather_kv_cache.default, gather_args,
                               dict(k_scale=k_scale, out_dtype=out_dtype), test_utils=utils)
-
-
-@pytest.mark.parametrize("cache_dtype", [torch.bfloat16, FP8])
-def test_opcheck_cpu(cache_dtype):
-    _opcheck(cache_dtype, "cpu")
 
 
 def test_torch_compile_fullgraph():
@@ -353,12 +345,6 @@ def test_gpu_gather_matches_cpu(case, lens):
 
 
 @pytest.mark.gpu
-@pytest.mark.parametrize("cache_dtype", [torch.bfloat16, FP8])
-def test_gpu_roundtrip(cache_dtype):
-    _roundtrip(cache_dtype, "cuda")
-
-
-@pytest.mark.gpu
 def test_gpu_out_of_range_is_skipped():
     """Garbage slots and page ids past the cache never write or read out of bounds."""
     cache = make_cache(2, 16, torch.bfloat16, device="cuda")
@@ -385,12 +371,6 @@ def test_gpu_cuda_graph():
     torch.cuda.synchronize()
     assert torch.equal(cache, want_cache)
     assert torch.equal(out.cpu(), OPS.gather_kv_cache(gcache.cpu(), bt.cpu(), cu.cpu(), n))
-
-
-@pytest.mark.gpu
-@pytest.mark.parametrize("cache_dtype", [torch.bfloat16, FP8])
-def test_gpu_opcheck(cache_dtype):
-    _opcheck(cache_dtype, "cuda")
 
 
 @pytest.mark.gpu
