@@ -155,6 +155,15 @@ def check_decode(case, causal, out, lse, kernel):
     (check_fp8_mma if kernel == "fp8mma" else check_unit_scale)(case, causal, out, lse)
 
 
+def ragged_lengths(seed, max_batch, zero_every):
+    """Seeded KV lengths of 1 to max_batch - 1 requests in [0, 9000), every zero_every-th one empty."""
+    g = torch.Generator().manual_seed(seed)
+    lens = torch.randint(0, 9000, (int(torch.randint(1, max_batch, (1,), generator=g)),), generator=g,
+                         dtype=torch.int32)
+    lens[::zero_every] = 0
+    return lens
+
+
 def schedule_segments(tile_sched, parts, num_blocks):
     """(request, first block, end block, split index, part) of every segment, as the kernel walks
     tile_sched's first `parts` rows; num_blocks: KV blocks per request."""

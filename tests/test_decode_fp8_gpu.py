@@ -10,7 +10,7 @@ q's dtype) makes its bound looser, not ours. The e4m3-MMA kernel (fp8mma) has it
 (conftest.check_fp8_mma)."""
 import pytest
 import torch
-from cases import make_decode_case
+from cases import DECODE_CASES, make_decode_case
 from conftest import FP8, check_decode, decode_case, decode_case_params, decode_kernels_for, run_decode, to_device
 from fp8_cases import to_fp8_case
 
@@ -19,22 +19,12 @@ import mla_attn
 pytestmark = pytest.mark.gpu
 
 
-CASES = [
-    # (lens, s_q, h_q, page_size, varlen, split_pe)
-    ([1023], 1, 128, 64, False, False),
-    ([4099, 1], 1, 16, 16, False, False),
-    ([113, 0, 15, 1023], 2, 8, 32, False, True),
-    ([0], 1, 1, 64, False, False),
-    ([1023, 4099, 7], 7, 9, 16, False, False),
-    ([300, 64, 65], 1, 63, 64, False, True),
-    ([2000], 1, 126, 48, False, False),
+# the 16-bit cases, then:
+CASES = DECODE_CASES + [
     # above 64 heads (the 64-row kernel, converted in place): several requests per CTA, odd block
     # counts, tails, a request with no keys, page 16 and 32
     ([130, 0, 1000, 64], 3, 96, 16, True, True),
     ([4099, 65, 1], 2, 128, 32, False, False),
-    ([513, 1000], 64, 16, 64, False, False),
-    ([4099, 113, 1, 0, 1023], 7, 32, 16, True, False),
-    ([700, 10], 512, 8, 256, True, False),
     ([40000], 1, 16, 64, False, False),
     # <= 32 query rows per request: the narrow kernel (N = 32 for the first three; the fourth is batch 1
     # with 21 rows, which the dispatch gives to the 64-row kernel; the last has 16 rows at batch 2,

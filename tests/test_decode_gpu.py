@@ -5,7 +5,7 @@ import itertools
 
 import pytest
 import torch
-from cases import make_decode_case
+from cases import DECODE_CASES, make_decode_case
 from conftest import (FP8, check_unit_scale, decode_case, decode_case_params, decode_kernels_for, decode_reference,
                       run_decode, to_device)
 
@@ -20,26 +20,10 @@ def with_kernels(params, rows_of, cache_dtype=torch.bfloat16):
     return [(*p, k) for p in params for k in [None] + decode_kernels_for(cache_dtype, rows_of(*p))]
 
 
-CASES = [
-    # (lens, s_q, h_q, page_size, varlen, split_pe)
-    ([1023], 1, 128, 64, False, False),
-    ([4099, 1], 1, 16, 16, False, False),
-    ([113, 0, 15, 1023], 2, 8, 32, False, True),
-    ([0], 1, 1, 64, False, False),
-    ([15, 113], 4, 3, 128, False, False),
-    ([1023, 4099, 7], 7, 9, 16, False, False),
-    ([300, 64, 65], 1, 63, 64, False, True),
-    ([2000], 1, 126, 48, False, False),
-    ([513, 1000], 64, 16, 64, False, False),
-    ([4099, 113, 1, 0, 1023], 7, 32, 16, True, False),
-    ([1500, 900, 64], 64, 128, 64, True, True),
-    ([700, 10], 512, 8, 256, True, False),
-    ([300, 0, 70, 1], 2, 8, 16, True, False),  # varlen at <= 16 rows (the narrow kernel), 0-token requests
-]
 
 
 @pytest.mark.parametrize("lens,s_q,h_q,page_size,varlen,split_pe,kernel,dtype,causal",
-                         decode_case_params(CASES, torch.bfloat16))
+                         decode_case_params(DECODE_CASES, torch.bfloat16))
 def test_decode_matches_reference(lens, s_q, h_q, page_size, varlen, split_pe, kernel, dtype, causal):
     case = decode_case(lens, s_q, h_q, page_size, varlen, split_pe, dtype)
     out, lse = run_decode(case, causal, _kernel=kernel)

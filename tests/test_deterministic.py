@@ -3,7 +3,7 @@ summed by one CTA in key order and come out bit-identical whatever else is in th
 import pytest
 import torch
 from cases import make_decode_case
-from conftest import schedule_segments
+from conftest import ragged_lengths, schedule_segments
 
 import mla_attn
 from mla_attn.metadata import BLOCK_N, schedule_cpu
@@ -12,10 +12,8 @@ from mla_attn.metadata import BLOCK_N, schedule_cpu
 @pytest.mark.parametrize("seed", range(8))
 @pytest.mark.parametrize("parts", [1, 2, 7, 66, 132])
 def test_deterministic_schedule_never_splits(parts, seed):
-    g = torch.Generator().manual_seed(seed)
-    B = int(torch.randint(1, 60, (1,), generator=g))
-    lens = torch.randint(0, 9000, (B,), generator=g, dtype=torch.int32)
-    lens[::4] = 0
+    lens = ragged_lengths(seed, 60, 4)
+    B = lens.shape[0]
     lens[seed % B] = 200000  # one request longer than a fair share: would be split otherwise
     tile_sched, req_splits = schedule_cpu(lens, None, 1, 16, parts, 132, deterministic=True)
     n = [-(-l // BLOCK_N) for l in lens.tolist()]
