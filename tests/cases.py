@@ -51,6 +51,23 @@ def make_decode_case(lens, s_q, h_q, page_size, *, varlen=False, split_pe=False,
                 softmax_scale=D_QK**-0.5)
 
 
+DECODE_CASES = [  # (lens, s_q, h_q, page_size, varlen, split_pe) for make_decode_case
+    ([1023], 1, 128, 64, False, False),
+    ([4099, 1], 1, 16, 16, False, False),
+    ([113, 0, 15, 1023], 2, 8, 32, False, True),
+    ([0], 1, 1, 64, False, False),
+    ([15, 113], 4, 3, 128, False, False),
+    ([1023, 4099, 7], 7, 9, 16, False, False),
+    ([300, 64, 65], 1, 63, 64, False, True),
+    ([2000], 1, 126, 48, False, False),
+    ([513, 1000], 64, 16, 64, False, False),
+    ([4099, 113, 1, 0, 1023], 7, 32, 16, True, False),
+    ([1500, 900, 64], 64, 128, 64, True, True),
+    ([700, 10], 512, 8, 256, True, False),
+    ([300, 0, 70, 1], 2, 8, 16, True, False),  # varlen at <= 16 rows (the narrow kernel), 0-token requests
+]
+
+
 def make_prefill_case(lens_q, lens_k, h_q, *, h_k=None, split_pe=False, dtype=torch.bfloat16, seed=0,
                       pad=37, scale=1.0):
     """Packed varlen prefill inputs as an engine holds them: k_nope and v are views of one kv_b_proj

@@ -1,5 +1,17 @@
+"""Markers (gpu, slow) and what several test files share: the device fixture, decode cases on the GPU
+with their references and tolerances, the walk of a decode schedule, and which decode kernels can run
+a case."""
+import functools
+
 import pytest
 import torch
+from cases import make_decode_case
+from fp8_cases import dequantized, to_fp8_case
+
+import mla_attn
+from mla_attn.reference import mla_decode_ref
+
+FP8 = torch.float8_e4m3fn
 
 
 def _has_hopper():
@@ -8,6 +20,7 @@ def _has_hopper():
 
 def pytest_configure(config):
     config.addinivalue_line("markers", "gpu: needs an sm_90 (Hopper) GPU; skipped otherwise")
+    config.addinivalue_line("markers", "slow: starts other processes (torchrun); deselect with -m 'not slow'")
 
 
 def pytest_collection_modifyitems(config, items):
@@ -17,3 +30,146 @@ def pytest_collection_modifyitems(config, items):
     for item in items:
         if "gpu" in item.keywords:
             item.add_marker(skip)
+
+
+@pytest.fixture(params=["cpu", pytest.param("cuda", marks=pytest.mark.gpu)])
+def device(request):
+    """Runs a test on the CPU ops and (gpu-marked) on the CUDA kernels."""
+    return request.param
+
+
+def to_device(case, device="cuda"):
+    return {k: (v.to(device) if isinstance(v, torch.Tensor) else v) for k, v in case.items()}
+
+
+# ---------------------------------------------------------------------------------------- decode
+def decode_kernels_for(cache_dtype, rows):
+    """The decode kernels that run a call with this cache dtype and rows = max_seqlen_q * h_q: the
+    tests' own statement of the rule mla_decode(_kernel=) enforces."""
+    fp8 = cache_dtype == FP8
+    runs = {
+        "narrow16": rows <= 16,
+        "narrow16_3wg": fp8 and rows <= 16,
+        "narrow32": fp8 and rows <= 32,
+        "rows64": True,
+        "seesaw": not fp8,
+        "seesaw_steady": not fp8,
+        "fp8mma": fp8,
+    }
+    return [kernel for kernel, ok in runs.items() if ok]
+
+
+def decode_case_params(cases, cache_dtype):
+    """pytest params (lens, s_q, h_q, page_size, varlen, split_pe, kernel, dtype, causal) for cases
+    (lens, s_q, h_q, page_size, varlen, split_pe): the dispatch (kernel None) in both dtypes, causal and
+    not; every kernel that can run the case once, in a (dtype, causal) that turns with the case and
+    the kernel, so that each kernel meets every combination over the cases."""
+    combos = [(dtype, causal) for dtype in (torch.bfloat16, torch.float16) for causal in (True, False)]
+    params = []
+    for i, case in enumerate(cases):
+        params += [pytest.param(*case, None, dtype, causal) for dtype, causal in combos]
+        params += [pytest.param(*case, kernel, *combos[(i + j) % len(combos)])
+                   for j, kernel in enumerate(decode_kernels_for(cache_dtype, case[1] * case[2]))]
+    return params
+
+
+@functools.lru_cache(maxsize=2)
+def _shared_decode_case(lens, s_q, h_q, page_size, varlen, split_pe, dtype, fp8):
+    case = make_decode_case(list(lens), s_q, h_q, page_size, varlen=varlen, split_pe=split_pe, dtype=dtype,
+                            seed=len(lens) * 1000 + s_q * 10 + h_q)
+    return {**to_device(to_fp8_case(case) if fp8 else case), "references": {}}
+
+
+def decode_case(lens, s_q, h_q, page_size, varlen, split_pe, dtype, *, fp8=False):
+    """make_decode_case on the GPU (FP8 cache when fp8), seeded by its shape. Consecutive tests of one
+    case share its tensors and its references: they must not modify them."""
+    return dict(_shared_decode_case(tuple(lens), s_q, h_q, page_size, varlen, split_pe, dtype, fp8))
+
+
+def run_decode(case, causal, **kw):
+    """mla_decode on a case (k_scale when it has one), returning (out, lse)."""
+    c = case
+    if c["cu_seqlens_q"] is not None:
+        kw["max_seqlen_q"] = c["max_seqlen_q"]
+    return mla_attn.mla_decode(c["q"], c["kv_cache"], c["block_table"], c["cache_seqlens"],
+                               cu_seqlens_q=c["cu_seqlens_q"], q_pe=c["q_pe"], k_scale=c.get("k_scale"),
+                               softmax_scale=c["softmax_scale"], causal=causal, return_lse=True, **kw)
+
+
+def decode_reference(case, causal, dtype=torch.float32):
+    """The reference in `dtype` (on the dequantized cache for an FP8 case); kept in the case's
+    "references" when it has them (decode_case)."""
+    memo = case.get("references", {})
+    if (causal, dtype) not in memo:
+        c = dequantized(case) if "k_scale" in case else case
+        memo[causal, dtype] = mla_decode_ref(c["q"], c["kv_cache"], c["block_table"], c["cache_seqlens"],
+                                             cu_seqlens_q=c["cu_seqlens_q"], q_pe=c["q_pe"],
+                                             softmax_scale=c["softmax_scale"], causal=causal, dtype=dtype)
+    return memo[causal, dtype]
+
+
+def _check_empty_rows(ref_lse, out, lse):
+    assert torch.isfinite(out).all(), "non-finite output"
+    empty = torch.isinf(ref_lse)
+    assert torch.equal(torch.isinf(lse), empty) and (lse[empty] > 0).all(), "+inf lse exactly on empty rows"
+    assert not out[empty].any(), "rows without a visible key must be 0"
+    return ~empty
+
+
+def check_unit_scale(case, causal, out, lse):
+    """Unit-scale data: max |err| <= 2x the error of the same computation in bf16/fp16 PyTorch, + 1e-3."""
+    ref_out, ref_lse = decode_reference(case, causal)
+    low_out, _ = decode_reference(case, causal, dtype=case["q"].dtype)
+    seen = _check_empty_rows(ref_lse, out, lse)
+    err = (out.float() - ref_out).abs().max().item()
+    bound = 2 * (low_out.float() - ref_out).abs().max().item() + 1e-3
+    assert err <= bound, f"out max err {err:.3e} > {bound:.3e}"
+    lse_err = (lse[seen] - ref_lse[seen]).abs().max().item() if seen.any() else 0.0
+    assert lse_err <= 1e-3, f"lse max err {lse_err:.3e}"
+
+
+# The e4m3-MMA kernel (fp8mma) rounds Q and P to e4m3 (3 mantissa bits): about 3 % of the output's
+# norm (measured on these cases, H200: relative L2 error up to 3.4 %, every row within 6.8 %; LSE within
+# 0.08) where 16-bit MMAs give 0.17 %, the size of the error the FP8 cache itself adds. The bounds are
+# 1.5-1.8x the measured worst; a wrong key order in P or V^T, a missed mask or a NaN read gives O(1).
+FP8MMA_REL_L2 = 0.05   # relative L2 error of the whole output
+FP8MMA_ROW_REL = 0.12  # relative L2 error of each row with a visible key
+FP8MMA_LSE_ABS = 0.12  # natural log
+
+
+def check_fp8_mma(case, causal, out, lse):
+    ref_out, ref_lse = decode_reference(case, causal)
+    seen = _check_empty_rows(ref_lse, out, lse)
+    diff = out.float() - ref_out
+    rel = (diff.norm() / ref_out.norm()).item() if ref_out.norm() > 0 else 0.0
+    assert rel <= FP8MMA_REL_L2, f"relative L2 error {rel:.3e}"
+    if seen.any():
+        row_rel = (diff[seen].norm(dim=-1) / ref_out[seen].norm(dim=-1)).max().item()
+        assert row_rel <= FP8MMA_ROW_REL, f"worst row relative error {row_rel:.3e}"
+        lse_err = (lse[seen] - ref_lse[seen]).abs().max().item()
+        assert lse_err <= FP8MMA_LSE_ABS, f"lse max err {lse_err:.3e}"
+
+
+def check_decode(case, causal, out, lse, kernel):
+    """Each kernel's tolerance: fp8mma its own, every other kernel check_unit_scale."""
+    (check_fp8_mma if kernel == "fp8mma" else check_unit_scale)(case, causal, out, lse)
+
+
+def ragged_lengths(seed, max_batch, zero_every):
+    """Seeded KV lengths of 1 to max_batch - 1 requests in [0, 9000), every zero_every-th one empty."""
+    g = torch.Generator().manual_seed(seed)
+    lens = torch.randint(0, 9000, (int(torch.randint(1, max_batch, (1,), generator=g)),), generator=g,
+                         dtype=torch.int32)
+    lens[::zero_every] = 0
+    return lens
+
+
+def schedule_segments(tile_sched, parts, num_blocks):
+    """(request, first block, end block, split index, part) of every segment, as the kernel walks
+    tile_sched's first `parts` rows; num_blocks: KV blocks per request."""
+    segments = []
+    for p in range(parts):
+        b0, blk0, b1, hi1, k0 = tile_sched[p, :5].tolist()
+        for b in range(b0, b1 + 1):
+            segments.append((b, blk0 if b == b0 else 0, hi1 if b == b1 else num_blocks[b], k0 if b == b0 else 0, p))
+    return segments

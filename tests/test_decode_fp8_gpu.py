@@ -3,46 +3,28 @@ dequantized cache (stored * k_scale), on the adversarial inputs of tests/cases.p
 past each length and in unused pages (NaN survives quantisation), permuted block tables, zero-length
 requests, odd head counts, varlen causal queries, page sizes 16...256.
 
-Tolerance as for a 16-bit cache (2x the error of the same computation in q's dtype, + 1e-3): the
-kernel converts e4m3 to bf16/fp16 exactly and applies k_scale in fp32, so the only extra rounding of
-the low-precision reference (k_scale * stored rounded to q's dtype) makes its bound looser, not ours."""
+Every kernel that runs an FP8 cache runs every case. Tolerance as for a 16-bit cache (2x the error of
+the same computation in q's dtype, + 1e-3): the kernels convert e4m3 to bf16/fp16 exactly and apply
+k_scale in fp32, so the only extra rounding of the low-precision reference (k_scale * stored rounded to
+q's dtype) makes its bound looser, not ours. The e4m3-MMA kernel (fp8mma) has its own
+(conftest.check_fp8_mma)."""
 import pytest
 import torch
+from cases import DECODE_CASES, make_decode_case
+from conftest import FP8, check_decode, decode_case, decode_case_params, decode_kernels_for, run_decode, to_device
+from fp8_cases import to_fp8_case
 
 import mla_attn
-
-from cases import make_decode_case
-from fp8_cases import dequantized, to_fp8_case
-from test_decode_gpu import check_unit_scale, to_cuda
 
 pytestmark = pytest.mark.gpu
 
 
-def run(case, causal, **kw):
-    c = case
-    if c["cu_seqlens_q"] is not None:
-        kw["max_seqlen_q"] = c["max_seqlen_q"]
-    return mla_attn.mla_decode(c["q"], c["kv_cache"], c["block_table"], c["cache_seqlens"],
-                               cu_seqlens_q=c["cu_seqlens_q"], q_pe=c["q_pe"], k_scale=c["k_scale"],
-                               softmax_scale=c["softmax_scale"], causal=causal, return_lse=True, **kw)
-
-
-CASES = [
-    # (lens, s_q, h_q, page_size, varlen, split_pe)
-    ([1023], 1, 128, 64, False, False),
-    ([4099, 1], 1, 16, 16, False, False),
-    ([113, 0, 15, 1023], 2, 8, 32, False, True),
-    ([0], 1, 1, 64, False, False),
-    ([1023, 4099, 7], 7, 9, 16, False, False),
-    ([300, 64, 65], 1, 63, 64, False, True),
-    ([2000], 1, 126, 48, False, False),
+# the 16-bit cases, then:
+CASES = DECODE_CASES + [
     # above 64 heads (the 64-row kernel, converted in place): several requests per CTA, odd block
     # counts, tails, a request with no keys, page 16 and 32
     ([130, 0, 1000, 64], 3, 96, 16, True, True),
     ([4099, 65, 1], 2, 128, 32, False, False),
-    ([513, 1000], 64, 16, 64, False, False),
-    ([4099, 113, 1, 0, 1023], 7, 32, 16, True, False),
-    ([700, 10], 512, 8, 256, True, False),
     ([40000], 1, 16, 64, False, False),
     # <= 32 query rows per request: the narrow kernel (N = 32 for the first three; the fourth is batch 1
     # with 21 rows, which the dispatch gives to the 64-row kernel; the last has 16 rows at batch 2,
@@ -58,62 +40,64 @@ CASES = [
 ]
 
 
-@pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float16])
-@pytest.mark.parametrize("causal", [True, False])
-@pytest.mark.parametrize("lens,s_q,h_q,page_size,varlen,split_pe", CASES)
-def test_fp8_decode_matches_reference(lens, s_q, h_q, page_size, varlen, split_pe, causal, dtype):
-    case = to_cuda(to_fp8_case(make_decode_case(lens, s_q, h_q, page_size, varlen=varlen, split_pe=split_pe,
-                                                dtype=dtype, seed=len(lens) * 1000 + s_q * 10 + h_q)))
-    out, lse = run(case, causal)
-    check_unit_scale(dequantized(case), causal, out, lse)
+@pytest.mark.parametrize("lens,s_q,h_q,page_size,varlen,split_pe,kernel,dtype,causal", decode_case_params(CASES, FP8))
+def test_fp8_decode_matches_reference(lens, s_q, h_q, page_size, varlen, split_pe, kernel, dtype, causal):
+    case = decode_case(lens, s_q, h_q, page_size, varlen, split_pe, dtype, fp8=True)
+    out, lse = run_decode(case, causal, _kernel=kernel)
+    check_decode(case, causal, out, lse, kernel)
 
 
-@pytest.mark.parametrize("h_q,s_q", [(16, 1), (16, 2), (128, 1)])
-def test_fp8_subnormal_values(h_q, s_q):
+# the three dispatch paths: 16 rows, 32 rows (batch 2), 128 heads; and every kernel that runs them
+KERNEL_SHAPES = [(h_q, s_q, kernel) for h_q, s_q in [(16, 1), (16, 2), (128, 1)]
+                 for kernel in [None] + decode_kernels_for(FP8, h_q * s_q)]
+
+
+@pytest.mark.parametrize("h_q,s_q,kernel", KERNEL_SHAPES)
+def test_fp8_subnormal_values(h_q, s_q, kernel):
     """Stored values that are e4m3 subnormals (|x| < 2^-6) reach the MMAs exactly (their fp16 and
     bf16 conversions are exact) on all three kernels: 16 rows, 32 rows (batch 2) and 128 heads.
     k_scale = 256 puts most unit-scale values there."""
-    case = to_cuda(to_fp8_case(make_decode_case([700, 64], s_q, h_q, 64, seed=21), k_scale=256.0))
+    case = to_device(to_fp8_case(make_decode_case([700, 64], s_q, h_q, 64, seed=21), k_scale=256.0))
     stored = case["kv_cache"].float()
     finite = stored[torch.isfinite(stored)]
     assert (finite.abs() < 2.0 ** -6).float().mean() > 0.9
-    out, lse = run(case, True)
-    check_unit_scale(dequantized(case), True, out, lse)
+    out, lse = run_decode(case, True, _kernel=kernel)
+    check_decode(case, True, out, lse, kernel)
 
 
 @pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float16])
-@pytest.mark.parametrize("h_q,s_q", [(16, 1), (16, 2), (128, 1)])
-def test_fp8_q_rows_of_different_magnitudes(h_q, s_q, dtype):
+@pytest.mark.parametrize("h_q,s_q,kernel", [p for p in KERNEL_SHAPES if p[2] != "fp8mma"])  # fp8mma: its own file
+def test_fp8_q_rows_of_different_magnitudes(h_q, s_q, kernel, dtype):
     """With an fp8 cache the MMAs run in fp16, and each bf16 Q row is stored times its own power of
     two (fp16_row_scale): rows whose magnitudes differ by 2^10, and an all-zero row, must each come
     out right on all three kernels (16 rows, 32 rows at batch 2, 128 heads)."""
-    case = to_cuda(to_fp8_case(make_decode_case([700, 64], s_q, h_q, 64, dtype=dtype, seed=22)))
+    case = to_device(to_fp8_case(make_decode_case([700, 64], s_q, h_q, 64, dtype=dtype, seed=22)))
     factors = 2.0 ** torch.linspace(-8, 2, h_q).round()
     factors[h_q // 2] = 0.0
     case["q"].mul_(factors.to(case["q"].device, case["q"].dtype).view(1, 1, h_q, 1))
-    out, lse = run(case, True)
-    check_unit_scale(dequantized(case), True, out, lse)
+    out, lse = run_decode(case, True, _kernel=kernel)
+    check_decode(case, True, out, lse, kernel)
 
 
 def test_fp8_ragged_batch_and_scale_from_device():
     """64 ragged requests; k_scale is read on the device (a new value needs no recapture)."""
     g = torch.Generator().manual_seed(3)
     lens = torch.randint(0, 3000, (64,), generator=g).tolist()
-    case = to_cuda(to_fp8_case(make_decode_case(lens, 1, 16, 64, seed=11)))
+    case = to_device(to_fp8_case(make_decode_case(lens, 1, 16, 64, seed=11)))
     for scale in (0.02, 0.05):
         case["k_scale"].fill_(scale)
-        out, lse = run(case, True)
-        check_unit_scale(dequantized(case), True, out, lse)
+        out, lse = run_decode(case, True)
+        check_decode(case, True, out, lse, None)
 
 
 def test_fp8_cuda_graph_replay_with_new_lengths_and_two_runs_identical():
-    case = to_cuda(to_fp8_case(make_decode_case([3000, 2000, 1000, 100], 2, 16, 64, seed=5)))
+    case = to_device(to_fp8_case(make_decode_case([3000, 2000, 1000, 100], 2, 16, 64, seed=5)))
     lens = case["cache_seqlens"]
     out = torch.empty(4, 2, 16, 512, device="cuda", dtype=torch.bfloat16)
 
     def step():
         md = mla_attn.get_decode_metadata(lens, 16, s_q=2, causal=True)
-        return run(case, True, metadata=md, out=out)
+        return run_decode(case, True, metadata=md, out=out)
 
     first = step()[0].clone()
     assert torch.equal(step()[0], first), "two runs must be bit-identical"
@@ -126,11 +110,11 @@ def test_fp8_cuda_graph_replay_with_new_lengths_and_two_runs_identical():
         out.fill_(float("nan"))
         graph.replay()
         torch.cuda.synchronize()
-        check_unit_scale(dequantized(case), True, out, lse)
+        check_decode(case, True, out, lse, None)
 
 
 def test_fp8_opcheck():
-    case = to_cuda(to_fp8_case(make_decode_case([300, 70], 2, 16, 64, seed=7)))
+    case = to_device(to_fp8_case(make_decode_case([300, 70], 2, 16, 64, seed=7)))
     c = case
     md = mla_attn.get_decode_metadata(c["cache_seqlens"], 16, s_q=2, causal=True)
     args = (c["q"], None, c["kv_cache"], c["block_table"], c["cache_seqlens"], None, 2, c["softmax_scale"], True,

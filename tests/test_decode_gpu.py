@@ -5,97 +5,50 @@ import itertools
 
 import pytest
 import torch
+from cases import DECODE_CASES, make_decode_case
+from conftest import (FP8, check_unit_scale, decode_case, decode_case_params, decode_kernels_for, decode_reference,
+                      run_decode, to_device)
 
 import mla_attn
-from mla_attn.metadata import DecodeMetadata, device_num_sms, schedule_cpu
-from mla_attn.reference import mla_decode_ref
-
-from cases import make_decode_case
+from mla_attn.metadata import DECODE_KERNELS, DecodeMetadata, device_num_sms, schedule_cpu
 
 pytestmark = pytest.mark.gpu
 
 
-def to_cuda(case):
-    return {k: (v.cuda() if isinstance(v, torch.Tensor) else v) for k, v in case.items()}
+def with_kernels(params, rows_of, cache_dtype=torch.bfloat16):
+    """params extended by a kernel: None (the dispatch) and every kernel that runs rows_of(*param) rows."""
+    return [(*p, k) for p in params for k in [None] + decode_kernels_for(cache_dtype, rows_of(*p))]
 
 
-def run(case, causal, **kw):
-    c = case
-    if c["cu_seqlens_q"] is not None:
-        kw["max_seqlen_q"] = c["max_seqlen_q"]
-    return mla_attn.mla_decode(c["q"], c["kv_cache"], c["block_table"], c["cache_seqlens"],
-                               cu_seqlens_q=c["cu_seqlens_q"], q_pe=c["q_pe"],
-                               softmax_scale=c["softmax_scale"], causal=causal, return_lse=True, **kw)
 
 
-def reference(case, causal, dtype=torch.float32):
-    c = case
-    return mla_decode_ref(c["q"], c["kv_cache"], c["block_table"], c["cache_seqlens"],
-                          cu_seqlens_q=c["cu_seqlens_q"], q_pe=c["q_pe"],
-                          softmax_scale=c["softmax_scale"], causal=causal, dtype=dtype)
-
-
-def check_unit_scale(case, causal, out, lse):
-    """Unit-scale data: max |err| <= 2x the error of the same computation in bf16/fp16 PyTorch, + 1e-3."""
-    ref_out, ref_lse = reference(case, causal)
-    low_out, _ = reference(case, causal, dtype=case["q"].dtype)
-    assert torch.isfinite(out).all(), "non-finite output"
-    err = (out.float() - ref_out).abs().max().item()
-    bound = 2 * (low_out.float() - ref_out).abs().max().item() + 1e-3
-    assert err <= bound, f"out max err {err:.3e} > {bound:.3e}"
-    empty = torch.isinf(ref_lse)
-    assert torch.equal(torch.isinf(lse), empty) and (lse[empty] > 0).all(), "+inf lse exactly on empty rows"
-    assert not out[empty].any(), "rows without a visible key must be 0"
-    lse_err = (lse[~empty] - ref_lse[~empty]).abs().max().item() if (~empty).any() else 0.0
-    assert lse_err <= 1e-3, f"lse max err {lse_err:.3e}"
-
-
-CASES = [
-    # (lens, s_q, h_q, page_size, varlen, split_pe)
-    ([1023], 1, 128, 64, False, False),
-    ([4099, 1], 1, 16, 16, False, False),
-    ([113, 0, 15, 1023], 2, 8, 32, False, True),
-    ([0], 1, 1, 64, False, False),
-    ([15, 113], 4, 3, 128, False, False),
-    ([1023, 4099, 7], 7, 9, 16, False, False),
-    ([300, 64, 65], 1, 63, 64, False, True),
-    ([2000], 1, 126, 48, False, False),
-    ([513, 1000], 64, 16, 64, False, False),
-    ([4099, 113, 1, 0, 1023], 7, 32, 16, True, False),
-    ([1500, 900, 64], 64, 128, 64, True, True),
-    ([700, 10], 512, 8, 256, True, False),
-    ([300, 0, 70, 1], 2, 8, 16, True, False),  # varlen at <= 16 rows (the narrow kernel), 0-token requests
-]
-
-
-@pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float16])
-@pytest.mark.parametrize("causal", [True, False])
-@pytest.mark.parametrize("lens,s_q,h_q,page_size,varlen,split_pe", CASES)
-def test_decode_matches_reference(lens, s_q, h_q, page_size, varlen, split_pe, causal, dtype):
-    case = to_cuda(make_decode_case(lens, s_q, h_q, page_size, varlen=varlen, split_pe=split_pe,
-                                    dtype=dtype, seed=len(lens) * 1000 + s_q * 10 + h_q))
-    out, lse = run(case, causal)
+@pytest.mark.parametrize("lens,s_q,h_q,page_size,varlen,split_pe,kernel,dtype,causal",
+                         decode_case_params(DECODE_CASES, torch.bfloat16))
+def test_decode_matches_reference(lens, s_q, h_q, page_size, varlen, split_pe, kernel, dtype, causal):
+    case = decode_case(lens, s_q, h_q, page_size, varlen, split_pe, dtype)
+    out, lse = run_decode(case, causal, _kernel=kernel)
     check_unit_scale(case, causal, out, lse)
 
 
-@pytest.mark.parametrize("batch", [1, 17, 64])
-def test_ragged_batches(batch):
+@pytest.mark.parametrize("batch,kernel", with_kernels([(1,), (17,), (64,)], lambda batch: 32))
+def test_ragged_batches(batch, kernel):
     g = torch.Generator().manual_seed(batch)
     lens = torch.randint(0, 3000, (batch,), generator=g).tolist()
-    case = to_cuda(make_decode_case(lens, 2, 16, 16, seed=batch))
-    out, lse = run(case, True)
+    case = to_device(make_decode_case(lens, 2, 16, 16, seed=batch))
+    out, lse = run_decode(case, True, _kernel=kernel)
     check_unit_scale(case, True, out, lse)
 
 
-def test_long_context():
-    case = to_cuda(make_decode_case([40000, 33000], 1, 16, 64, kv_4d=True, seed=7))
-    out, lse = run(case, True)
+@pytest.mark.parametrize("kernel", [None] + decode_kernels_for(torch.bfloat16, 16))
+def test_long_context(kernel):
+    case = to_device(make_decode_case([40000, 33000], 1, 16, 64, kv_4d=True, seed=7))
+    out, lse = run_decode(case, True, _kernel=kernel)
     check_unit_scale(case, True, out, lse)
 
 
 @pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float16])
-@pytest.mark.parametrize("h_q,s_q", [(128, 1), (128, 2), (64, 1), (16, 1)])
-def test_scores_growing_along_the_context(h_q, s_q, dtype):
+@pytest.mark.parametrize("h_q,s_q,kernel", with_kernels([(128, 1), (128, 2), (64, 1), (16, 1)], lambda h, s: h * s))
+def test_scores_growing_along_the_context(h_q, s_q, kernel, dtype):
     """Keys scaled by a ramp from 0.1 to 8 along each request: the running row max moves by more
     than the kernels' slack (kMaxSlack, decode_tile_io.cuh: O is rescaled) several times and by less
     (P above 1) in between."""
@@ -107,38 +60,39 @@ def test_scores_growing_along_the_context(h_q, s_q, dtype):
             ramp = 0.1 * 80.0 ** (t / L)
             page_id = case["block_table"][b, j]
             case["kv_cache"][page_id] = (case["kv_cache"][page_id].float() * ramp[:, None]).to(dtype)
-    case = to_cuda(case)
-    out, lse = run(case, s_q > 1)
+    case = to_device(case)
+    out, lse = run_decode(case, s_q > 1, _kernel=kernel)
     check_unit_scale(case, s_q > 1, out, lse)
 
 
 @pytest.mark.parametrize("batch", [4, 64])
-@pytest.mark.parametrize("h_q,s_q,page_size,causal", [(128, 1, 64, True), (128, 2, 16, True), (128, 4, 64, False),
-                                                     (80, 2, 32, True)])
-def test_long_segments(h_q, s_q, page_size, causal, batch):
+@pytest.mark.parametrize("h_q,s_q,page_size,causal,kernel",
+                         with_kernels([(128, 1, 64, True), (128, 2, 16, True), (128, 4, 64, False), (80, 2, 32, True)],
+                                      lambda h, s, *_: h * s))
+def test_long_segments(h_q, s_q, page_size, causal, kernel, batch):
     """Schedules of 1, 3 and 5 parts, so that segments run 32+ blocks, with split points at either
     parity of the block index. Batch 64 (60 empty requests): 128+ q-tiles of work, the seesaw kernel
     with the steady loop (decode_api.cpp: kSteadyMinQTiles) and its hand-over to the general loop at
     masked, tail and last pairs; batch 4: the kernel without it."""
     lens = [6000, 4099, 2112, 3333] + [0] * (batch - 4)
-    case = to_cuda(make_decode_case(lens, s_q, h_q, page_size, seed=h_q + s_q + page_size))
+    case = to_device(make_decode_case(lens, s_q, h_q, page_size, seed=h_q + s_q + page_size))
     num_sms = device_num_sms("cuda")
     for parts in (1, 3, 5):
         tile_sched, req_splits = torch.ops.mla_attn.get_decode_metadata(
             case["cache_seqlens"], None, s_q, h_q, causal, parts, num_sms)
         md = DecodeMetadata(tile_sched, req_splits, parts, s_q, h_q, causal)
-        out, lse = run(case, causal, metadata=md)
+        out, lse = run_decode(case, causal, metadata=md, _kernel=kernel)
         check_unit_scale(case, causal, out, lse)
 
 
-@pytest.mark.parametrize("h_q,s_q", [(128, 1), (16, 2), (64, 4)])
-def test_flashmla_tolerances(h_q, s_q):
+@pytest.mark.parametrize("h_q,s_q,kernel", with_kernels([(128, 1), (16, 2), (64, 4)], lambda h, s: h * s))
+def test_flashmla_tolerances(h_q, s_q, kernel):
     """FlashMLA-style data (randn/10 clamped to +-1) under FlashMLA's own tolerances."""
-    case = to_cuda(make_decode_case([4096, 1000, 77], s_q, h_q, 64, seed=h_q + s_q))
+    case = to_device(make_decode_case([4096, 1000, 77], s_q, h_q, 64, seed=h_q + s_q))
     case["kv_cache"] = (case["kv_cache"].float() / 10).clamp(-1, 1).to(torch.bfloat16)  # NaN stays NaN
     case["q"] = (case["q"].float() / 10).clamp(-1, 1).to(torch.bfloat16)
-    out, lse = run(case, True)
-    ref_out, ref_lse = reference(case, True)
+    out, lse = run_decode(case, True, _kernel=kernel)
+    ref_out, ref_lse = decode_reference(case, True)
     o, r = out.float(), ref_out
     ok = ((o - r).abs() <= 8e-4) | ((o - r).abs() <= 2.01 / 128 * r.abs())
     assert ok.all(), f"{(~ok).sum().item()} elements out of tolerance"
@@ -148,24 +102,26 @@ def test_flashmla_tolerances(h_q, s_q):
     assert okl.all(), f"lse max err {(lse - ref_lse).abs().max().item():.3e}"
 
 
-@pytest.mark.parametrize("h_q", [16, 128])  # 128: Q tiles by TMA (seesaw kernel), through the strided view
-def test_out_given_and_strided_q(h_q):
-    case = to_cuda(make_decode_case([1023, 77], 2, h_q, 64, seed=3))
+# 128: Q tiles by TMA (seesaw kernel), through the strided view
+@pytest.mark.parametrize("h_q,kernel", with_kernels([(16,), (128,)], lambda h: 2 * h))
+def test_out_given_and_strided_q(h_q, kernel):
+    case = to_device(make_decode_case([1023, 77], 2, h_q, 64, seed=3))
     big = torch.randn(2, 2, h_q, 640, device="cuda", dtype=torch.bfloat16)  # padded rows: strided q
     big[..., :576] = case["q"]
     case["q"] = big[..., :576]
     out = torch.full((2, 2, h_q, 512), float("nan"), device="cuda", dtype=torch.bfloat16)
-    got, lse = run(case, True, out=out)
+    got, lse = run_decode(case, True, out=out, _kernel=kernel)
     assert got.data_ptr() == out.data_ptr()
     check_unit_scale(case, True, out, lse)
 
 
-def test_q_broadcast_over_batch():
+@pytest.mark.parametrize("kernel", [None] + decode_kernels_for(torch.bfloat16, 128))
+def test_q_broadcast_over_batch(kernel):
     # One query for every request (batch stride 0): at h_q 128 the seesaw kernel's Q maps refuse a
     # broadcast dimension, and the cp.async load reads the shared rows.
-    case = to_cuda(make_decode_case([300, 1000, 64], 1, 128, 64, seed=5))
+    case = to_device(make_decode_case([300, 1000, 64], 1, 128, 64, seed=5))
     case["q"] = case["q"][:1].expand(3, -1, -1, -1)
-    out, lse = run(case, True)
+    out, lse = run_decode(case, True, _kernel=kernel)
     check_unit_scale(case, True, out, lse)
 
 
@@ -190,11 +146,11 @@ def test_more_requests_than_part_boundaries():
     g = torch.Generator().manual_seed(7)
     lens = torch.randint(1, 3000, (24,), generator=g, dtype=torch.int32)
     lens[3] = 9000
-    case = to_cuda(make_decode_case(lens.tolist(), 4, 128, 64, seed=13))
+    case = to_device(make_decode_case(lens.tolist(), 4, 128, 64, seed=13))
     md = mla_attn.get_decode_metadata(case["cache_seqlens"], 128, s_q=4, causal=True)
     num_splits = md.req_splits[:, 0].cpu()
     assert md.num_sm_parts - 1 < 24 and (num_splits > 1).sum() > 1
-    out, lse = run(case, True, metadata=md)
+    out, lse = run_decode(case, True, metadata=md)
     check_unit_scale(case, True, out, lse)
 
 
@@ -203,35 +159,35 @@ def test_next_kernel_sees_the_output(lens):
     # Combine CTAs with nothing to merge exit without waiting for the split kernel (programmatic
     # dependent launch); the next kernel in the stream must still see every output row. 128 equal
     # requests are not split at all (no combine CTA waits); the ragged batch splits some.
-    case = to_cuda(make_decode_case(lens, 1, 128, 64, seed=23))
+    case = to_device(make_decode_case(lens, 1, 128, 64, seed=23))
     md = mla_attn.get_decode_metadata(case["cache_seqlens"], 128, s_q=1, causal=True)
     out = torch.empty(len(lens), 1, 128, 512, device="cuda", dtype=case["q"].dtype)
-    ref, _ = run(case, True, metadata=md, out=out)
+    ref, _ = run_decode(case, True, metadata=md, out=out)
     ref = ref.clone()
     torch.cuda.synchronize()
     mismatches = []
     for _ in range(30):
         out.fill_(float("nan"))
-        run(case, True, metadata=md, out=out)
+        run_decode(case, True, metadata=md, out=out)
         mismatches.append((out != ref).any())  # same stream, no host sync in between
     assert not torch.stack(mismatches).any()
 
 
 def test_two_runs_bit_identical():
-    case = to_cuda(make_decode_case([5000, 3000, 20], 2, 64, 32, seed=11))
-    a = run(case, True)
-    b = run(case, True)
+    case = to_device(make_decode_case([5000, 3000, 20], 2, 64, 32, seed=11))
+    a = run_decode(case, True)
+    b = run_decode(case, True)
     assert torch.equal(a[0], b[0]) and torch.equal(a[1], b[1])
 
 
 def test_cuda_graph_replay_with_new_lengths():
-    case = to_cuda(make_decode_case([3000, 2000, 1000, 100], 1, 16, 64, seed=5))
+    case = to_device(make_decode_case([3000, 2000, 1000, 100], 1, 16, 64, seed=5))
     lens = case["cache_seqlens"]
     out = torch.empty(4, 1, 16, 512, device="cuda", dtype=torch.bfloat16)
 
     def step():
         md = mla_attn.get_decode_metadata(lens, 16, s_q=1, causal=True)
-        return run(case, True, metadata=md, out=out)
+        return run_decode(case, True, metadata=md, out=out)
 
     step()
     torch.cuda.synchronize()
@@ -244,3 +200,21 @@ def test_cuda_graph_replay_with_new_lengths():
         graph.replay()
         torch.cuda.synchronize()
         check_unit_scale(case, True, out, lse)
+
+
+INELIGIBLE = [(dtype, s_q, h_q, kernel) for dtype in (torch.bfloat16, FP8) for s_q, h_q in ((1, 16), (2, 16), (1, 128))
+              for kernel in DECODE_KERNELS if kernel not in decode_kernels_for(dtype, s_q * h_q)]
+
+
+@pytest.mark.parametrize("cache_dtype,s_q,h_q,kernel", INELIGIBLE + [(torch.bfloat16, 1, 16, "narrow64"),
+                                                                    (FP8, 1, 16, "")])
+def test_kernel_that_cannot_run_the_call_raises(cache_dtype, s_q, h_q, kernel):
+    """Through the wrapper (its own check) and straight through the op (decode_api.cpp's)."""
+    case = decode_case([300, 20], s_q, h_q, 64, False, False, torch.bfloat16, fp8=cache_dtype == FP8)
+    with pytest.raises(ValueError, match=repr(kernel)):
+        run_decode(case, True, _kernel=kernel)
+    md = mla_attn.get_decode_metadata(case["cache_seqlens"], h_q, s_q=s_q)
+    with pytest.raises(ValueError):
+        torch.ops.mla_attn.mla_decode(case["q"], None, case["kv_cache"], case["block_table"], case["cache_seqlens"],
+                                      None, s_q, case["softmax_scale"], True, md.tile_sched, md.req_splits,
+                                      md.num_sm_parts, k_scale=case.get("k_scale"), kernel=kernel)

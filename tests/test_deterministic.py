@@ -3,36 +3,27 @@ summed by one CTA in key order and come out bit-identical whatever else is in th
 import pytest
 import torch
 from cases import make_decode_case
+from conftest import ragged_lengths, schedule_segments
 
 import mla_attn
 from mla_attn.metadata import BLOCK_N, schedule_cpu
 
 
-def _parts_of(tile_sched, parts, B):
-    """Request -> list of (part, lo, hi) pieces, expanded as the kernel walks tile_sched."""
-    pieces = [[] for _ in range(B)]
-    for p in range(parts):
-        b0, blk0, b1, hi1, k0 = tile_sched[p, :5].tolist()
-        for b in range(b0, b1 + 1):
-            pieces[b].append((p, blk0 if b == b0 else 0, hi1 if b == b1 else None, k0 if b == b0 else 0))
-    return pieces
-
-
 @pytest.mark.parametrize("seed", range(8))
 @pytest.mark.parametrize("parts", [1, 2, 7, 66, 132])
 def test_deterministic_schedule_never_splits(parts, seed):
-    g = torch.Generator().manual_seed(seed)
-    B = int(torch.randint(1, 60, (1,), generator=g))
-    lens = torch.randint(0, 9000, (B,), generator=g, dtype=torch.int32)
-    lens[::4] = 0
+    lens = ragged_lengths(seed, 60, 4)
+    B = lens.shape[0]
     lens[seed % B] = 200000  # one request longer than a fair share: would be split otherwise
     tile_sched, req_splits = schedule_cpu(lens, None, 1, 16, parts, 132, deterministic=True)
     n = [-(-l // BLOCK_N) for l in lens.tolist()]
     assert req_splits.tolist() == [[1, 0]] * B, "every request in one piece, no workspace slot"
-    for b, pieces in enumerate(_parts_of(tile_sched, parts, B)):
+    segments = schedule_segments(tile_sched, parts, n)
+    for b in range(B):
+        pieces = [seg for seg in segments if seg[0] == b]
         assert len(pieces) == 1, (b, pieces)
-        _, lo, hi, k = pieces[0]
-        assert lo == 0 and k == 0 and (hi is None or hi == n[b]), (b, pieces)
+        _, lo, hi, k, _ = pieces[0]
+        assert lo == 0 and k == 0 and hi == n[b], (b, pieces)
     if parts > 1:  # the same batch is split without the flag, so the test exercises a real change
         assert schedule_cpu(lens, None, 1, 16, parts, 132)[1][:, 0].max() > 1
 
@@ -63,11 +54,12 @@ def test_deterministic_flag_plumbing_cpu():
 
 # ------------------------------------------------------------------------------------------------ GPU
 @pytest.mark.gpu
+@pytest.mark.parametrize("kernel", [None, "rows64", "seesaw", "seesaw_steady"])  # those that run any max_seqlen_q
 @pytest.mark.parametrize("h_q,s_q", [(16, 1), (128, 1), (64, 3)])
-def test_batch_invariance_gpu(h_q, s_q):
+def test_batch_invariance_gpu(h_q, s_q, kernel):
     """The same request (same q rows, same cache pages) in batches of different size, composition,
-    position and max_seqlen_q gives bit-identical out and lse; it is split in some of them without
-    the flag, so the test covers the policy."""
+    position and max_seqlen_q gives bit-identical out and lse, with the dispatch's kernel and with
+    each kernel forced; it is split in some of them without the flag, so the test covers the policy."""
     page_size, target_len = 64, 9000
     base = make_decode_case([target_len], s_q, h_q, page_size, varlen=True, seed=1)
     target_q = base["q"]  # its s_q tokens
@@ -93,7 +85,7 @@ def test_batch_invariance_gpu(h_q, s_q):
         kw = dict(cu_seqlens_q=cu.cuda(), max_seqlen_q=max_q, softmax_scale=192**-0.5, causal=True, return_lse=True)
         args = (q.cuda(), c["kv_cache"].cuda(), c["block_table"].cuda(), c["cache_seqlens"].cuda())
         out = torch.full((q.shape[0], h_q, 512), float("nan"), dtype=torch.bfloat16, device="cuda")
-        o, lse = mla_attn.mla_decode(*args, out=out, deterministic=True, **kw)
+        o, lse = mla_attn.mla_decode(*args, out=out, deterministic=True, _kernel=kernel, **kw)
         rows = slice(int(cu[pos]), int(cu[pos + 1]))
         results.append((o[rows].clone(), lse[rows].clone()))
         md = mla_attn.get_decode_metadata(args[3], h_q, cu_seqlens_q=kw["cu_seqlens_q"], max_seqlen_q=max_q)

@@ -74,10 +74,12 @@ def _torchrun(device, timeout):
     assert r.returncode == 0, f"{' '.join(cmd)} failed:\n{r.stdout[-6000:]}\n{r.stderr[-6000:]}"
 
 
+@pytest.mark.slow
 def test_cp_decode_two_processes_gloo():
     _torchrun("cpu", timeout=600)
 
 
+@pytest.mark.slow
 @pytest.mark.gpu
 @pytest.mark.skipif(torch.cuda.device_count() < 2, reason="context-parallel decode over NCCL needs 2 GPUs "
                     "(one rank each); the gloo/CPU variant runs everywhere")

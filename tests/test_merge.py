@@ -151,8 +151,8 @@ def _op_cases(device):
     return a, torch.stack(outs), torch.stack(lses)
 
 
-def test_opcheck_cpu():
-    pair, outs, lses = _op_cases("cpu")
+def test_opcheck(device):
+    pair, outs, lses = _op_cases(device)
     torch.library.opcheck(OPS.merge_attn_states.default, pair)
     torch.library.opcheck(OPS.merge_attn_states_out.default,
                           pair + (torch.empty_like(pair[0]), torch.empty_like(pair[1])))
@@ -191,8 +191,8 @@ PAIR_ERRORS = [
      r"out_a: stride\(0\) = 34 elements is not a multiple of 16 bytes"),
     (dict(lse_a=torch.zeros(4, 2, dtype=torch.float64)), TypeError, r"lse_a must be float32"),
     (dict(lse_b=torch.zeros(4, 3)), ValueError, r"lse_b must have shape \(4, 2\)"),
-    (dict(lse_b=torch.zeros(4, 2, device="meta")), ValueError, r"lse_b is on meta"),
-    (dict(out_b=OA.to("meta")), ValueError, r"out_b is on meta but out_a is on cpu"),
+    (dict(lse_b=torch.zeros(4, 2, device="meta")), TypeError, r"lse_b is on meta"),
+    (dict(out_b=OA.to("meta")), TypeError, r"out_b is on meta but out_a is on cpu"),
     (dict(out_a=torch.zeros((), dtype=torch.bfloat16)), ValueError, r"out_a must be \[..., d\]"),
 ]
 
@@ -297,15 +297,6 @@ def test_gpu_cuda_graph():
     want_out, want_lse = _ref([o.cpu() for o in outs], [l.cpu() for l in lses], torch.bfloat16)
     torch.testing.assert_close(out.cpu(), want_out, **TOL[torch.bfloat16])
     torch.testing.assert_close(lse.cpu(), want_lse, **LSE_TOL)
-
-
-@pytest.mark.gpu
-def test_gpu_opcheck():
-    pair, outs, lses = _op_cases("cuda")
-    torch.library.opcheck(OPS.merge_attn_states.default, pair)
-    torch.library.opcheck(OPS.merge_attn_states_out.default,
-                          pair + (torch.empty_like(pair[0]), torch.empty_like(pair[1])))
-    torch.library.opcheck(OPS.merge_attn_states_n.default, (outs, lses))
 
 
 @pytest.mark.gpu

@@ -3,6 +3,7 @@ through the fakes, and the CPU scheduler (the twin of the device scheduler kerne
 import pytest
 import torch
 from cases import D_V, make_decode_case
+from conftest import ragged_lengths, schedule_segments
 
 import mla_attn
 from mla_attn.metadata import BLOCK_N, FIXED_COST, NO_SPLIT_SLACK, num_sm_parts, schedule_cpu, split_payload
@@ -92,23 +93,11 @@ def test_torch_compile_fullgraph():
 
 
 # ------------------------------------------------------------------------------------------- scheduler
-def _segments(tile_sched, n, parts):
-    """Expand tile_sched into (request, lo, hi, split, part) segments, as the kernel walks it."""
-    segs = []
-    for p in range(parts):
-        b0, blk0, b1, hi1, k0 = tile_sched[p, :5].tolist()
-        for b in range(b0, b1 + 1):
-            segs.append((b, blk0 if b == b0 else 0, hi1 if b == b1 else n[b], k0 if b == b0 else 0, p))
-    return segs
-
-
 @pytest.mark.parametrize("seed", range(6))
 @pytest.mark.parametrize("parts", [1, 2, 7, 66, 132])
 def test_schedule_properties(parts, seed):
-    g = torch.Generator().manual_seed(seed)
-    B = int(torch.randint(1, 40, (1,), generator=g))
-    lens = torch.randint(0, 9000, (B,), generator=g, dtype=torch.int32)
-    lens[:: 5] = 0  # zero-length requests
+    lens = ragged_lengths(seed, 40, 5)  # with zero-length requests
+    B = lens.shape[0]
     tile_sched, req_splits = schedule_cpu(lens, None, 1, 16, parts, 132)
     assert tile_sched.shape == (132, 8) and tile_sched.dtype == torch.int32 and req_splits.shape == (B, 2)
     assert (tile_sched[parts:] == torch.tensor([0, 0, -1, 0, 0, 0, 0, 0], dtype=torch.int32)).all()
@@ -117,7 +106,7 @@ def test_schedule_properties(parts, seed):
     covered = [[0] * nb for nb in n]
     splits_seen = [[] for _ in n]
     cost = [0] * parts
-    for b, lo, hi, k, p in _segments(tile_sched, n, parts):
+    for b, lo, hi, k, p in schedule_segments(tile_sched, parts, n):
         assert 0 <= lo <= hi <= n[b]
         for blk in range(lo, hi):
             covered[b][blk] += 1

@@ -8,6 +8,7 @@ import torch
 import mla_attn
 
 from cases import make_prefill_case
+from conftest import to_device
 
 
 def oracle(c, causal):
@@ -90,13 +91,12 @@ def test_validation_errors(mutate, match):
         call(c, True)
 
 
-@pytest.mark.parametrize("device", ["cpu", pytest.param("cuda", marks=pytest.mark.gpu)])
 def test_chunked_prefill_merged_equals_whole(device):
     """New tokens attending causally to themselves and non-causally to two chunks of cached context,
     merged by LSE, equal one causal call over context + new tokens (bottom-right alignment)."""
     lens_new, lens_ctx = [300, 77], [1000, 2077]
     c = make_prefill_case(lens_new, [a + b for a, b in zip(lens_ctx, lens_new)], 4, split_pe=True, pad=0)
-    c = {k: (v.to(device) if isinstance(v, torch.Tensor) else v) for k, v in c.items()}
+    c = to_device(c, device)
     whole_out, whole_lse = call(c, True)
     starts = c["cu_seqlens_k"].tolist()
 

@@ -4,15 +4,12 @@ import pytest
 import torch
 
 import mla_attn
-from mla_attn.prefill import _prefill_cpu
+from mla_attn._ops import prefill_cpu
 
 from cases import make_prefill_case
+from conftest import to_device
 
 pytestmark = pytest.mark.gpu
-
-
-def to_cuda(case):
-    return {k: (v.cuda() if isinstance(v, torch.Tensor) else v) for k, v in case.items()}
 
 
 def run(c, causal, **kw):
@@ -24,7 +21,7 @@ def run(c, causal, **kw):
 def reference(c, causal, dtype):
     """The CPU op's math (mla_prefill_ref) run on the GPU tensors, in `dtype`."""
     q, k, v, k_pe = (None if t is None else t.to(dtype) for t in (c["q"], c["k"], c["v"], c["k_pe"]))
-    return _prefill_cpu(q, k, v, c["cu_seqlens_q"], c["cu_seqlens_k"], c["softmax_scale"], causal, k_pe)
+    return prefill_cpu(q, k, v, c["cu_seqlens_q"], c["cu_seqlens_k"], c["softmax_scale"], causal, k_pe)
 
 
 def check(c, causal, out, lse):
@@ -63,13 +60,13 @@ CASES = [
 @pytest.mark.parametrize("causal", [True, False])
 @pytest.mark.parametrize("lens_q,lens_k,h_q,h_k", CASES)
 def test_prefill_matches_reference(lens_q, lens_k, h_q, h_k, causal, split_pe, dtype):
-    c = to_cuda(make_prefill_case(lens_q, lens_k, h_q, h_k=h_k, split_pe=split_pe, dtype=dtype))
+    c = to_device(make_prefill_case(lens_q, lens_k, h_q, h_k=h_k, split_pe=split_pe, dtype=dtype))
     out, lse = run(c, causal)
     check(c, causal, out, lse)
 
 
 def test_out_given_and_two_runs_bit_identical():
-    c = to_cuda(make_prefill_case([300, 1000], [300, 1000], 16, split_pe=True))
+    c = to_device(make_prefill_case([300, 1000], [300, 1000], 16, split_pe=True))
     out = torch.full((c["q"].shape[0], 16, 128), float("nan"), dtype=c["q"].dtype, device="cuda")
     _, lse = run(c, True, out=out)
     check(c, True, out, lse)
@@ -79,17 +76,17 @@ def test_out_given_and_two_runs_bit_identical():
 
 
 def test_zero_keys_and_empty_batch():
-    c = to_cuda(make_prefill_case([5, 3], [0, 0], 4, pad=0))
+    c = to_device(make_prefill_case([5, 3], [0, 0], 4, pad=0))
     c["k"], c["v"] = c["k"][:0], c["v"][:0]
     out, lse = run(c, False)
     assert not out.any() and torch.isinf(lse).all() and (lse > 0).all()
-    c = to_cuda(make_prefill_case([], [], 4, pad=0))
+    c = to_device(make_prefill_case([], [], 4, pad=0))
     out, lse = run(c, True)
     assert out.shape == (0, 4, 128) and lse.shape == (0, 4)
 
 
 def test_opcheck_cuda():
-    c = to_cuda(make_prefill_case([70, 3], [130, 3], 2, split_pe=True, pad=0))
+    c = to_device(make_prefill_case([70, 3], [130, 3], 2, split_pe=True, pad=0))
     args = (c["q"], c["k"], c["v"], c["cu_seqlens_q"], c["cu_seqlens_k"], c["max_seqlen_q"], c["max_seqlen_k"],
             c["softmax_scale"], True)
     torch.library.opcheck(torch.ops.mla_attn.mla_prefill.default, args, {"k_pe": c["k_pe"]})

@@ -1,17 +1,16 @@
 """The split-KV scheduler's whole-request partition (metadata.py: whole_request_capacity), on the CPU
 twin; test_decode_gpu.py checks the device kernel against it bit for bit."""
 import torch
+from conftest import schedule_segments
 
 from mla_attn.metadata import (BLOCK_N, FIXED_COST, MIN_SEARCHED_PIECE, NO_SPLIT_SLACK, _split_walk_fits,
                                schedule_cpu, split_payload, whole_request_capacity)
 
 
 def _part_costs(tile_sched, parts, n):
-    costs = []
-    for p in range(parts):
-        b0, blk0, b1, hi1, _ = tile_sched[p, :5].tolist()
-        costs.append(sum((hi1 if b == b1 else n[b]) - (blk0 if b == b0 else 0) + FIXED_COST
-                         for b in range(b0, b1 + 1)))
+    costs = [0] * parts
+    for _, lo, hi, _, p in schedule_segments(tile_sched, parts, n):
+        costs[p] += hi - lo + FIXED_COST
     return costs
 
 

@@ -4,7 +4,7 @@ import torch
 from cases import D_QK, D_V, make_decode_case
 
 import mla_attn
-from mla_attn.decode import _want_value_checks
+from mla_attn._validation import want_value_checks
 
 
 def base(varlen=False, split_pe=False, kv_4d=False):
@@ -60,8 +60,8 @@ STATIC_ERRORS = [
     (_with(C, cache_seqlens=C["cache_seqlens"].long()), TypeError, r"cache_seqlens must be int32"),
     (_with(CV, cu_seqlens_q=CV["cu_seqlens_q"].long()), TypeError, r"cu_seqlens_q must be int32"),
     # devices
-    (_with(C, block_table=C["block_table"].to("meta")), ValueError, r"block_table is on meta but q is on cpu"),
-    (_with(C, kv_cache=KV.to("meta")), ValueError, r"kv_cache is on meta"),
+    (_with(C, block_table=C["block_table"].to("meta")), TypeError, r"block_table is on meta but q is on cpu"),
+    (_with(C, kv_cache=KV.to("meta")), TypeError, r"kv_cache is on meta"),
     # layout
     (_with(C, q=_last_dim_strided(C["q"])), ValueError, r"q: last dim must be contiguous"),
     (_with(C, q=_misaligned(C["q"])), ValueError, r"q: stride\(1\) = 2308 elements is not a multiple of 16 bytes"),
@@ -106,7 +106,7 @@ def test_call_level_errors():
         call(C, out=torch.empty(want[:-1] + (576,), dtype=torch.bfloat16))
     with pytest.raises(TypeError, match="out dtype"):
         call(C, out=torch.empty(want, dtype=torch.float16))
-    with pytest.raises(ValueError, match="out is on meta"):
+    with pytest.raises(TypeError, match="out is on meta"):
         call(C, out=torch.empty(want, dtype=torch.bfloat16, device="meta"))
 
 
@@ -117,10 +117,10 @@ def test_fp8_cache_errors():
         call(_with(C, kv_cache=fp8))
     with pytest.raises(ValueError, match="k_scale is only valid with a float8_e4m3fn kv_cache"):
         call(C, k_scale=scale)
-    for bad in (0.5, scale.double(), scale.expand(2)):
-        with pytest.raises(ValueError, match=r"k_scale must be a float32 tensor of shape \[1\]"):
+    for bad, exc in ((0.5, TypeError), (scale.double(), TypeError), (scale.expand(2), ValueError)):
+        with pytest.raises(exc, match=r"k_scale must be a float32 tensor of shape \[1\]"):
             call(_with(C, kv_cache=fp8), k_scale=bad)
-    with pytest.raises(ValueError, match="k_scale is on meta"):
+    with pytest.raises(TypeError, match="k_scale is on meta"):
         call(_with(C, kv_cache=fp8), k_scale=scale.to("meta"))
     with pytest.raises(ValueError, match="fp8_mma=True needs a float8_e4m3fn kv_cache"):
         call(C, fp8_mma=True)
@@ -159,9 +159,10 @@ def test_metadata_mismatch():
             call(C, metadata=other)
     with pytest.raises(TypeError, match="DecodeMetadata"):
         call(C, metadata=tuple(md))
-    for name, t in (("tile_sched", md.tile_sched[:, :7]), ("tile_sched", md.tile_sched.t().contiguous().t()),
-                    ("req_splits", md.req_splits.long())):
-        with pytest.raises(ValueError, match=f"metadata.{name} must be a contiguous int32"):
+    for name, t, exc in (("tile_sched", md.tile_sched[:, :7], ValueError),
+                         ("tile_sched", md.tile_sched.t().contiguous().t(), ValueError),
+                         ("req_splits", md.req_splits.long(), TypeError)):
+        with pytest.raises(exc, match=f"metadata.{name} must be a contiguous int32"):
             call(C, metadata=md._replace(**{name: t}))
     with pytest.raises(ValueError, match="needs s_q"):
         mla_attn.get_decode_metadata(C["cache_seqlens"], 4)
@@ -207,8 +208,8 @@ def test_value_checks_policy(monkeypatch):
     call(_with(C, cache_seqlens=_lens(-1, 3)), validate=False)  # opt-out skips value checks
     cuda = torch.device("cuda")
     monkeypatch.delenv("MLA_ATTN_VALIDATE", raising=False)
-    assert _want_value_checks(None, torch.device("cpu"))
-    assert not _want_value_checks(None, cuda)  # no host sync on GPU by default
-    assert _want_value_checks(True, cuda)
+    assert want_value_checks(None, torch.device("cpu"))
+    assert not want_value_checks(None, cuda)  # no host sync on GPU by default
+    assert want_value_checks(True, cuda)
     monkeypatch.setenv("MLA_ATTN_VALIDATE", "1")
-    assert _want_value_checks(None, cuda)
+    assert want_value_checks(None, cuda)

@@ -2,7 +2,7 @@
 import torch  # noqa: F401  (loads libc10/libtorch, which _C links against)
 
 from . import _C  # registers the TORCH_LIBRARY schemas (and CUDA kernels when built with them)
-from . import _ops  # noqa: F401  (decode fakes + CPU kernels)
+from . import _ops  # noqa: F401  (the fakes and CPU kernels of every op)
 from . import reference
 from .decode import get_decode_metadata, mla_decode
 from .distributed import CPSlice, cp_mla_decode, cp_slice, cp_token_slot

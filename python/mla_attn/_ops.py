@@ -1,72 +1,232 @@
-"""Fake (shape-only) kernels and CPU implementations of the ops defined in csrc/bindings/ops.cpp.
+"""Fake (shape-only) kernels and CPU kernels of every op of the mla_attn library, all registered here.
+The schemas are in csrc/bindings/ops*.cpp, the CUDA kernels in csrc/bindings/*_api.cpp.
 
 Fakes let torch.compile / export trace the ops without running them; output shapes depend on input
-shapes only. The CPU kernels run the pure-PyTorch reference so the ops work (slowly) without a GPU.
-CUDA kernels are registered from C++ (decode_api.cpp).
+shapes only. The CPU kernels run the pure-PyTorch reference (reference.py), so the ops work (slowly)
+without a GPU; they run the same static checks (_validation.py) as the public wrappers, so a direct
+torch.ops.mla_attn.* call on CPU tensors fails with the wrappers' exceptions and messages.
 """
+from typing import Optional
+
 import torch
+from torch import Tensor
 
 from . import _C  # noqa: F401  (registers the mla_attn schemas)
+from . import _validation as check
+from ._constants import D_PE, D_QK, D_V, FP8, PREFILL_D_PE, PREFILL_D_V
+from .kv_cache import quantize_fp8
 from .metadata import metadata_shapes, schedule_cpu
-from .reference import D_V, mla_decode_ref
+from .reference import merge_attn_states_ref, mla_decode_ref, mla_prefill_ref
 
 
-def _out_shapes(q):
-    return q.shape[:-1] + (D_V,), q.shape[:-1]
+def _register(op: str, *, fake, cpu) -> None:
+    torch.library.register_fake(f"mla_attn::{op}")(fake)
+    torch.library.register_kernel(f"mla_attn::{op}", "cpu")(cpu)
 
 
-# ---------------------------------------------------------------------------------------------- fakes
-@torch.library.register_fake("mla_attn::get_decode_metadata")
-def _(cache_seqlens, cu_seqlens_q, max_seqlen_q, num_heads_q, causal, num_sm_parts, num_sms, *,
-      deterministic=False):
+# -------------------------------------------------------------------------------------------- decode
+def _metadata_fake(cache_seqlens, cu_seqlens_q, max_seqlen_q, num_heads_q, causal, num_sm_parts, num_sms, *,
+                   deterministic=False):
     sched_shape, splits_shape = metadata_shapes(cache_seqlens.shape[0], num_sms)
     return (cache_seqlens.new_empty(sched_shape, dtype=torch.int32),
             cache_seqlens.new_empty(splits_shape, dtype=torch.int32))
 
 
-@torch.library.register_fake("mla_attn::mla_decode")
-def _(q, q_pe, kv_cache, block_table, cache_seqlens, cu_seqlens_q, max_seqlen_q, softmax_scale, causal,
-      tile_sched, req_splits, num_sm_parts, *, k_scale=None, deterministic=False, fp8_mma=False):
-    out_shape, lse_shape = _out_shapes(q)
-    return q.new_empty(out_shape), q.new_empty(lse_shape, dtype=torch.float32)
-
-
-@torch.library.register_fake("mla_attn::mla_decode_out")
-def _(q, q_pe, kv_cache, block_table, cache_seqlens, cu_seqlens_q, max_seqlen_q, softmax_scale, causal,
-      tile_sched, req_splits, num_sm_parts, out, lse, *, k_scale=None, deterministic=False, fp8_mma=False):
-    return None
-
-
-# ----------------------------------------------------------------------------------------- CPU kernels
-@torch.library.register_kernel("mla_attn::get_decode_metadata", "cpu")
-def _(cache_seqlens, cu_seqlens_q, max_seqlen_q, num_heads_q, causal, num_sm_parts, num_sms, *,
-      deterministic=False):
+def _metadata_cpu(cache_seqlens, cu_seqlens_q, max_seqlen_q, num_heads_q, causal, num_sm_parts, num_sms, *,
+                  deterministic=False):
+    check.check_int32("cache_seqlens", cache_seqlens, 1)
+    check.check_num_sm_parts(num_sm_parts, num_sms)
     return schedule_cpu(cache_seqlens, cu_seqlens_q, max_seqlen_q, num_heads_q, num_sm_parts, num_sms,
                         deterministic)
 
 
-def _decode_cpu(q, q_pe, kv_cache, block_table, cache_seqlens, cu_seqlens_q, softmax_scale, causal,
-                k_scale):
+def _decode_fake(q, q_pe, kv_cache, block_table, cache_seqlens, cu_seqlens_q, max_seqlen_q, softmax_scale, causal,
+                 tile_sched, req_splits, num_sm_parts, *, k_scale=None, deterministic=False, fp8_mma=False,
+                 kernel=None):
+    return q.new_empty(q.shape[:-1] + (D_V,)), q.new_empty(q.shape[:-1], dtype=torch.float32)
+
+
+def _decode_out_fake(q, q_pe, kv_cache, block_table, cache_seqlens, cu_seqlens_q, max_seqlen_q, softmax_scale,
+                     causal, tile_sched, req_splits, num_sm_parts, out, lse, *, k_scale=None, deterministic=False,
+                     fp8_mma=False, kernel=None):
+    return None
+
+
+def _decode(q: Tensor, q_pe: Optional[Tensor], kv_cache: Tensor, block_table: Tensor, cache_seqlens: Tensor,
+           cu_seqlens_q: Optional[Tensor], max_seqlen_q: int, softmax_scale: float, causal: bool,
+           tile_sched: Tensor, req_splits: Tensor, num_sm_parts: int, out: Optional[Tensor],
+           k_scale: Optional[Tensor], fp8_mma: bool, kernel: Optional[str]) -> tuple[Tensor, Tensor]:
+    """The decode op on CPU tensors: checks, then the float32 reference (out, lse)."""
+    check.check_softmax_scale(softmax_scale)
+    batch, max_seqlen_q = check.check_decode(q, q_pe, kv_cache, block_table, cache_seqlens, cu_seqlens_q,
+                                             max_seqlen_q, out)
+    check.check_decode_options(q, kv_cache, k_scale, fp8_mma, kernel, max_seqlen_q)
+    check.check_schedule(tile_sched, req_splits, num_sm_parts, batch, q)
     if k_scale is not None:  # FP8 cache: the reference runs on the dequantized values
         kv_cache = kv_cache.float() * k_scale.float()
     # The reference needs no schedule: the split-KV partition only changes the summation order. It
-    # computes in float32 whatever fp8_mma says (fp8_mma only trades the GPU kernels' accuracy for speed).
+    # computes in float32 whatever fp8_mma and kernel say (they trade the GPU kernels' accuracy for speed).
     return mla_decode_ref(q, kv_cache, block_table, cache_seqlens, cu_seqlens_q=cu_seqlens_q, q_pe=q_pe,
                           softmax_scale=softmax_scale, causal=causal)
 
 
-@torch.library.register_kernel("mla_attn::mla_decode", "cpu")
-def _(q, q_pe, kv_cache, block_table, cache_seqlens, cu_seqlens_q, max_seqlen_q, softmax_scale, causal,
-      tile_sched, req_splits, num_sm_parts, *, k_scale=None, deterministic=False, fp8_mma=False):
-    out, lse = _decode_cpu(q, q_pe, kv_cache, block_table, cache_seqlens, cu_seqlens_q, softmax_scale,
-                           causal, k_scale)
+def _decode_cpu(q, q_pe, kv_cache, block_table, cache_seqlens, cu_seqlens_q, max_seqlen_q, softmax_scale, causal,
+                tile_sched, req_splits, num_sm_parts, *, k_scale=None, deterministic=False, fp8_mma=False,
+                kernel=None):
+    out, lse = _decode(q, q_pe, kv_cache, block_table, cache_seqlens, cu_seqlens_q, max_seqlen_q, softmax_scale,
+                       causal, tile_sched, req_splits, num_sm_parts, None, k_scale, fp8_mma, kernel)
+    return out.to(q.dtype), lse
+
+
+def _decode_out_cpu(q, q_pe, kv_cache, block_table, cache_seqlens, cu_seqlens_q, max_seqlen_q, softmax_scale, causal,
+                    tile_sched, req_splits, num_sm_parts, out, lse, *, k_scale=None, deterministic=False,
+                    fp8_mma=False, kernel=None):
+    o, l = _decode(q, q_pe, kv_cache, block_table, cache_seqlens, cu_seqlens_q, max_seqlen_q, softmax_scale,
+                   causal, tile_sched, req_splits, num_sm_parts, out, k_scale, fp8_mma, kernel)
+    check.check_lse("lse", lse, q.shape[:-1], "q", q)
+    out.copy_(o)
+    lse.copy_(l)
+
+
+_register("get_decode_metadata", fake=_metadata_fake, cpu=_metadata_cpu)
+_register("mla_decode", fake=_decode_fake, cpu=_decode_cpu)
+_register("mla_decode_out", fake=_decode_out_fake, cpu=_decode_out_cpu)
+
+
+# ------------------------------------------------------------------------------------------- prefill
+def _prefill_fake(q, k, v, cu_seqlens_q, cu_seqlens_k, max_seqlen_q, max_seqlen_k, softmax_scale, causal, *,
+                  k_pe=None):
+    return q.new_empty(q.shape[:-1] + (PREFILL_D_V,)), q.new_empty(q.shape[:-1], dtype=torch.float32)
+
+
+def _prefill_out_fake(q, k, v, cu_seqlens_q, cu_seqlens_k, max_seqlen_q, max_seqlen_k, softmax_scale, causal, out,
+                      lse, *, k_pe=None):
+    return None
+
+
+def prefill_cpu(q: Tensor, k: Tensor, v: Tensor, cu_seqlens_q: Tensor, cu_seqlens_k: Tensor, softmax_scale: float,
+                causal: bool, k_pe: Optional[Tensor]) -> tuple[Tensor, Tensor]:
+    """The prefill math of the CPU op (float32 reference; grouped k/v heads expanded), without checks.
+    Returns out in q's dtype and lse float32; runs on any device."""
+    group = q.shape[1] // k.shape[1]  # q head h reads k/v head h // group
+    k, v = k.repeat_interleave(group, dim=1), v.repeat_interleave(group, dim=1)
+    if k_pe is not None:
+        k_pe = k_pe.expand(k.shape[0], k.shape[1], PREFILL_D_PE)
+    out, lse = mla_prefill_ref(q, k, v, cu_seqlens_q, cu_seqlens_k, softmax_scale=softmax_scale, causal=causal,
+                               k_pe=k_pe)
     return out.to(q.dtype), lse.float()
 
 
-@torch.library.register_kernel("mla_attn::mla_decode_out", "cpu")
-def _(q, q_pe, kv_cache, block_table, cache_seqlens, cu_seqlens_q, max_seqlen_q, softmax_scale, causal,
-      tile_sched, req_splits, num_sm_parts, out, lse, *, k_scale=None, deterministic=False, fp8_mma=False):
-    o, l = _decode_cpu(q, q_pe, kv_cache, block_table, cache_seqlens, cu_seqlens_q, softmax_scale,
-                       causal, k_scale)
+def _prefill_cpu(q, k, v, cu_seqlens_q, cu_seqlens_k, max_seqlen_q, max_seqlen_k, softmax_scale, causal, *,
+                 k_pe=None):
+    check.check_softmax_scale(softmax_scale)
+    check.check_prefill(q, k, v, cu_seqlens_q, cu_seqlens_k, max_seqlen_q, max_seqlen_k, k_pe, None)
+    return prefill_cpu(q, k, v, cu_seqlens_q, cu_seqlens_k, softmax_scale, causal, k_pe)
+
+
+def _prefill_out_cpu(q, k, v, cu_seqlens_q, cu_seqlens_k, max_seqlen_q, max_seqlen_k, softmax_scale, causal, out,
+                     lse, *, k_pe=None):
+    check.check_softmax_scale(softmax_scale)
+    check.check_prefill(q, k, v, cu_seqlens_q, cu_seqlens_k, max_seqlen_q, max_seqlen_k, k_pe, out)
+    check.check_lse("lse", lse, q.shape[:-1], "q", q)
+    o, l = prefill_cpu(q, k, v, cu_seqlens_q, cu_seqlens_k, softmax_scale, causal, k_pe)
     out.copy_(o)
     lse.copy_(l)
+
+
+_register("mla_prefill", fake=_prefill_fake, cpu=_prefill_cpu)
+_register("mla_prefill_out", fake=_prefill_out_fake, cpu=_prefill_out_cpu)
+
+
+# --------------------------------------------------------------------------------------------- merge
+def _merge_ref(outs: Tensor, lses: Tensor, dtype: torch.dtype) -> tuple[Tensor, Tensor]:
+    out, lse = merge_attn_states_ref(outs.float(), lses.float())
+    return out.to(dtype), lse
+
+
+def _merge_fake(out_a, lse_a, out_b, lse_b):
+    return out_a.new_empty(out_a.shape), lse_a.new_empty(lse_a.shape)
+
+
+def _merge_out_fake(out_a, lse_a, out_b, lse_b, out, lse):
+    return None
+
+
+def _merge_n_fake(outs, lses):
+    return outs.new_empty(outs.shape[1:]), lses.new_empty(lses.shape[1:])
+
+
+def _merge_cpu(out_a, lse_a, out_b, lse_b):
+    check.check_merge(out_a, lse_a, out_b, lse_b)
+    return _merge_ref(torch.stack([out_a, out_b]), torch.stack([lse_a, lse_b]), out_a.dtype)
+
+
+def _merge_out_cpu(out_a, lse_a, out_b, lse_b, out, lse):
+    check.check_merge(out_a, lse_a, out_b, lse_b, out, lse)
+    o, l = _merge_ref(torch.stack([out_a, out_b]), torch.stack([lse_a, lse_b]), out.dtype)
+    out.copy_(o)
+    lse.copy_(l)
+
+
+def _merge_n_cpu(outs, lses):
+    check.check_merge_n(outs, lses)
+    return _merge_ref(outs, lses, outs.dtype)
+
+
+_register("merge_attn_states", fake=_merge_fake, cpu=_merge_cpu)
+_register("merge_attn_states_out", fake=_merge_out_fake, cpu=_merge_out_cpu)
+_register("merge_attn_states_n", fake=_merge_n_fake, cpu=_merge_n_cpu)
+
+
+# ------------------------------------------------------------------------------------------ KV cache
+def _rows(kv_cache: Tensor) -> Tensor:
+    """[num_pages, page_size, 576] view of either cache layout."""
+    return kv_cache if kv_cache.dim() == 3 else kv_cache[:, :, 0]
+
+
+def _gather_dtype(cache_dtype: torch.dtype, out_dtype: Optional[torch.dtype]) -> torch.dtype:
+    if out_dtype is not None:
+        return out_dtype
+    return torch.bfloat16 if cache_dtype == FP8 else cache_dtype
+
+
+def _write_fake(kv_c, k_pe, kv_cache, slot_mapping, *, k_scale=None):
+    return None
+
+
+def _gather_fake(kv_cache, block_table, cu_seqlens, num_tokens, *, k_scale=None, out_dtype=None):
+    return kv_cache.new_empty((num_tokens, D_QK), dtype=_gather_dtype(kv_cache.dtype, out_dtype))
+
+
+def _write_cpu(kv_c, k_pe, kv_cache, slot_mapping, *, k_scale=None):
+    check.check_write_kv_cache(kv_c, k_pe, kv_cache, slot_mapping, k_scale)
+    rows = torch.cat([kv_c, k_pe.reshape(kv_c.shape[0], D_PE)], dim=-1)
+    if k_scale is not None:
+        rows = quantize_fp8(rows, k_scale)
+    keep = slot_mapping >= 0
+    slots = slot_mapping[keep]
+    page_size = kv_cache.shape[1]
+    _rows(kv_cache)[slots // page_size, slots % page_size] = rows[keep]
+
+
+def _gather_cpu(kv_cache, block_table, cu_seqlens, num_tokens, *, k_scale=None, out_dtype=None):
+    check.check_gather_kv_cache(kv_cache, block_table, cu_seqlens, num_tokens, k_scale, out_dtype)
+    cache = _rows(kv_cache)
+    page_size = cache.shape[1]
+    cu = cu_seqlens.long()
+    rows = torch.arange(num_tokens)
+    valid = rows < cu[-1]
+    req = (torch.searchsorted(cu, rows, right=True) - 1).clamp(0, max(cu.numel() - 2, 0))[valid]
+    pos = rows[valid] - cu[req]
+    pages = block_table[req, pos // page_size].long()
+    vals = cache[pages, pos % page_size].float()
+    if k_scale is not None:
+        vals = vals * k_scale
+    dtype = _gather_dtype(kv_cache.dtype, out_dtype)
+    out = torch.zeros(num_tokens, D_QK, dtype=dtype)
+    out[valid] = vals.to(dtype)
+    return out
+
+
+_register("write_kv_cache", fake=_write_fake, cpu=_write_cpu)
+_register("gather_kv_cache", fake=_gather_fake, cpu=_gather_cpu)

@@ -7,22 +7,25 @@ up-projected K/V, plus their cached context when they are later chunks of a chun
 Everything data-dependent that the forward pass needs as a Python value (token counts, maxima) is a
 host field here, so the forward never syncs with the device.
 """
+from collections.abc import Sequence
 from dataclasses import dataclass, fields
 from itertools import accumulate
-from typing import Optional
+from typing import Optional, Union
 
 import torch
 
-from .decode import MAX_SEQLEN_Q, get_decode_metadata
+from . import _validation as check
+from .decode import get_decode_metadata
 from .metadata import DecodeMetadata
 
 
-def _cumsum0(xs):
+def _cumsum0(xs: list[int]) -> list[int]:
     return [0] + list(accumulate(xs))
 
 
 @dataclass(frozen=True)
 class MLABatch:
+    """One step's batch as every MLAAttention layer of the step reads it (see the module docstring)."""
     # host: routing and sizes
     num_decodes: int              # decode requests (pads included), first in the batch
     num_decode_tokens: int
@@ -48,8 +51,10 @@ class MLABatch:
     prefill_cu_context_lens: torch.Tensor  # int32 [B_p + 1]
 
     @classmethod
-    def build(cls, query_lens, context_lens, block_table, page_size, device, decode_threshold=512, *,
-              num_heads=None, deterministic=False, pad_to=None):
+    def build(cls, query_lens: Sequence[int], context_lens: Sequence[int],
+              block_table: Union[Sequence[Sequence[int]], torch.Tensor], page_size: int, device: torch.device | str,
+              decode_threshold: int = 512, *, num_heads: Optional[int] = None, deterministic: bool = False,
+              pad_to: Optional[int] = None) -> "MLABatch":
         """query_lens / context_lens: host ints per request (new tokens; tokens already cached).
         block_table: per-request page lists, or an int32 tensor [>= B, max_pages] (what engines keep
         on the device; its width is kept, which CUDA graphs need).
@@ -58,41 +63,14 @@ class MLABatch:
         for a CUDA graph captured at a fixed batch size; decode-only batches.
         """
         query_lens, context_lens = [int(x) for x in query_lens], [int(x) for x in context_lens]
+        check.check_batch(query_lens, context_lens, block_table, page_size, decode_threshold, pad_to)
         B = len(query_lens)
-        if len(context_lens) != B:
-            raise ValueError(f"{B} query_lens but {len(context_lens)} context_lens")
-        if min(query_lens + context_lens, default=0) < 0:
-            raise ValueError("query_lens and context_lens must be >= 0")
-        if not 1 <= decode_threshold <= MAX_SEQLEN_Q:
-            raise ValueError(f"decode_threshold must be in [1, {MAX_SEQLEN_Q}] (mla_decode's limit), "
-                             f"got {decode_threshold}")
         num_decodes = sum(q <= decode_threshold for q in query_lens)
-        if any(q <= decode_threshold for q in query_lens[num_decodes:]):
-            raise ValueError(f"decode requests (query_len <= decode_threshold={decode_threshold}) must come "
-                             f"before prefills; got query_lens {query_lens}")
-        num_pads = 0
-        if pad_to is not None:
-            if num_decodes < B:
-                raise ValueError("pad_to is for decode-only batches (CUDA graphs)")
-            if pad_to < B:
-                raise ValueError(f"pad_to={pad_to} is smaller than the batch ({B} requests)")
-            num_pads = pad_to - B
-
+        num_pads = 0 if pad_to is None else pad_to - B
         seq_lens = [c + q for c, q in zip(context_lens, query_lens)]
         if isinstance(block_table, torch.Tensor):
-            if block_table.dtype != torch.int32 or block_table.dim() != 2 or block_table.shape[0] < B:
-                raise ValueError(f"block_table tensor must be int32 [>= {B}, max_pages], got "
-                                 f"{block_table.dtype} {tuple(block_table.shape)}")
-            if max(seq_lens, default=0) > block_table.shape[1] * page_size:
-                raise ValueError(f"block_table has {block_table.shape[1]} pages per request, too few for "
-                                 f"{max(seq_lens)} tokens of page_size {page_size}")
             table = block_table[:B].to(device)
         else:
-            if len(block_table) != B:
-                raise ValueError(f"{len(block_table)} block_table rows for {B} requests")
-            for b, (pages, n) in enumerate(zip(block_table, seq_lens)):
-                if len(pages) * page_size < n:
-                    raise ValueError(f"request {b}: {len(pages)} pages of {page_size} cannot hold {n} tokens")
             width = max((len(p) for p in block_table), default=0)
             table = torch.tensor([list(p) + [0] * (width - len(p)) for p in block_table],
                                  dtype=torch.int32).reshape(B, width).to(device)
@@ -129,7 +107,7 @@ class MLABatch:
             prefill_cu_seqlens_q=torch.tensor(_cumsum0(p_q), **i32),
             prefill_cu_context_lens=torch.tensor(_cumsum0(p_ctx), **i32))
 
-    def copy_(self, other):
+    def copy_(self, other: "MLABatch") -> "MLABatch":
         """Copy other's device tensors into this batch's (in place), e.g. into the static batch a CUDA
         graph was captured with. Host fields (sizes, routing) must be equal: they shape the graph."""
         for f in fields(self):

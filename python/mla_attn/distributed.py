@@ -10,39 +10,44 @@ A decode step runs mla_decode on the local slice, all-gathers (out, lse) and mer
 attentions by LSE. Partial attentions over disjoint key sets merge exactly, so the result matches one
 mla_decode over the whole cache up to rounding.
 """
-from typing import NamedTuple
+from typing import NamedTuple, Optional, TypeVar, Union
 
 import torch
 import torch.distributed as dist
+from torch import Tensor
 
+from . import _validation as check
+from ._constants import D_V
 from .decode import mla_decode
 from .merge import merge_attn_states_n
-from .reference import D_V
+from .metadata import DecodeMetadata
+
+Position = TypeVar("Position", int, Tensor)
 
 # all_gather_single is the newer name of all_gather_into_tensor (deprecated from torch 2.14)
 _all_gather = getattr(dist, "all_gather_single", None) or dist.all_gather_into_tensor
 
 
 class CPSlice(NamedTuple):
+    """One rank's slice of a batch's pages (from cp_slice)."""
     block_table: torch.Tensor  # int32 [B, ceil((max_pages - rank) / W)]: the rank's pages, in order
     cache_seqlens: torch.Tensor  # int32 [B]: keys of each request held by the rank (0 allowed)
 
 
-def cp_slice(block_table, cache_seqlens, page_size, world_size, rank):
+def cp_slice(block_table: Tensor, cache_seqlens: Tensor, page_size: int, world_size: int, rank: int) -> CPSlice:
     """Rank `rank`'s slice of full requests (block_table int32 [B, max_pages], cache_seqlens int32 [B]).
 
     Pure tensor ops on the inputs' device (no host sync). The returned block table holds the page ids
     of the input table; an engine that numbers pages per rank keeps the same positions.
     """
-    if not 0 <= rank < world_size:
-        raise ValueError(f"rank {rank} is not in [0, world_size={world_size})")
+    check.check_cp_rank(rank, world_size)
     pages = block_table[:, rank::world_size].contiguous()
     first_key = (rank + world_size * torch.arange(pages.shape[1], device=block_table.device)) * page_size
     keys = (cache_seqlens[:, None] - first_key).clamp(0, page_size)  # keys in each local page
     return CPSlice(pages, keys.sum(1, dtype=torch.int32))
 
 
-def cp_token_slot(positions, page_size, world_size):
+def cp_token_slot(positions: Position, page_size: int, world_size: int) -> tuple[Position, Position]:
     """Where key position t of a request lives: (rank, local position in that rank's slice).
 
     The KV of position t is written to local page local // page_size of the rank's block-table row,
@@ -57,13 +62,15 @@ def cp_token_slot(positions, page_size, world_size):
 _ROW = D_V + 8
 
 
-def _lse_lanes(rows):
+def _lse_lanes(rows: Tensor) -> Tensor:
     """fp32 view [..] of elements [512, 512 + 4/itemsize) of rows [.., _ROW] (16-bit dtypes)."""
     return rows[..., D_V:D_V + 4 // rows.element_size()].view(torch.float32)[..., 0]
 
 
-def cp_mla_decode(q, kv_cache, block_table, cache_seqlens, *, softmax_scale, group=None, q_pe=None,
-                  metadata=None, return_lse=False, validate=None):
+def cp_mla_decode(q: Tensor, kv_cache: Tensor, block_table: Tensor, cache_seqlens: Tensor, *, softmax_scale: float,
+                  group: Optional[dist.ProcessGroup] = None, q_pe: Optional[Tensor] = None,
+                  metadata: Optional[DecodeMetadata] = None, return_lse: bool = False,
+                  validate: Optional[bool] = None) -> Union[Tensor, tuple[Tensor, Tensor]]:
     """One decode step with the KV cache split over the ranks of `group` (default: the world).
 
     q [B, 1, h_q, 576] (or 512 + q_pe [B, 1, h_q, 64]) is the same on every rank; kv_cache,
@@ -73,10 +80,7 @@ def cp_mla_decode(q, kv_cache, block_table, cache_seqlens, *, softmax_scale, gro
     Cost: local decode over ~1/W of the keys, one all-gather of W*B*h_q*520 elements, one merge.
     No host sync: capturable in a CUDA graph with NCCL.
     """
-    if q.dim() != 4 or q.shape[1] != 1:
-        raise ValueError("cp_mla_decode needs q [B, 1, h_q, D] (one new token per request): a rank's keys are "
-                         "not a prefix of the request, so causal masking for s_q > 1 would need each key's "
-                         f"global position (an offset the kernel does not take); got q shape {tuple(q.shape)}")
+    check.check_cp_query(q)
     world = dist.get_world_size(group)
     local = q.new_empty(q.shape[:-1] + (_ROW,))
     # one new token sees every key, so causal=False is the same attention

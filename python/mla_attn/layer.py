@@ -13,17 +13,17 @@ from typing import Optional
 
 import torch
 import torch.nn.functional as F
-from torch import nn
+from torch import Tensor, nn
 
 import mla_attn as ops  # the public ops; resolved at call time, so import order does not matter
+from . import _validation as check
+from .batch import MLABatch
 from .rotary import RotaryEmbedding, YarnScaling
-
-# what the kernels are built for
-KERNEL_DIMS = dict(kv_lora_rank=512, qk_rope_head_dim=64, qk_nope_head_dim=128, v_head_dim=128)
 
 
 @dataclass(frozen=True)
 class MLAConfig:
+    """The attention hyper-parameters of a DeepSeek-V2/V3 checkpoint (HF config names)."""
     hidden_size: int
     num_heads: int                        # heads of this rank (after tensor parallelism)
     q_lora_rank: Optional[int] = 1536     # None: a plain q_proj (DeepSeek-V2-Lite)
@@ -38,7 +38,7 @@ class MLAConfig:
     rope_scaling: Optional[YarnScaling] = None
 
     @property
-    def softmax_scale(self):
+    def softmax_scale(self) -> float:
         """(qk_nope + qk_rope)^-0.5 * mscale^2: the scale of q.k in the un-absorbed model. Absorbing
         W_UK does not change q.k, so the decode kernel takes the same scale (not 576^-0.5)."""
         mscale = self.rope_scaling.attention_mscale if self.rope_scaling else 1.0
@@ -48,16 +48,17 @@ class MLAConfig:
 class RMSNorm(nn.RMSNorm):
     """DeepSeek's RMSNorm: statistics and scaling in fp32, result in the input dtype."""
 
-    def forward(self, x):
+    def forward(self, x: Tensor) -> Tensor:
         return F.rms_norm(x.float(), self.normalized_shape, self.weight.float(), self.eps).to(x.dtype)
 
 
 class MLAAttention(nn.Module):
-    def __init__(self, config: MLAConfig, *, device=None, dtype=None):
+    """DeepSeek MLA attention over a paged latent KV cache (see the module docstring)."""
+
+    def __init__(self, config: MLAConfig, *, device: Optional[torch.device | str] = None,
+                 dtype: Optional[torch.dtype] = None):
         super().__init__()
-        for name, want in KERNEL_DIMS.items():
-            if getattr(config, name) != want:
-                raise ValueError(f"mla_attn kernels need {name}={want}, got {getattr(config, name)}")
+        check.check_layer_config(config)
         c, kw = config, dict(device=device, dtype=dtype)
         self.config = c
         h, d_qk = c.num_heads, c.qk_nope_head_dim + c.qk_rope_head_dim
@@ -78,27 +79,28 @@ class MLAAttention(nn.Module):
         self.softmax_scale = c.softmax_scale
 
     # kv_b_proj.weight [h * (nope + v), 512] viewed per head; views, so they follow weight updates
-    def _w_kv_b(self):
+    def _w_kv_b(self) -> Tensor:
         c = self.config
         return self.kv_b_proj.weight.view(c.num_heads, c.qk_nope_head_dim + c.v_head_dim, c.kv_lora_rank)
 
     @property
-    def w_uk(self):
+    def w_uk(self) -> Tensor:
         """[h, 128, 512]: k_nope = W_UK @ latent."""
         return self._w_kv_b()[:, : self.config.qk_nope_head_dim]
 
     @property
-    def w_uv(self):
+    def w_uv(self) -> Tensor:
         """[h, 512, 128]: v = latent @ W_UV."""
         return self._w_kv_b()[:, self.config.qk_nope_head_dim:].transpose(1, 2)
 
-    def _up_project(self, latent):
+    def _up_project(self, latent: Tensor) -> tuple[Tensor, Tensor]:
         """latent [N, 512] -> k_nope [N, h, 128], v [N, h, 128] (views of one GEMM's output)."""
         c = self.config
         kv = self.kv_b_proj(latent).view(-1, c.num_heads, c.qk_nope_head_dim + c.v_head_dim)
         return kv.split([c.qk_nope_head_dim, c.v_head_dim], dim=-1)
 
-    def forward(self, hidden_states, kv_cache, batch, *, k_scale=None):
+    def forward(self, hidden_states: Tensor, kv_cache: Tensor, batch: MLABatch, *,
+                k_scale: Optional[Tensor] = None) -> Tensor:
         """hidden_states [T, hidden] in batch order (decode tokens first); kv_cache [num_pages,
         page_size, 576] in the layer's dtype, or float8_e4m3fn with k_scale (fp32 [1]), written in
         place; batch: this step's MLABatch. Returns [T, hidden]."""
@@ -126,7 +128,8 @@ class MLAAttention(nn.Module):
         attn = parts[0] if len(parts) == 1 else torch.cat(parts)
         return self.o_proj(attn.reshape(T, h * c.v_head_dim))
 
-    def _decode(self, q_nope, q_pe, kv_cache, batch, k_scale):
+    def _decode(self, q_nope: Tensor, q_pe: Tensor, kv_cache: Tensor, batch: MLABatch,
+                k_scale: Optional[Tensor]) -> Tensor:
         """Absorbed: scores q_nope.(W_UK c) = (q_nope W_UK).c, so attend in the 512-dim latent space."""
         q_latent = torch.einsum("thd,hdc->thc", q_nope, self.w_uk)
         out = ops.mla_decode(q_latent, kv_cache, batch.decode_block_table, batch.decode_seq_lens,
@@ -135,7 +138,8 @@ class MLAAttention(nn.Module):
                              metadata=batch.decode_metadata, deterministic=batch.deterministic, k_scale=k_scale)
         return torch.einsum("thc,hcv->thv", out, self.w_uv)
 
-    def _prefill(self, q_nope, q_pe, latent, k_pe, kv_cache, batch, k_scale):
+    def _prefill(self, q_nope: Tensor, q_pe: Tensor, latent: Tensor, k_pe: Tensor, kv_cache: Tensor, batch: MLABatch,
+                 k_scale: Optional[Tensor]) -> Tensor:
         """Causal over the chunk's own tokens; for chunks with cached context, non-causal over the
         context (gathered from the cache and up-projected), merged by LSE."""
         q = torch.cat([q_nope, q_pe], dim=-1)

@@ -4,9 +4,10 @@ Everything that decides output/workspace shapes lives here so torch.compile fake
 schedule_cpu must stay bit-identical to the device scheduler kernel (contract: "Split-KV scheduler").
 """
 import functools
-from typing import NamedTuple
+from typing import NamedTuple, Optional
 
 import torch
+from torch import Tensor
 
 BLOCK_M = 64  # query rows (token x head) per tile
 BLOCK_N = 64  # keys per KV block
@@ -20,31 +21,34 @@ NO_SPLIT_SLACK = 2
 # keys: 64 one-block pieces took 25.5 us, 32 two-block pieces 23.8, measured).
 MIN_SEARCHED_PIECE = 2
 CPU_NUM_SMS = 132  # H200: CPU schedules mirror what the GPU would do
+# The split kernels mla_decode can be forced to run (its private _kernel argument; None: the dispatch
+# in decode_api.cpp chooses).
+DECODE_KERNELS = ("narrow16", "narrow16_3wg", "narrow32", "rows64", "seesaw", "seesaw_steady", "fp8mma")
 
 
-def _cdiv(a, b):
+def _cdiv(a: int, b: int) -> int:
     return -(-a // b)
 
 
-def num_q_tiles(max_seqlen_q, h_q):
+def num_q_tiles(max_seqlen_q: int, h_q: int) -> int:
     return _cdiv(max_seqlen_q * h_q, BLOCK_M)
 
 
-def num_sm_parts(num_sms, max_seqlen_q, h_q):
+def num_sm_parts(num_sms: int, max_seqlen_q: int, h_q: int) -> int:
     return max(1, num_sms // num_q_tiles(max_seqlen_q, h_q))
 
 
-def metadata_shapes(batch, num_sms):
+def metadata_shapes(batch: int, num_sms: int) -> tuple[tuple[int, int], tuple[int, int]]:
     """Shapes of (tile_sched, req_splits)."""
     return (num_sms, 8), (batch, 2)
 
 
 @functools.lru_cache(maxsize=None)
-def _cuda_num_sms(index):
+def _cuda_num_sms(index: int) -> int:
     return torch.cuda.get_device_properties(index).multi_processor_count
 
 
-def device_num_sms(device):
+def device_num_sms(device: torch.device | str) -> int:
     device = torch.device(device)
     if device.type != "cuda":
         return CPU_NUM_SMS
@@ -52,6 +56,7 @@ def device_num_sms(device):
 
 
 class DecodeMetadata(NamedTuple):
+    """The split-KV schedule of mla_decode (from get_decode_metadata) and what it was computed for."""
     tile_sched: torch.Tensor  # int32 [num_sms, 8]
     req_splits: torch.Tensor  # int32 [B, 2] = (num_splits, first workspace slot)
     num_sm_parts: int
@@ -64,7 +69,7 @@ class DecodeMetadata(NamedTuple):
 _EMPTY_PART = (0, 0, -1, 0, 0, 0, 0, 0)
 
 
-def _split_walk_fits(num_blocks, num_sm_parts, payload):
+def _split_walk_fits(num_blocks: list[int], num_sm_parts: int, payload: int) -> bool:
     """Whether the split walk (schedule_cpu, not deterministic), filling each part up to payload, takes
     every request within num_sm_parts parts without the last part taking the rest."""
     b = blk = 0
@@ -81,7 +86,7 @@ def _split_walk_fits(num_blocks, num_sm_parts, payload):
     return b >= len(num_blocks)
 
 
-def split_payload(num_blocks, num_sm_parts):
+def split_payload(num_blocks: list[int], num_sm_parts: int) -> int:
     """Part cost of the split walk: the smallest C in [lo, ceil(T / P) + FIXED_COST) (T: blocks +
     FIXED_COST per request; lo = ceil(T / P), raised to MIN_SEARCHED_PIECE + FIXED_COST if that is
     below the upper end) at which it fits in num_sm_parts parts (_split_walk_fits), else the upper end
@@ -94,7 +99,7 @@ def split_payload(num_blocks, num_sm_parts):
     return next((c for c in range(lo, upper) if _split_walk_fits(num_blocks, num_sm_parts, c)), upper)
 
 
-def whole_request_capacity(num_blocks, num_sm_parts, payload):
+def whole_request_capacity(num_blocks: list[int], num_sm_parts: int, payload: int) -> Optional[int]:
     """The smallest part cost C <= payload (the split walk's) + NO_SPLIT_SLACK at which whole requests,
     taken in order while a part's cost stays <= C, fit in num_sm_parts parts; None if there is none
     (then requests are split). A request costs its blocks + FIXED_COST. The device tests each candidate C on a thread
@@ -114,8 +119,8 @@ def whole_request_capacity(num_blocks, num_sm_parts, payload):
     return None
 
 
-def schedule_cpu(cache_seqlens, cu_seqlens_q, max_seqlen_q, num_heads_q, num_sm_parts, num_sms,
-                 deterministic=False):
+def schedule_cpu(cache_seqlens: Tensor, cu_seqlens_q: Optional[Tensor], max_seqlen_q: int, num_heads_q: int,
+                 num_sm_parts: int, num_sms: int, deterministic: bool = False) -> tuple[Tensor, Tensor]:
     """The contract's sequential walk. Returns (tile_sched int32 [num_sms, 8], req_splits int32 [B, 2]).
     A tile_sched row is (first request, its first block, last request, its end block, split index of
     the first piece, cache_seqlens of the first request, split list, 0); a part with no request is
@@ -129,9 +134,8 @@ def schedule_cpu(cache_seqlens, cu_seqlens_q, max_seqlen_q, num_heads_q, num_sm_
     deterministic: a part never cuts a request (an empty part takes its next request whole, however
     long), so each request is summed by one CTA in key order and its result does not depend on the
     batch; the price is load balance when one request dominates.
+    Needs 1 <= num_sm_parts <= num_sms (the CPU op checks it).
     """
-    if not 1 <= num_sm_parts <= num_sms:
-        raise ValueError(f"num_sm_parts={num_sm_parts} must be in [1, num_sms={num_sms}]")
     lens = cache_seqlens.tolist()
     n = [_cdiv(max(int(l), 0), BLOCK_N) for l in lens]
     B, P = len(n), num_sm_parts

@@ -9,14 +9,15 @@ Everything is computed in `dtype` (float32 or float64) and returned in that dtyp
 Host syncs (.tolist()) are fine here: this is an oracle, not a graph-safe op.
 """
 import math
+from typing import Optional
 
 import torch
+from torch import Tensor
 
-D_QK = 576  # latent (512) + rope (64)
-D_V = 512  # V is the first 512 dims of the latent cache
+from ._constants import D_V
 
 
-def _attend(q, k, v, scale, causal):
+def _attend(q: Tensor, k: Tensor, v: Tensor, scale: float, causal: bool) -> tuple[Tensor, Tensor]:
     """q [s, h, d]; k [L, hk, d]; v [L, hk, dv] with hk in {1, h} -> out [s, h, dv], lse [s, h]."""
     s, h, _ = q.shape
     n_keys = k.shape[0]
@@ -37,8 +38,9 @@ def _attend(q, k, v, scale, causal):
     return out, lse.transpose(0, 1)
 
 
-def mla_decode_ref(q, kv_cache, block_table, cache_seqlens, *, cu_seqlens_q=None, q_pe=None,
-                   softmax_scale, causal, dtype=torch.float32):
+def mla_decode_ref(q: Tensor, kv_cache: Tensor, block_table: Tensor, cache_seqlens: Tensor, *,
+                   cu_seqlens_q: Optional[Tensor] = None, q_pe: Optional[Tensor] = None, softmax_scale: float,
+                   causal: bool, dtype: torch.dtype = torch.float32) -> tuple[Tensor, Tensor]:
     """Absorbed MLA decode over a paged latent cache.
 
     q [B, s, h, 576] (or [B, s, h, 512] + q_pe [.., 64]); varlen: q [T, h, 576|512] + cu_seqlens_q [B+1].
@@ -69,8 +71,9 @@ def mla_decode_ref(q, kv_cache, block_table, cache_seqlens, *, cu_seqlens_q=None
     return out, lse
 
 
-def mla_prefill_ref(q, k, v, cu_seqlens_q, cu_seqlens_k, *, softmax_scale, causal, k_pe=None,
-                    dtype=torch.float32):
+def mla_prefill_ref(q: Tensor, k: Tensor, v: Tensor, cu_seqlens_q: Tensor, cu_seqlens_k: Tensor, *,
+                    softmax_scale: float, causal: bool, k_pe: Optional[Tensor] = None,
+                    dtype: torch.dtype = torch.float32) -> tuple[Tensor, Tensor]:
     """Varlen MHA-style MLA prefill.
 
     q [Tq, h, 192]; k [Tk, h, 192] or k [Tk, h, 128] + k_pe [Tk, 1, 64] (shared across heads);
@@ -89,7 +92,7 @@ def mla_prefill_ref(q, k, v, cu_seqlens_q, cu_seqlens_k, *, softmax_scale, causa
     return out, lse
 
 
-def merge_attn_states_ref(outs, lses):
+def merge_attn_states_ref(outs: Tensor, lses: Tensor) -> tuple[Tensor, Tensor]:
     """Exact merge of n partial attentions over disjoint key sets.
 
     outs [n, ..., d], lses [n, ...]. An infinite lse (either sign) marks an empty part; if all parts

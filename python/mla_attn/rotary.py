@@ -8,9 +8,10 @@ trained that way. The rotation is computed in fp32 and the result keeps x's layo
 """
 import math
 from dataclasses import dataclass
+from typing import Optional
 
 import torch
-from torch import nn
+from torch import Tensor, nn
 
 
 @dataclass(frozen=True)
@@ -25,23 +26,23 @@ class YarnScaling:
     mscale_all_dim: float = 0.0
 
     @staticmethod
-    def _mscale(factor, m):
+    def _mscale(factor: float, m: float) -> float:
         return 1.0 if factor <= 1 else 0.1 * m * math.log(factor) + 1.0
 
     @property
-    def attention_mscale(self):
+    def attention_mscale(self) -> float:
         """Factor on q.k: the softmax scale is (d_nope + d_rope)^-0.5 times its square."""
         return self._mscale(self.factor, self.mscale_all_dim) if self.mscale_all_dim else 1.0
 
     @property
-    def rotary_mscale(self):
+    def rotary_mscale(self) -> float:
         """Factor on cos/sin (1 when mscale == mscale_all_dim, as in V2/V3)."""
         return self._mscale(self.factor, self.mscale) / self._mscale(self.factor, self.mscale_all_dim)
 
-    def inv_freq(self, dim, base):
+    def inv_freq(self, dim: int, base: float) -> Tensor:
         """Per-pair frequencies: interpolated (/factor) for long wavelengths, original for short ones,
         blended linearly between the beta_fast and beta_slow rotation counts."""
-        def corr_dim(rotations):
+        def corr_dim(rotations: float) -> float:
             return dim * math.log(self.original_max_position / (rotations * 2 * math.pi)) / (2 * math.log(base))
         low = max(math.floor(corr_dim(self.beta_fast)), 0)
         high = min(math.ceil(corr_dim(self.beta_slow)), dim - 1)
@@ -58,7 +59,8 @@ class RotaryEmbedding(nn.Module):
     module.to(dtype), which would round the table too.
     """
 
-    def __init__(self, dim, max_position, base=10000.0, interleaved=True, scaling=None):
+    def __init__(self, dim: int, max_position: int, base: float = 10000.0, interleaved: bool = True,
+                 scaling: Optional[YarnScaling] = None):
         super().__init__()
         self.dim, self.interleaved = dim, interleaved
         if scaling is None:
@@ -69,7 +71,7 @@ class RotaryEmbedding(nn.Module):
         # not persistent: derived from the config, so state dicts of checkpoints load without it
         self.register_buffer("cos_sin", torch.cat([angles.cos(), angles.sin()], -1) * mscale, persistent=False)
 
-    def forward(self, positions, x):
+    def forward(self, positions: Tensor, x: Tensor) -> Tensor:
         cos, sin = self.cos_sin[positions].unsqueeze(-2).chunk(2, dim=-1)  # [T, 1, dim / 2]
         xf = x.float()
         if self.interleaved:

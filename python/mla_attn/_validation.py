@@ -1,0 +1,555 @@
+"""Argument checks of every mla_attn op, in one place. The public wrappers run them before calling
+torch.ops.mla_attn.*, and the CPU kernels (_ops.py) run the static ones, so a bad argument raises the
+same exception with the same message on either path; the CUDA kernels check again in C++ (there a
+TORCH_CHECK raises RuntimeError, a TORCH_CHECK_VALUE ValueError).
+
+Exception rule, the same for every op:
+  * TypeError: an argument of the wrong kind: its Python type, a tensor's dtype or a tensor's device.
+    A tensor on another device than the op's other tensors is a TypeError too: the device, like the
+    dtype, is part of what a tensor is, not of its shape or values.
+  * ValueError: an argument of the right kind with a wrong shape, layout (strides), value or range,
+    or an option that does not fit the other arguments (k_scale or fp8_mma without an FP8 cache, a
+    decode kernel that cannot run the call, metadata computed for another call).
+
+Static checks read tensor metadata only: no host sync, safe under CUDA graphs and torch.compile.
+Value checks (lengths, cu_seqlens, page ids, slots, k_scale's value) read the data, so they run where
+want_value_checks says: always for CPU tensors; for GPU tensors only with validate=True or
+MLA_ATTN_VALIDATE=1 (they sync); validate=False disables them; never while torch.compile traces.
+"""
+import math
+import numbers
+import os
+from collections.abc import Sequence
+from typing import Optional
+
+import torch
+from torch import Tensor
+
+from ._constants import (ALIGN_BYTES, D_PE, D_QK, D_V, FP8, HALF_DTYPES, MAX_HEADS_Q, MAX_SEQLEN_Q, MERGE_D_ALIGN,
+                         PAGE_SIZE_ALIGN, PAGE_SIZE_MAX, PAGE_SIZE_MIN, PREFILL_D_NOPE, PREFILL_D_PE, PREFILL_D_QK,
+                         PREFILL_D_V)
+from .metadata import DECODE_KERNELS, DecodeMetadata
+
+_MERGE_DTYPES = HALF_DTYPES + (torch.float32,)
+# decode kernels that run one cache kind only, and the query rows (max_seqlen_q * h_q) the narrow ones take
+_FP8_ONLY_KERNELS = ("narrow16_3wg", "narrow32", "fp8mma")
+_HALF_ONLY_KERNELS = ("seesaw", "seesaw_steady")
+_KERNEL_MAX_ROWS = {"narrow16": 16, "narrow16_3wg": 16, "narrow32": 32}
+# the MLAConfig dims the kernels are built for
+LAYER_DIMS = dict(kv_lora_rank=D_V, qk_rope_head_dim=D_PE, qk_nope_head_dim=PREFILL_D_NOPE, v_head_dim=PREFILL_D_V)
+
+
+# ---------------------------------------------------------------------------------------------- policy
+def want_value_checks(validate: Optional[bool], device: torch.device) -> bool:
+    """Whether the data-dependent checks run (see the module docstring)."""
+    if validate is not None:
+        return validate
+    if torch.compiler.is_compiling():
+        return False
+    return device.type == "cpu" or os.environ.get("MLA_ATTN_VALIDATE", "0") == "1"
+
+
+# ------------------------------------------------------------------------------------------- generic
+def check_tensor(name: str, t: object) -> None:
+    if not isinstance(t, Tensor):
+        raise TypeError(f"{name} must be a tensor, got {type(t).__name__}")
+
+
+def check_device(name: str, t: Tensor, like_name: str, like: Tensor) -> None:
+    if t.device != like.device:
+        raise TypeError(f"{name} is on {t.device} but {like_name} is on {like.device}; all inputs must share a "
+                        "device")
+
+
+def check_layout(name: str, t: Tensor) -> None:
+    """Last dim contiguous; other strides 16-byte aligned (size-1 dims are ignored: never stepped)."""
+    if t.dim() and t.shape[-1] > 1 and t.stride(-1) != 1:
+        raise ValueError(f"{name}: last dim must be contiguous (stride(-1) == 1), got strides {t.stride()}")
+    for d in range(t.dim() - 1):
+        if t.shape[d] > 1 and (t.stride(d) * t.element_size()) % ALIGN_BYTES:
+            raise ValueError(f"{name}: stride({d}) = {t.stride(d)} elements is not a multiple of "
+                             f"{ALIGN_BYTES} bytes (strides {t.stride()})")
+
+
+def check_int32(name: str, t: Tensor, dim: int) -> None:
+    check_tensor(name, t)
+    if t.dtype != torch.int32:
+        raise TypeError(f"{name} must be int32, got {t.dtype}")
+    if t.dim() != dim:
+        raise ValueError(f"{name} must be {dim}-D, got shape {tuple(t.shape)}")
+    if t.shape[-1] > 1 and t.stride(-1) != 1:
+        raise ValueError(f"{name}: last dim must be contiguous, got strides {t.stride()}")
+
+
+def check_int(name: str, x: object, low: int, high: Optional[int] = None) -> None:
+    """A host int (a SymInt while torch.compile traces) in [low, high] (high None: no upper bound)."""
+    if not isinstance(x, (int, torch.SymInt)) or isinstance(x, bool):
+        raise TypeError(f"{name} must be an int, got {type(x).__name__}")
+    if x < low or (high is not None and x > high):
+        raise ValueError(f"{name} must be in [{low}, {'inf' if high is None else high}], got {x}")
+
+
+def check_softmax_scale(softmax_scale: object) -> None:
+    """The kernels take the block max of unscaled scores: the scale must be finite and > 0."""
+    if softmax_scale is None:
+        raise ValueError("softmax_scale is required (MLA: (qk_nope + qk_rope)^-0.5 * mscale^2, e.g. 192^-0.5; "
+                         "not 1/sqrt of the head dim the kernel sees)")
+    if not isinstance(softmax_scale, numbers.Real):
+        raise TypeError(f"softmax_scale must be a number, got {type(softmax_scale).__name__}")
+    if not (math.isfinite(softmax_scale) and softmax_scale > 0):
+        raise ValueError(f"softmax_scale must be a finite number > 0, got {softmax_scale}")
+
+
+def check_lse(name: str, t: Tensor, shape: Sequence[int], like_name: str, like: Tensor) -> None:
+    check_tensor(name, t)
+    if t.dtype != torch.float32:
+        raise TypeError(f"{name} must be float32, got {t.dtype}")
+    if tuple(t.shape) != tuple(shape):
+        raise ValueError(f"{name} must have shape {tuple(shape)}, got {tuple(t.shape)}")
+    check_device(name, t, like_name, like)
+
+
+def check_kv_cache_shape(kv_cache: Tensor) -> None:
+    if kv_cache.dim() not in (3, 4) or kv_cache.shape[-1] != D_QK or (kv_cache.dim() == 4 and kv_cache.shape[2] != 1):
+        raise ValueError(f"kv_cache must be [num_pages, page_size, {D_QK}] or [num_pages, page_size, 1, {D_QK}], "
+                         f"got shape {tuple(kv_cache.shape)}")
+
+
+def check_k_scale(kv_cache: Tensor, k_scale: Optional[Tensor]) -> None:
+    """k_scale: required with (and only valid with) a float8_e4m3fn cache; float32 [1] on its device."""
+    if kv_cache.dtype != FP8:
+        if k_scale is not None:
+            raise ValueError(f"k_scale is only valid with a float8_e4m3fn kv_cache, got {kv_cache.dtype}")
+        return
+    if k_scale is None:
+        raise ValueError("a float8_e4m3fn kv_cache needs k_scale (float32 tensor of shape [1])")
+    want = "k_scale must be a float32 tensor of shape [1] (a tensor keeps CUDA graphs and torch.compile working)"
+    if not isinstance(k_scale, Tensor):
+        raise TypeError(f"{want}, got {type(k_scale).__name__}")
+    if k_scale.dtype != torch.float32:
+        raise TypeError(f"{want}, got dtype {k_scale.dtype}")
+    if k_scale.shape != (1,):
+        raise ValueError(f"{want}, got shape {tuple(k_scale.shape)}")
+    check_device("k_scale", k_scale, "kv_cache", kv_cache)
+
+
+def check_k_scale_value(k_scale: Optional[Tensor]) -> None:
+    """Value check (host sync on GPU): the kernels fold k_scale into the score scale, which must be > 0."""
+    if k_scale is not None:
+        ks = float(k_scale)
+        if not (math.isfinite(ks) and ks > 0):
+            raise ValueError(f"k_scale must be finite and > 0, got {ks}")
+
+
+def check_block_table_values(block_table: Tensor, lens: Tensor, num_pages: int, page_size: int) -> None:
+    """Every page a request of lens[b] keys uses is an id in [0, num_pages); the tail may be garbage."""
+    used = torch.arange(block_table.shape[1], device=block_table.device)[None, :] * page_size < lens[:, None]
+    bad = used & ((block_table < 0) | (block_table >= num_pages))
+    if bool(bad.any()):
+        b, j = (int(x) for x in bad.nonzero()[0])
+        raise ValueError(f"block_table[{b}, {j}] = {int(block_table[b, j])} is not a page id in [0, {num_pages}) "
+                         f"(request {b} uses its first {-(-int(lens[b]) // page_size)} pages)")
+
+
+def check_cu_seqlens_values(name: str, cu: list[int], num_q_tokens: Optional[int] = None) -> list[int]:
+    """cu[0] == 0, cu[-1] == num_q_tokens (when given), non-decreasing; returns the per-request sizes."""
+    if cu[0] != 0:
+        raise ValueError(f"{name}[0] must be 0, got {cu[0]}")
+    if num_q_tokens is not None and cu[-1] != num_q_tokens:
+        raise ValueError(f"{name}[-1] = {cu[-1]} must equal the number of q tokens {num_q_tokens}")
+    sizes = [b - a for a, b in zip(cu, cu[1:])]
+    for b, s in enumerate(sizes):
+        if s < 0:
+            raise ValueError(f"{name} must be non-decreasing ({name}[{b}:{b + 2}] = {cu[b:b + 2]})")
+    return sizes
+
+
+# -------------------------------------------------------------------------------------------- decode
+def check_decode(q: Tensor, q_pe: Optional[Tensor], kv_cache: Tensor, block_table: Tensor, cache_seqlens: Tensor,
+                 cu_seqlens_q: Optional[Tensor], max_seqlen_q: Optional[int], out: Optional[Tensor]) -> tuple[int, int]:
+    """Static checks of mla_decode's tensors. Returns (batch, max_seqlen_q)."""
+    check_tensor("q", q)
+    check_tensor("kv_cache", kv_cache)
+    if q.dtype not in HALF_DTYPES:
+        raise TypeError(f"q must be bfloat16 or float16, got {q.dtype}")
+    if kv_cache.dtype not in (q.dtype, FP8):
+        raise TypeError(f"kv_cache dtype {kv_cache.dtype} must match q dtype {q.dtype} or be float8_e4m3fn")
+    want_q = D_QK if q_pe is None else D_V
+    if q.dim() not in (3, 4) or q.shape[-1] != want_q:
+        raise ValueError(f"q must be [B, s_q, h_q, {want_q}] or varlen [T, h_q, {want_q}]"
+                         f"{'' if q_pe is None else ' (with q_pe)'}, got shape {tuple(q.shape)}")
+    if q_pe is not None:
+        check_tensor("q_pe", q_pe)
+        if q_pe.dtype != q.dtype:
+            raise TypeError(f"q_pe dtype {q_pe.dtype} must match q dtype {q.dtype}")
+        if q_pe.shape != q.shape[:-1] + (D_PE,):
+            raise ValueError(f"q_pe must have shape {tuple(q.shape[:-1]) + (D_PE,)}, got {tuple(q_pe.shape)}")
+    check_kv_cache_shape(kv_cache)
+    page_size = kv_cache.shape[1]
+    if not (PAGE_SIZE_MIN <= page_size <= PAGE_SIZE_MAX and page_size % PAGE_SIZE_ALIGN == 0):
+        raise ValueError(f"page_size must be a multiple of {PAGE_SIZE_ALIGN} in [{PAGE_SIZE_MIN}, {PAGE_SIZE_MAX}], "
+                         f"got {page_size}")
+    check_int32("block_table", block_table, 2)
+    check_int32("cache_seqlens", cache_seqlens, 1)
+    batch = cache_seqlens.shape[0]
+    if block_table.shape[0] != batch:
+        raise ValueError(f"block_table has {block_table.shape[0]} rows but cache_seqlens has {batch} requests")
+
+    if q.dim() == 3:
+        if cu_seqlens_q is None:
+            raise ValueError("3-D (varlen) q needs cu_seqlens_q and max_seqlen_q")
+        check_int32("cu_seqlens_q", cu_seqlens_q, 1)
+        if cu_seqlens_q.shape[0] != batch + 1:
+            raise ValueError(f"cu_seqlens_q must have batch + 1 = {batch + 1} entries, got {cu_seqlens_q.shape[0]}")
+        if max_seqlen_q is None:
+            raise ValueError("cu_seqlens_q given without max_seqlen_q (needed to size the grid without a sync)")
+    else:
+        if cu_seqlens_q is not None:
+            raise ValueError("cu_seqlens_q is only valid with 3-D (varlen) q; 4-D q has s_q tokens per request")
+        if q.shape[0] != batch:
+            raise ValueError(f"q has batch {q.shape[0]} but cache_seqlens has {batch} requests")
+        if max_seqlen_q is not None and max_seqlen_q != q.shape[1]:
+            raise ValueError(f"max_seqlen_q={max_seqlen_q} does not match q.shape[1]={q.shape[1]}")
+        max_seqlen_q = q.shape[1]
+    h_q = q.shape[-2]
+    if not 1 <= h_q <= MAX_HEADS_Q:
+        raise ValueError(f"num_heads_q must be in [1, {MAX_HEADS_Q}], got {h_q}")
+    if not 1 <= max_seqlen_q <= MAX_SEQLEN_Q:
+        raise ValueError(f"max_seqlen_q (tokens per request) must be in [1, {MAX_SEQLEN_Q}], got {max_seqlen_q}")
+
+    tensors = {"q_pe": q_pe, "kv_cache": kv_cache, "block_table": block_table, "cache_seqlens": cache_seqlens,
+               "cu_seqlens_q": cu_seqlens_q, "out": out}
+    for name, t in tensors.items():
+        if t is not None:
+            check_tensor(name, t)
+            check_device(name, t, "q", q)
+    for name, t in (("q", q), ("q_pe", q_pe), ("kv_cache", kv_cache)):
+        if t is not None:
+            check_layout(name, t)
+    if out is not None:
+        if out.dtype != q.dtype:
+            raise TypeError(f"out dtype {out.dtype} must match q dtype {q.dtype}")
+        if out.shape != q.shape[:-1] + (D_V,):
+            raise ValueError(f"out must have shape {tuple(q.shape[:-1]) + (D_V,)}, got {tuple(out.shape)}")
+        check_layout("out", out)
+    return batch, max_seqlen_q
+
+
+def check_decode_kernel(kernel: Optional[str], cache_dtype: torch.dtype, rows: int) -> None:
+    """A forced decode kernel (None: the dispatch chooses) must exist and run this call: rows =
+    max_seqlen_q * h_q."""
+    if kernel is None:
+        return
+    if not isinstance(kernel, str):
+        raise TypeError(f"kernel must be a str or None, got {type(kernel).__name__}")
+    if kernel not in DECODE_KERNELS:
+        raise ValueError(f"unknown decode kernel {kernel!r}; the kernels are {', '.join(DECODE_KERNELS)}")
+    if kernel in _FP8_ONLY_KERNELS and cache_dtype != FP8:
+        raise ValueError(f"decode kernel {kernel!r} needs a float8_e4m3fn kv_cache, got {cache_dtype}")
+    if kernel in _HALF_ONLY_KERNELS and cache_dtype == FP8:
+        raise ValueError(f"decode kernel {kernel!r} needs a 16-bit kv_cache, got {cache_dtype}")
+    max_rows = _KERNEL_MAX_ROWS.get(kernel)
+    if max_rows is not None and rows > max_rows:
+        raise ValueError(f"decode kernel {kernel!r} runs at most {max_rows} query rows per request "
+                         f"(max_seqlen_q * h_q), got {rows}")
+
+
+def check_decode_options(q: Tensor, kv_cache: Tensor, k_scale: Optional[Tensor], fp8_mma: bool,
+                         kernel: Optional[str], max_seqlen_q: int) -> None:
+    """The FP8 scale and the kernel options of one decode call (after check_decode)."""
+    check_k_scale(kv_cache, k_scale)
+    if fp8_mma and kv_cache.dtype != FP8:
+        raise ValueError(f"fp8_mma=True needs a float8_e4m3fn kv_cache, got {kv_cache.dtype}")
+    check_decode_kernel(kernel, kv_cache.dtype, max_seqlen_q * q.shape[-2])
+
+
+def check_num_sm_parts(num_sm_parts: int, num_sms: int) -> None:
+    if not 1 <= num_sm_parts <= num_sms:
+        raise ValueError(f"num_sm_parts={num_sm_parts} must be in [1, num_sms={num_sms}]")
+
+
+def check_schedule(tile_sched: Tensor, req_splits: Tensor, num_sm_parts: int, batch: int, q: Tensor) -> None:
+    """The tensors of a DecodeMetadata against the call they are used in."""
+    for name, t, cols in (("tile_sched", tile_sched, 8), ("req_splits", req_splits, 2)):
+        check_tensor(f"metadata.{name}", t)
+        want = f"metadata.{name} must be a contiguous int32 [N, {cols}] tensor"
+        if t.dtype != torch.int32:
+            raise TypeError(f"{want}, got {t.dtype}")
+        if t.dim() != 2 or t.shape[1] != cols or not t.is_contiguous():
+            raise ValueError(f"{want}, got shape {tuple(t.shape)} strides {t.stride()}")
+        check_device(f"metadata.{name}", t, "q", q)
+    if req_splits.shape[0] != batch:
+        raise ValueError(f"metadata was computed for batch {req_splits.shape[0]} but this call has {batch}")
+    check_num_sm_parts(num_sm_parts, tile_sched.shape[0])
+
+
+def check_metadata(md: object, batch: int, max_seqlen_q: int, causal: bool, deterministic: bool, q: Tensor) -> None:
+    if not isinstance(md, DecodeMetadata):
+        raise TypeError(f"metadata must be a DecodeMetadata from get_decode_metadata, got {type(md).__name__}")
+    for field, want in (("num_heads_q", q.shape[-2]), ("max_seqlen_q", max_seqlen_q), ("causal", causal),
+                        ("deterministic", deterministic)):
+        if getattr(md, field) != want:
+            raise ValueError(f"metadata was computed for {field}={getattr(md, field)} but this call has {want}")
+    check_schedule(md.tile_sched, md.req_splits, md.num_sm_parts, batch, q)
+
+
+def check_decode_values(kv_cache: Tensor, block_table: Tensor, cache_seqlens: Tensor, cu_seqlens_q: Optional[Tensor],
+                        max_seqlen_q: int, num_tokens: int, k_scale: Optional[Tensor]) -> None:
+    """Value checks of mla_decode (host sync on GPU)."""
+    check_k_scale_value(k_scale)
+    page_size = kv_cache.shape[1]
+    cap = block_table.shape[1] * page_size
+    for b, n in enumerate(cache_seqlens.tolist()):
+        if n < 0:
+            raise ValueError(f"cache_seqlens[{b}] = {n} is negative")
+        if n > cap:
+            raise ValueError(f"cache_seqlens[{b}] = {n} exceeds block_table capacity {block_table.shape[1]} pages "
+                             f"x page_size {page_size} = {cap}")
+    if cu_seqlens_q is not None:
+        for b, s in enumerate(check_cu_seqlens_values("cu_seqlens_q", cu_seqlens_q.tolist(), num_tokens)):
+            if s > max_seqlen_q:
+                raise ValueError(f"request {b} has {s} q tokens > max_seqlen_q={max_seqlen_q}")
+    check_block_table_values(block_table, cache_seqlens, kv_cache.shape[0], page_size)
+
+
+def check_decode_metadata_args(cache_seqlens: Tensor, num_heads_q: int, s_q: Optional[int],
+                               cu_seqlens_q: Optional[Tensor], max_seqlen_q: Optional[int]) -> int:
+    """get_decode_metadata's arguments. Returns max_seqlen_q (s_q for a uniform batch)."""
+    check_int32("cache_seqlens", cache_seqlens, 1)
+    if cu_seqlens_q is None:
+        if s_q is not None and max_seqlen_q is not None and max_seqlen_q != s_q:
+            raise ValueError(f"s_q={s_q} and max_seqlen_q={max_seqlen_q} disagree")
+        max_seqlen_q = s_q if s_q is not None else max_seqlen_q
+        if max_seqlen_q is None:
+            raise ValueError("get_decode_metadata needs s_q (uniform batch) or cu_seqlens_q + max_seqlen_q")
+    else:
+        check_int32("cu_seqlens_q", cu_seqlens_q, 1)
+        check_device("cu_seqlens_q", cu_seqlens_q, "cache_seqlens", cache_seqlens)
+        if max_seqlen_q is None:
+            raise ValueError("cu_seqlens_q given without max_seqlen_q")
+    check_int("num_heads_q", num_heads_q, 1, MAX_HEADS_Q)
+    check_int("max_seqlen_q", max_seqlen_q, 1, MAX_SEQLEN_Q)
+    return max_seqlen_q
+
+
+# ------------------------------------------------------------------------------------------- prefill
+def check_prefill(q: Tensor, k: Tensor, v: Tensor, cu_seqlens_q: Tensor, cu_seqlens_k: Tensor, max_seqlen_q: int,
+                  max_seqlen_k: int, k_pe: Optional[Tensor], out: Optional[Tensor]) -> None:
+    """Static checks of mla_prefill's arguments."""
+    check_tensor("q", q)
+    if q.dtype not in HALF_DTYPES:
+        raise TypeError(f"q must be bfloat16 or float16, got {q.dtype}")
+    want_k = PREFILL_D_NOPE if k_pe is not None else PREFILL_D_QK
+    for name, t, dim in (("q", q, PREFILL_D_QK), ("k", k, want_k), ("v", v, PREFILL_D_V), ("k_pe", k_pe, PREFILL_D_PE),
+                         ("out", out, PREFILL_D_V)):
+        if t is None:
+            continue
+        check_tensor(name, t)
+        if t.dim() != 3 or t.shape[-1] != dim:
+            extra = " (k_nope, since k_pe is given)" if name == "k" and k_pe is not None else ""
+            raise ValueError(f"{name}{extra} must be [T, h, {dim}], got shape {tuple(t.shape)}")
+        if t.dtype != q.dtype:
+            raise TypeError(f"{name} dtype {t.dtype} must match q dtype {q.dtype}")
+        check_device(name, t, "q", q)
+        check_layout(name, t)
+    h_q, (t_k, h_k) = q.shape[1], k.shape[:2]
+    if h_k < 1 or h_q % h_k:
+        raise ValueError(f"h_q = {h_q} must be a multiple of h_k = {h_k}")
+    if tuple(v.shape[:2]) != (t_k, h_k):
+        raise ValueError(f"v must be [{t_k}, {h_k}, {PREFILL_D_V}] like k, got {tuple(v.shape)}")
+    if k_pe is not None and tuple(k_pe.shape[:2]) != (t_k, 1):
+        raise ValueError(f"k_pe must be [{t_k}, 1, {PREFILL_D_PE}] (shared by all heads), got {tuple(k_pe.shape)}")
+    if out is not None and tuple(out.shape) != (q.shape[0], h_q, PREFILL_D_V):
+        raise ValueError(f"out must be [{q.shape[0]}, {h_q}, {PREFILL_D_V}], got {tuple(out.shape)}")
+    for name, cu in (("cu_seqlens_q", cu_seqlens_q), ("cu_seqlens_k", cu_seqlens_k)):
+        check_int32(name, cu, 1)
+        if cu.shape[0] < 1:
+            raise ValueError(f"{name} must be int32 [B + 1], got shape {tuple(cu.shape)}")
+        check_device(name, cu, "q", q)
+    if cu_seqlens_q.shape != cu_seqlens_k.shape:
+        raise ValueError(f"cu_seqlens_q {tuple(cu_seqlens_q.shape)} and cu_seqlens_k {tuple(cu_seqlens_k.shape)} "
+                         "must both be [B + 1]")
+    check_int("max_seqlen_q", max_seqlen_q, 0)
+    check_int("max_seqlen_k", max_seqlen_k, 0)
+
+
+def check_prefill_values(cu_seqlens: Tensor, total: int, max_len: int, name: str) -> None:
+    """Value checks of one cu_seqlens of mla_prefill (host sync on GPU)."""
+    cu = cu_seqlens.tolist()
+    sizes = check_cu_seqlens_values(name, cu)
+    if cu[-1] > total:
+        raise ValueError(f"{name}[-1] = {cu[-1]} exceeds the {total} rows of the packed tensor")
+    if sizes and max(sizes) > max_len:
+        raise ValueError(f"a request has {max(sizes)} rows > max_seqlen ({max_len}) given for {name}")
+
+
+# --------------------------------------------------------------------------------------------- merge
+def _check_merge_out(name: str, t: Tensor) -> None:
+    check_tensor(name, t)
+    if t.dtype not in _MERGE_DTYPES:
+        raise TypeError(f"{name} must be bfloat16, float16 or float32, got {t.dtype}")
+    if t.dim() < 1 or t.shape[-1] == 0 or t.shape[-1] % MERGE_D_ALIGN:
+        raise ValueError(f"{name} must be [..., d] with d a positive multiple of {MERGE_D_ALIGN}, "
+                         f"got shape {tuple(t.shape)}")
+    check_layout(name, t)
+
+
+def _check_like_out_a(name: str, t: Tensor, out_a: Tensor) -> None:
+    _check_merge_out(name, t)
+    if t.dtype != out_a.dtype:
+        raise TypeError(f"{name} dtype {t.dtype} must match out_a dtype {out_a.dtype}")
+    if t.shape != out_a.shape:
+        raise ValueError(f"{name} shape {tuple(t.shape)} must match out_a shape {tuple(out_a.shape)}")
+    check_device(name, t, "out_a", out_a)
+
+
+def check_merge(out_a: Tensor, lse_a: Tensor, out_b: Tensor, lse_b: Tensor, out: Optional[Tensor] = None,
+                lse: Optional[Tensor] = None) -> None:
+    """merge_attn_states(_out): the pair, and the outputs when given."""
+    _check_merge_out("out_a", out_a)
+    _check_like_out_a("out_b", out_b, out_a)
+    lead = out_a.shape[:-1]
+    check_lse("lse_a", lse_a, lead, "out_a", out_a)
+    check_lse("lse_b", lse_b, lead, "out_a", out_a)
+    if out is not None:
+        _check_like_out_a("out", out, out_a)
+    if lse is not None:
+        check_lse("lse", lse, lead, "out_a", out_a)
+
+
+def check_merge_n(outs: Tensor, lses: Tensor) -> None:
+    _check_merge_out("outs", outs)
+    if outs.dim() < 2:
+        raise ValueError(f"outs must be [n, ..., d], got shape {tuple(outs.shape)}")
+    check_lse("lses", lses, outs.shape[:-1], "outs", outs)
+
+
+# ------------------------------------------------------------------------------------------ KV cache
+def _check_cache(kv_cache: Tensor, k_scale: Optional[Tensor], like_name: str, like: Tensor) -> None:
+    check_tensor("kv_cache", kv_cache)
+    if kv_cache.dtype not in HALF_DTYPES + (FP8,):
+        raise TypeError(f"kv_cache must be bfloat16, float16 or float8_e4m3fn, got {kv_cache.dtype}")
+    check_kv_cache_shape(kv_cache)
+    if kv_cache.shape[1] < 1:
+        raise ValueError("kv_cache page_size must be >= 1")
+    check_device("kv_cache", kv_cache, like_name, like)
+    check_layout("kv_cache", kv_cache)
+    check_k_scale(kv_cache, k_scale)
+
+
+def check_write_kv_cache(kv_c: Tensor, k_pe: Tensor, kv_cache: Tensor, slot_mapping: Tensor,
+                         k_scale: Optional[Tensor]) -> None:
+    check_tensor("kv_c", kv_c)
+    if kv_c.dtype not in HALF_DTYPES:
+        raise TypeError(f"kv_c must be bfloat16 or float16, got {kv_c.dtype}")
+    if kv_c.dim() != 2 or kv_c.shape[1] != D_V:
+        raise ValueError(f"kv_c must be [T, {D_V}], got shape {tuple(kv_c.shape)}")
+    T = kv_c.shape[0]
+    check_tensor("k_pe", k_pe)
+    if k_pe.dtype != kv_c.dtype:
+        raise TypeError(f"k_pe dtype {k_pe.dtype} must match kv_c dtype {kv_c.dtype}")
+    if k_pe.shape not in ((T, D_PE), (T, 1, D_PE)):
+        raise ValueError(f"k_pe must be [T, {D_PE}] or [T, 1, {D_PE}] with T = {T}, got shape {tuple(k_pe.shape)}")
+    check_tensor("slot_mapping", slot_mapping)
+    if slot_mapping.dtype != torch.int64:
+        raise TypeError(f"slot_mapping must be int64, got {slot_mapping.dtype}")
+    if slot_mapping.shape != (T,):
+        raise ValueError(f"slot_mapping must have shape [T] = [{T}], got {tuple(slot_mapping.shape)}")
+    for name, t in (("k_pe", k_pe), ("slot_mapping", slot_mapping)):
+        check_device(name, t, "kv_c", kv_c)
+    _check_cache(kv_cache, k_scale, "kv_c", kv_c)
+    if kv_cache.dtype not in (kv_c.dtype, FP8):
+        raise TypeError(f"kv_cache dtype {kv_cache.dtype} must be kv_c's dtype {kv_c.dtype} or float8_e4m3fn")
+    check_layout("kv_c", kv_c)
+    check_layout("k_pe", k_pe)
+
+
+def check_gather_kv_cache(kv_cache: Tensor, block_table: Tensor, cu_seqlens: Tensor, num_tokens: int,
+                          k_scale: Optional[Tensor], out_dtype: Optional[torch.dtype]) -> None:
+    check_int32("block_table", block_table, 2)
+    check_int32("cu_seqlens", cu_seqlens, 1)
+    if cu_seqlens.shape[0] != block_table.shape[0] + 1:
+        raise ValueError(f"cu_seqlens must have B + 1 = {block_table.shape[0] + 1} entries (block_table has "
+                         f"{block_table.shape[0]} rows), got {cu_seqlens.shape[0]}")
+    check_device("cu_seqlens", cu_seqlens, "block_table", block_table)
+    _check_cache(kv_cache, k_scale, "block_table", block_table)
+    check_int("num_tokens", num_tokens, 0)
+    if out_dtype is not None and out_dtype not in _MERGE_DTYPES:
+        raise TypeError(f"out_dtype must be None, bfloat16, float16 or float32, got {out_dtype}")
+
+
+def check_write_values(kv_cache: Tensor, slot_mapping: Tensor) -> None:
+    num_slots = kv_cache.shape[0] * kv_cache.shape[1]
+    bad = slot_mapping >= num_slots
+    if bool(bad.any()):
+        t = int(bad.nonzero()[0])
+        raise ValueError(f"slot_mapping[{t}] = {int(slot_mapping[t])} is past the cache's num_pages x page_size = "
+                         f"{num_slots} slots")
+
+
+def check_gather_values(kv_cache: Tensor, block_table: Tensor, cu_seqlens: Tensor) -> None:
+    page_size = kv_cache.shape[1]
+    cap = block_table.shape[1] * page_size
+    for b, n in enumerate(check_cu_seqlens_values("cu_seqlens", cu_seqlens.tolist())):
+        if n > cap:
+            raise ValueError(f"request {b} has {n} tokens, more than block_table's {block_table.shape[1]} pages "
+                             f"x page_size {page_size} = {cap}")
+    check_block_table_values(block_table, cu_seqlens[1:] - cu_seqlens[:-1], kv_cache.shape[0], page_size)
+
+
+# ------------------------------------------------------------------------------- layer, batch, CP
+def check_layer_config(config: object) -> None:
+    """An MLAConfig the kernels run: the head dims they are built for."""
+    for name, want in LAYER_DIMS.items():
+        if getattr(config, name) != want:
+            raise ValueError(f"mla_attn kernels need {name}={want}, got {getattr(config, name)}")
+
+
+def check_batch(query_lens: list[int], context_lens: list[int], block_table: object, page_size: int,
+                decode_threshold: int, pad_to: Optional[int]) -> None:
+    """MLABatch.build's host arguments (lengths already ints)."""
+    B = len(query_lens)
+    if len(context_lens) != B:
+        raise ValueError(f"{B} query_lens but {len(context_lens)} context_lens")
+    if min(query_lens + context_lens, default=0) < 0:
+        raise ValueError("query_lens and context_lens must be >= 0")
+    if not 1 <= decode_threshold <= MAX_SEQLEN_Q:
+        raise ValueError(f"decode_threshold must be in [1, {MAX_SEQLEN_Q}] (mla_decode's limit), "
+                         f"got {decode_threshold}")
+    num_decodes = sum(q <= decode_threshold for q in query_lens)
+    if any(q <= decode_threshold for q in query_lens[num_decodes:]):
+        raise ValueError(f"decode requests (query_len <= decode_threshold={decode_threshold}) must come "
+                         f"before prefills; got query_lens {query_lens}")
+    if pad_to is not None:
+        if num_decodes < B:
+            raise ValueError("pad_to is for decode-only batches (CUDA graphs)")
+        if pad_to < B:
+            raise ValueError(f"pad_to={pad_to} is smaller than the batch ({B} requests)")
+    seq_lens = [c + q for c, q in zip(context_lens, query_lens)]
+    if isinstance(block_table, Tensor):
+        if block_table.dtype != torch.int32:
+            raise TypeError(f"block_table tensor must be int32, got {block_table.dtype}")
+        if block_table.dim() != 2 or block_table.shape[0] < B:
+            raise ValueError(f"block_table tensor must be [>= {B}, max_pages], got {tuple(block_table.shape)}")
+        if max(seq_lens, default=0) > block_table.shape[1] * page_size:
+            raise ValueError(f"block_table has {block_table.shape[1]} pages per request, too few for "
+                             f"{max(seq_lens)} tokens of page_size {page_size}")
+        return
+    if len(block_table) != B:
+        raise ValueError(f"{len(block_table)} block_table rows for {B} requests")
+    for b, (pages, n) in enumerate(zip(block_table, seq_lens)):
+        if len(pages) * page_size < n:
+            raise ValueError(f"request {b}: {len(pages)} pages of {page_size} cannot hold {n} tokens")
+
+
+def check_cp_rank(rank: int, world_size: int) -> None:
+    if not 0 <= rank < world_size:
+        raise ValueError(f"rank {rank} is not in [0, world_size={world_size})")
+
+
+def check_cp_query(q: Tensor) -> None:
+    check_tensor("q", q)
+    if q.dim() != 4 or q.shape[1] != 1:
+        raise ValueError("cp_mla_decode needs q [B, 1, h_q, D] (one new token per request): a rank's keys are "
+                         "not a prefix of the request, so causal masking for s_q > 1 would need each key's "
+                         f"global position (an offset the kernel does not take); got q shape {tuple(q.shape)}")

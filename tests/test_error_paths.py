@@ -1,0 +1,386 @@
+"""Every error path of every op, straight through torch.ops.mla_attn.* (bypassing the wrappers).
+
+GPU part: one case per TORCH_CHECK of csrc/bindings/{checks.h, decode_api.cpp, kv_cache_api.cpp,
+merge_api.cpp, prefill_api.cpp} that an input can reach, matched on its message (TORCH_CHECK raises
+RuntimeError). The cases run one after another in one process, and test_gpu_errors_back_to_back
+raises them all again in a row: a build once crashed (SIGSEGV) on the second error raised in a
+process. Not reachable from inputs, so not here: check_sm90 on an sm_90 GPU, the dtype-dispatch and
+"built without" errors behind earlier dtype checks, TMA descriptor failures.
+CPU part: the CPU kernels run the wrappers' checks (_validation.py): the same cases raise TypeError
+(kind: dtype, device, Python type) or ValueError (shape, layout, value), with the wrappers' messages;
+then the wrappers' checks that only they make.
+"""
+import math
+
+import pytest
+import torch
+from cases import make_decode_case, make_prefill_case
+from conftest import to_device
+
+import mla_attn
+from mla_attn.distributed import cp_mla_decode, cp_slice
+
+FP8 = torch.float8_e4m3fn
+R, V, T = RuntimeError, ValueError, TypeError
+
+
+# ------------------------------------------------------------------------------------------- inputs
+def invoke(op_name, named):
+    """torch.ops.mla_attn.<op_name> with its arguments by name (positional or keyword-only as the schema says)."""
+    op = getattr(torch.ops.mla_attn, op_name).default
+    args, kwargs = [], {}
+    for a in op._schema.arguments:
+        if a.name in named:
+            if a.kwarg_only:
+                kwargs[a.name] = named[a.name]
+            else:
+                args.append(named[a.name])
+    return op(*args, **kwargs)
+
+
+def shifted(t):
+    """t's values one element into a buffer: the base address is not 16-byte aligned."""
+    buf = torch.zeros(t.numel() + 8, dtype=t.dtype, device=t.device)
+    view = buf[1:1 + t.numel()].view(t.shape)
+    view.copy_(t)
+    return view
+
+
+def padded(t):
+    """t with each last-dim row padded by one element: outer strides not multiples of 16 bytes."""
+    buf = torch.zeros(t.shape[:-1] + (t.shape[-1] + 1,), dtype=t.dtype, device=t.device)
+    buf[..., :-1] = t
+    return buf[..., :-1]
+
+
+def strided_last(t):
+    return t.transpose(-1, -2).contiguous().transpose(-1, -2)
+
+
+def inputs(device):
+    """Valid arguments of every op, by op name, on `device`."""
+    c = to_device(make_decode_case([20, 3], 2, 4, 16), device)
+    md = mla_attn.get_decode_metadata(c["cache_seqlens"], 4, s_q=2)
+    decode = dict(q=c["q"], q_pe=None, kv_cache=c["kv_cache"], block_table=c["block_table"],
+                  cache_seqlens=c["cache_seqlens"], cu_seqlens_q=None, max_seqlen_q=2, softmax_scale=0.1,
+                  causal=True, tile_sched=md.tile_sched, req_splits=md.req_splits, num_sm_parts=md.num_sm_parts)
+    cv = to_device(make_decode_case([20, 3], 2, 4, 16, varlen=True), device)
+    decode_varlen = dict(decode, q=cv["q"], cu_seqlens_q=cv["cu_seqlens_q"])
+    decode_out = dict(decode, out=torch.empty(2, 2, 4, 512, dtype=torch.bfloat16, device=device),
+                      lse=torch.empty(2, 2, 4, device=device))
+    scale = torch.tensor([0.5], device=device)
+    decode_fp8 = dict(decode, kv_cache=c["kv_cache"].to(FP8), k_scale=scale)
+    metadata = dict(cache_seqlens=c["cache_seqlens"], cu_seqlens_q=None, max_seqlen_q=2, num_heads_q=4, causal=True,
+                    num_sm_parts=md.num_sm_parts, num_sms=md.tile_sched.shape[0])
+
+    x = torch.randn(6, 576, device=device).bfloat16()
+    cache = torch.zeros(3, 16, 576, dtype=torch.bfloat16, device=device)
+    write = dict(kv_c=x[:, :512], k_pe=x[:, 512:], kv_cache=cache,
+                 slot_mapping=torch.arange(6, dtype=torch.int64, device=device))
+    gather = dict(kv_cache=cache, block_table=torch.tensor([[0, 1], [2, 0]], dtype=torch.int32, device=device),
+                  cu_seqlens=torch.tensor([0, 20, 23], dtype=torch.int32, device=device), num_tokens=25)
+
+    o = torch.randn(2, 5, 3, 16, device=device).bfloat16()
+    lse = torch.randn(2, 5, 3, device=device)
+    merge = dict(out_a=o[0], lse_a=lse[0], out_b=o[1], lse_b=lse[1])
+    merge_out = dict(merge, out=torch.empty_like(o[0]), lse=torch.empty_like(lse[0]))
+    merge_n = dict(outs=o, lses=lse)
+
+    p = to_device(make_prefill_case([5, 3], [7, 3], 4, split_pe=True, pad=0), device)
+    prefill = dict(q=p["q"], k=p["k"], v=p["v"], cu_seqlens_q=p["cu_seqlens_q"], cu_seqlens_k=p["cu_seqlens_k"],
+                   max_seqlen_q=5, max_seqlen_k=7, softmax_scale=0.1, causal=True, k_pe=p["k_pe"])
+    prefill_out = dict(prefill, out=torch.empty(8, 4, 128, dtype=torch.bfloat16, device=device),
+                       lse=torch.empty(8, 4, device=device))
+    return dict(mla_decode=decode, mla_decode_varlen=decode_varlen, mla_decode_out=decode_out,
+                mla_decode_fp8=decode_fp8, get_decode_metadata=metadata, write_kv_cache=write,
+                gather_kv_cache=gather, merge_attn_states=merge, merge_attn_states_out=merge_out,
+                merge_attn_states_n=merge_n, mla_prefill=prefill, mla_prefill_out=prefill_out)
+
+
+def raise_case(base, case):
+    """Calls the case's op on its base inputs with the case's changes (a function of those inputs)."""
+    key, change, *_ = case
+    named = dict(base[key])
+    named.update(change(named))
+    invoke(key.split("_varlen")[0].split("_fp8")[0], named)
+
+
+def on(device):
+    return lambda t: t.to(device)
+
+
+# ------------------------------------------------------------------------------------------ GPU cases
+# (inputs key, changes, exception, message pattern); one per reachable TORCH_CHECK
+GPU_CASES = [
+    # decode_api.cpp: mla_decode_cuda_impl
+    ("mla_decode", lambda a: dict(softmax_scale=math.inf), R, r"softmax_scale must be a finite number > 0, got inf"),
+    ("mla_decode", lambda a: dict(softmax_scale=0.0), R, r"softmax_scale must be a finite number > 0"),
+    ("mla_decode_varlen", lambda a: dict(q=a["q"][None]), R, r"q must be \[B, s_q, h_q, D\] or, with cu_seqlens_q"),
+    ("mla_decode", lambda a: dict(q=a["q"].float()), R, r"q must be bf16 or fp16"),
+    ("mla_decode", lambda a: dict(kv_cache=a["kv_cache"].half()), R, r"kv_cache dtype must equal q dtype"),
+    ("mla_decode", lambda a: dict(kv_cache=a["kv_cache"].to(FP8)), R,
+     r"k_scale is required with, and only valid with, a float8_e4m3fn kv_cache"),
+    ("mla_decode", lambda a: dict(fp8_mma=True), R, r"fp8_mma needs a float8_e4m3fn kv_cache"),
+    ("mla_decode_fp8", lambda a: dict(k_scale=a["k_scale"].double()), R,
+     r"k_scale must be a float32 tensor of shape \[1\] on q's device"),
+    ("mla_decode_fp8", lambda a: dict(k_scale=a["k_scale"].cpu()), R, r"k_scale must be a float32 tensor"),
+    ("mla_decode", lambda a: dict(q=a["q"][..., :512]), R, r"q last dim must be 576, or 512 with q_pe given"),
+    ("mla_decode", lambda a: dict(kv_cache=a["kv_cache"][:, :, None].expand(-1, -1, 2, -1)), R,
+     r"kv_cache must be \[pages, page_size, 576\] or \[pages, page_size, 1, 576\]"),
+    ("mla_decode", lambda a: dict(kv_cache=a["kv_cache"][..., :512]), R, r"kv_cache last dim must be 576, contiguous"),
+    ("mla_decode", lambda a: dict(kv_cache=a["kv_cache"][:, :8]), R, r"page_size must be a multiple of 16 in \[16, 256\]"),
+    ("mla_decode", lambda a: dict(q=strided_last(a["q"])), R, r"q and q_pe must be contiguous in the last dim"),
+    ("mla_decode", lambda a: dict(q=shifted(a["q"])), R, r"mla_attn: q must be 16-byte aligned"),
+    ("mla_decode", lambda a: dict(q=padded(a["q"])), R, r"mla_attn: q stride\(1\) must be a multiple of 16 bytes"),
+    ("mla_decode", lambda a: dict(q=a["q"][..., :512].contiguous(), q_pe=shifted(a["q"][..., 512:])), R,
+     r"q_pe must be 16-byte aligned"),
+    ("mla_decode", lambda a: dict(kv_cache=shifted(a["kv_cache"])), R, r"kv_cache must be 16-byte aligned"),
+    ("mla_decode_out", lambda a: dict(out=shifted(a["out"])), R, r"out must be 4-byte aligned"),
+    ("mla_decode", lambda a: dict(block_table=a["block_table"].cpu()), R, r"all tensors must be on cuda"),
+    ("mla_decode", lambda a: dict(block_table=a["block_table"].long()), R, r"block_table must be int32"),
+    ("mla_decode", lambda a: dict(cache_seqlens=a["cache_seqlens"].long()), R, r"cache_seqlens must be int32"),
+    ("mla_decode", lambda a: dict(tile_sched=a["tile_sched"].long()), R, r"tile_sched must be int32"),
+    ("mla_decode", lambda a: dict(tile_sched=a["tile_sched"].cpu()), R, r"tile_sched must be on cuda"),
+    ("mla_decode", lambda a: dict(req_splits=a["req_splits"].long()), R, r"req_splits must be int32"),
+    ("mla_decode", lambda a: dict(block_table=strided_last(a["block_table"])), R,
+     r"block_table must be contiguous in its last dim"),
+    ("mla_decode", lambda a: dict(block_table=a["block_table"][:1]), R, r"block_table must be \[B, max_pages\]"),
+    ("mla_decode", lambda a: dict(tile_sched=a["tile_sched"][:, :7]), R,
+     r"metadata must be contiguous tile_sched \[num_sms, 8\] and req_splits \[B, 2\]"),
+    ("mla_decode", lambda a: dict(req_splits=torch.cat([a["req_splits"]] * 2)), R,
+     r"metadata was made for another batch size"),
+    ("mla_decode_varlen", lambda a: dict(cu_seqlens_q=a["cu_seqlens_q"].long()), R, r"cu_seqlens_q must be int32"),
+    ("mla_decode_varlen", lambda a: dict(cu_seqlens_q=a["cu_seqlens_q"][:2]), R, r"cu_seqlens_q must have B \+ 1 entries"),
+    ("mla_decode", lambda a: dict(max_seqlen_q=3), R, r"q must be \[B, s_q, h_q, D\](?! or)"),
+    ("mla_decode", lambda a: dict(q=torch.zeros(2, 2, 129, 576, dtype=torch.bfloat16, device="cuda")), R,
+     r"h_q must be in \[1, 128\]"),
+    ("mla_decode_varlen", lambda a: dict(max_seqlen_q=0), R, r"max_seqlen_q must be >= 1"),
+    ("mla_decode", lambda a: dict(num_sm_parts=0), R, r"num_sm_parts out of range"),
+    # decode_api.cpp: mla_decode_out_cuda, get_decode_metadata_cuda
+    ("mla_decode_out", lambda a: dict(out=a["out"].float()), R, r"out must be \[.., h_q, 512\] of q's dtype"),
+    ("mla_decode_out", lambda a: dict(lse=a["lse"].double()), R, r"lse must be float32"),
+    ("get_decode_metadata", lambda a: dict(cache_seqlens=a["cache_seqlens"].long()), R, r"cache_seqlens must be int32"),
+    ("get_decode_metadata", lambda a: dict(num_sm_parts=0), R, r"need 1 <= num_sm_parts <= min\(num_sms, "),
+    ("get_decode_metadata", lambda a: dict(cache_seqlens=torch.zeros(50001, dtype=torch.int32, device="cuda")), R,
+     r"get_decode_metadata supports at most 50000 requests"),
+    # kv_cache_api.cpp: check_cache (through gather, which checks the cache first)
+    ("gather_kv_cache", lambda a: dict(kv_cache=a["kv_cache"].float()), R,
+     r"kv_cache must be bfloat16, float16 or float8_e4m3fn, got Float"),
+    ("gather_kv_cache", lambda a: dict(kv_cache=a["kv_cache"][..., :512]), R,
+     r"kv_cache must be \[num_pages, page_size, 576\] or \[num_pages, page_size, 1, 576\], contiguous"),
+    ("gather_kv_cache", lambda a: dict(kv_cache=a["kv_cache"][:, :0]), R, r"kv_cache page_size must be >= 1"),
+    ("gather_kv_cache", lambda a: dict(kv_cache=shifted(a["kv_cache"])), R, r"kv_cache must be 16-byte aligned"),
+    ("gather_kv_cache", lambda a: dict(kv_cache=padded(a["kv_cache"])), R,
+     r"kv_cache stride\(1\) must be a multiple of 16 bytes"),
+    ("gather_kv_cache", lambda a: dict(kv_cache=a["kv_cache"].cpu()), R, r"all tensors must be on cuda:\d+, got one on cpu"),
+    ("gather_kv_cache", lambda a: dict(k_scale=torch.ones(1, device="cuda")), R,
+     r"k_scale is only valid with a float8_e4m3fn kv_cache"),
+    ("gather_kv_cache", lambda a: dict(kv_cache=a["kv_cache"].to(FP8)), R,
+     r"a float8_e4m3fn kv_cache needs k_scale \(float32, shape \[1\]\)"),
+    ("gather_kv_cache", lambda a: dict(kv_cache=a["kv_cache"].to(FP8), k_scale=torch.ones(2, device="cuda")), R,
+     r"k_scale must be a float32 tensor of shape \[1\]"),
+    ("gather_kv_cache", lambda a: dict(kv_cache=a["kv_cache"].to(FP8), k_scale=torch.ones(1)), R,
+     r"all tensors must be on cuda:\d+, got one on cpu"),
+    # kv_cache_api.cpp: write_kv_cache_cuda
+    ("write_kv_cache", lambda a: dict(kv_c=a["kv_c"].float()), R, r"kv_c must be bfloat16 or float16, got Float"),
+    ("write_kv_cache", lambda a: dict(kv_c=a["kv_c"][:, :256]), R, r"kv_c must be \[T, 512\], contiguous"),
+    ("write_kv_cache", lambda a: dict(k_pe=a["k_pe"].half()), R, r"k_pe must have kv_c's dtype"),
+    ("write_kv_cache", lambda a: dict(k_pe=a["k_pe"][:5]), R, r"k_pe must be \[T, 64\] or \[T, 1, 64\]"),
+    ("write_kv_cache", lambda a: dict(slot_mapping=a["slot_mapping"].int()), R, r"slot_mapping must be int64 \[T\]"),
+    ("write_kv_cache", lambda a: dict(kv_cache=a["kv_cache"].half()), R,
+     r"kv_cache must have kv_c's dtype or be float8_e4m3fn"),
+    ("write_kv_cache", lambda a: dict(slot_mapping=a["slot_mapping"].cpu()), R, r"all tensors must be on cuda"),
+    ("write_kv_cache", lambda a: dict(kv_c=shifted(a["kv_c"])), R, r"kv_c must be 16-byte aligned"),
+    ("write_kv_cache", lambda a: dict(k_pe=shifted(a["k_pe"])), R, r"k_pe must be 16-byte aligned"),
+    # kv_cache_api.cpp: gather_kv_cache_cuda
+    ("gather_kv_cache", lambda a: dict(block_table=a["block_table"].long()), R, r"block_table must be int32"),
+    ("gather_kv_cache", lambda a: dict(cu_seqlens=a["cu_seqlens"].long()), R, r"cu_seqlens must be int32"),
+    ("gather_kv_cache", lambda a: dict(cu_seqlens=a["cu_seqlens"].cpu()), R, r"cu_seqlens must be on cuda"),
+    ("gather_kv_cache", lambda a: dict(block_table=strided_last(a["block_table"])), R,
+     r"block_table must be contiguous in its last dim"),
+    ("gather_kv_cache", lambda a: dict(block_table=a["block_table"][0]), R, r"block_table must be \[B, max_pages\]"),
+    ("gather_kv_cache", lambda a: dict(cu_seqlens=a["cu_seqlens"][:2]), R, r"cu_seqlens must be \[B \+ 1\]"),
+    ("gather_kv_cache", lambda a: dict(num_tokens=-1), R, r"num_tokens must be >= 0"),
+    ("gather_kv_cache", lambda a: dict(out_dtype=torch.int8), R, r"out_dtype must be bfloat16, float16 or float32"),
+    # merge_api.cpp
+    ("merge_attn_states", lambda a: dict(out_a=a["out_a"].double()), R,
+     r"out_a must be bfloat16, float16 or float32, got Double"),
+    ("merge_attn_states", lambda a: dict(out_b=a["out_b"].half()), R, r"out_b must have dtype BFloat16"),
+    ("merge_attn_states", lambda a: dict(out_a=a["out_a"][..., :12], out_b=a["out_b"][..., :12]), R,
+     r"out_a must be \[..., d\] with d a positive multiple of 8"),
+    ("merge_attn_states", lambda a: dict(out_a=strided_last(a["out_a"])), R, r"out_a must be contiguous in its last dim"),
+    ("merge_attn_states", lambda a: dict(out_a=shifted(a["out_a"])), R, r"out_a must be 16-byte aligned"),
+    ("merge_attn_states", lambda a: dict(out_a=padded(a["out_a"])), R, r"out_a stride\(0\) must be a multiple of 16 bytes"),
+    ("merge_attn_states", lambda a: dict(out_b=a["out_b"][:3]), R, r"out_b must have out_a's shape"),
+    ("merge_attn_states", lambda a: dict(lse_a=a["lse_a"].double()), R, r"lse_a must be float32, got Double"),
+    ("merge_attn_states", lambda a: dict(lse_b=a["lse_b"][:3]), R, r"lse_b must have shape \[5, 3\]"),
+    ("merge_attn_states", lambda a: dict(lse_a=a["lse_a"].cpu()), R, r"all tensors must be on cuda"),
+    ("merge_attn_states", lambda a: dict(
+        out_a=torch.zeros(2, 2, 2, 2, 3, 16, dtype=torch.bfloat16, device="cuda").transpose(0, 4),
+        out_b=torch.zeros(3, 2, 2, 2, 2, 16, dtype=torch.bfloat16, device="cuda"),
+        lse_a=torch.zeros(3, 2, 2, 2, 2, device="cuda"), lse_b=torch.zeros(3, 2, 2, 2, 2, device="cuda")), R,
+     r"merge supports at most 4 leading dims"),
+    ("merge_attn_states_out", lambda a: dict(out=a["out"].half()), R, r"out must have dtype BFloat16"),
+    ("merge_attn_states_out", lambda a: dict(lse=a["lse"].double()), R, r"lse must be float32"),
+    ("merge_attn_states_n", lambda a: dict(outs=a["outs"][0, 0, 0], lses=a["lses"][0, 0, 0]), R,
+     r"outs must be \[n, ..., d\]"),
+    ("merge_attn_states_n", lambda a: dict(lses=a["lses"].double()), R, r"lses must be float32"),
+    # prefill_api.cpp
+    ("mla_prefill", lambda a: dict(q=a["q"][0]), R, r"q must be \[T_q, h_q, 192\]"),
+    ("mla_prefill", lambda a: dict(q=a["q"].float()), R, r"q must be bf16 or fp16"),
+    ("mla_prefill", lambda a: dict(q=a["q"][..., :128]), R, r"q must be \[T, h, 192\], got"),
+    ("mla_prefill", lambda a: dict(k=a["k"][..., :64]), R, r"k \(k_nope with k_pe\) must be \[T, h, 128\]"),
+    ("mla_prefill", lambda a: dict(v=a["v"].half()), R, r"v dtype must equal q's"),
+    ("mla_prefill", lambda a: dict(v=strided_last(a["v"])), R, r"v must be contiguous in its last dim"),
+    ("mla_prefill", lambda a: dict(v=a["v"].cpu()), R, r"v must be on cuda"),
+    ("mla_prefill", lambda a: dict(q=shifted(a["q"].contiguous())), R, r"q must be 16-byte aligned"),
+    ("mla_prefill", lambda a: dict(k=a["k"][:, :3], v=a["v"][:, :3]), R, r"h_q \(4\) must be a multiple of h_k \(3\)"),
+    ("mla_prefill", lambda a: dict(v=a["v"][:5]), R, r"v must be \[T_k, h_k, 128\] like k"),
+    ("mla_prefill_out", lambda a: dict(out=a["out"][:5]), R, r"out must be \[T_q, h_q, 128\]"),
+    ("mla_prefill_out", lambda a: dict(lse=a["lse"].double()), R, r"lse must be float32 \[T_q, h_q\]"),
+    ("mla_prefill", lambda a: dict(k_pe=a["k_pe"][..., :32]), R, r"k_pe must be \[T, h, 64\]"),
+    ("mla_prefill", lambda a: dict(k_pe=a["k_pe"].expand(-1, 2, -1)), R, r"k_pe must be \[T_k, 1, 64\]"),
+    ("mla_prefill", lambda a: dict(cu_seqlens_q=a["cu_seqlens_q"].long()), R, r"cu_seqlens_q must be int32"),
+    ("mla_prefill", lambda a: dict(cu_seqlens_k=a["cu_seqlens_k"].cpu()), R, r"cu_seqlens_k must be on cuda"),
+    ("mla_prefill", lambda a: dict(cu_seqlens_k=a["cu_seqlens_k"][:2]), R,
+     r"cu_seqlens_q and cu_seqlens_k must both be \[B \+ 1\]"),
+    ("mla_prefill", lambda a: dict(max_seqlen_q=-1), R, r"max_seqlen_q must be >= 0"),
+    ("mla_prefill", lambda a: dict(softmax_scale=-1.0), R, r"softmax_scale must be positive"),
+    ("mla_prefill", lambda a: dict(cu_seqlens_q=torch.zeros(65537, dtype=torch.int32, device="cuda"),
+                                   cu_seqlens_k=torch.zeros(65537, dtype=torch.int32, device="cuda")), R,
+     r"at most 65535 requests and heads"),
+]
+
+
+def _ids(cases):
+    return [f"{c[0]}-{i}" for i, c in enumerate(cases)]
+
+
+@pytest.fixture(scope="module")
+def gpu_inputs():
+    return inputs("cuda")
+
+
+@pytest.mark.gpu
+@pytest.mark.parametrize("case", GPU_CASES, ids=_ids(GPU_CASES))
+def test_gpu_error(gpu_inputs, case):
+    with pytest.raises(case[2], match=case[3]):
+        raise_case(gpu_inputs, case)
+
+
+@pytest.mark.gpu
+def test_gpu_errors_back_to_back(gpu_inputs):
+    """Every case again, in a row, then a valid call: the process survives them all."""
+    for case in GPU_CASES:
+        with pytest.raises(case[2], match=case[3]):
+            raise_case(gpu_inputs, case)
+    out, _ = invoke("mla_decode", gpu_inputs["mla_decode"])
+    torch.cuda.synchronize()
+    assert torch.isfinite(out).all()
+
+
+# ------------------------------------------------------------------------------------------ CPU cases
+# The CPU kernels: the wrappers' checks, so kind -> TypeError, shape / layout / value -> ValueError.
+# (Tensors on two devices need two devices: the wrappers' tests cover them with the meta device.)
+CPU_CASES = [
+    ("mla_decode", lambda a: dict(softmax_scale=math.inf), V, r"softmax_scale must be a finite number > 0, got inf"),
+    ("mla_decode", lambda a: dict(q=a["q"].float()), T, r"q must be bfloat16 or float16"),
+    ("mla_decode", lambda a: dict(kv_cache=a["kv_cache"].half()), T, r"kv_cache dtype torch.float16 must match q"),
+    ("mla_decode", lambda a: dict(block_table=a["block_table"].long()), T, r"block_table must be int32"),
+    ("mla_decode", lambda a: dict(q=a["q"][..., :512]), V, r"q must be \[B, s_q, h_q, 576\]"),
+    ("mla_decode", lambda a: dict(kv_cache=a["kv_cache"][:, :8]), V, r"page_size must be a multiple of 16"),
+    ("mla_decode", lambda a: dict(q=padded(a["q"])), V, r"q: stride\(1\) = 2308 elements is not a multiple of 16"),
+    ("mla_decode", lambda a: dict(block_table=a["block_table"][:1]), V, r"block_table has 1 rows but cache_seqlens has 2"),
+    ("mla_decode", lambda a: dict(fp8_mma=True), V, r"fp8_mma=True needs a float8_e4m3fn kv_cache"),
+    ("mla_decode", lambda a: dict(tile_sched=a["tile_sched"].long()), T, r"metadata.tile_sched must be a contiguous int32"),
+    ("mla_decode", lambda a: dict(req_splits=torch.cat([a["req_splits"]] * 2)), V, r"metadata was computed for batch 4"),
+    ("mla_decode", lambda a: dict(num_sm_parts=0), V, r"num_sm_parts=0 must be in \[1, num_sms=132\]"),
+    ("mla_decode_fp8", lambda a: dict(k_scale=a["k_scale"].double()), T, r"k_scale must be a float32 tensor"),
+    ("mla_decode_fp8", lambda a: dict(k_scale=a["k_scale"].expand(2)), V, r"k_scale must be a float32 tensor"),
+    ("mla_decode_fp8", lambda a: dict(k_scale=None), V, r"a float8_e4m3fn kv_cache needs k_scale"),
+    ("mla_decode_varlen", lambda a: dict(cu_seqlens_q=a["cu_seqlens_q"][:2]), V, r"cu_seqlens_q must have batch \+ 1"),
+    ("mla_decode_out", lambda a: dict(out=a["out"].float()), T, r"out dtype torch.float32 must match q dtype"),
+    ("mla_decode_out", lambda a: dict(lse=a["lse"].double()), T, r"lse must be float32"),
+    ("get_decode_metadata", lambda a: dict(cache_seqlens=a["cache_seqlens"].long()), T, r"cache_seqlens must be int32"),
+    ("get_decode_metadata", lambda a: dict(num_sm_parts=0), V, r"num_sm_parts=0 must be in \[1, num_sms=132\]"),
+    ("write_kv_cache", lambda a: dict(kv_c=a["kv_c"].float()), T, r"kv_c must be bfloat16 or float16"),
+    ("write_kv_cache", lambda a: dict(slot_mapping=a["slot_mapping"].int()), T, r"slot_mapping must be int64"),
+    ("write_kv_cache", lambda a: dict(k_pe=a["k_pe"][:5]), V, r"k_pe must be \[T, 64\] or \[T, 1, 64\]"),
+    ("write_kv_cache", lambda a: dict(kv_cache=a["kv_cache"].to(FP8)), V, r"float8_e4m3fn kv_cache needs k_scale"),
+    ("gather_kv_cache", lambda a: dict(block_table=a["block_table"].long()), T, r"block_table must be int32"),
+    ("gather_kv_cache", lambda a: dict(cu_seqlens=a["cu_seqlens"][:2]), V, r"cu_seqlens must have B \+ 1 = 3 entries"),
+    ("gather_kv_cache", lambda a: dict(num_tokens=-1), V, r"num_tokens must be in \[0, inf\], got -1"),
+    ("gather_kv_cache", lambda a: dict(out_dtype=torch.int8), T, r"out_dtype must be None, bfloat16"),
+    ("merge_attn_states", lambda a: dict(out_a=a["out_a"].double()), T, r"out_a must be bfloat16, float16 or float32"),
+    ("merge_attn_states", lambda a: dict(out_b=a["out_b"][:3]), V, r"out_b shape \(3, 3, 16\) must match out_a"),
+    ("merge_attn_states_out", lambda a: dict(lse=a["lse"][:2]), V, r"lse must have shape \(5, 3\)"),
+    ("merge_attn_states_n", lambda a: dict(lses=a["lses"].double()), T, r"lses must be float32"),
+    ("mla_prefill", lambda a: dict(softmax_scale=math.inf), V, r"softmax_scale must be a finite number > 0, got inf"),
+    ("mla_prefill", lambda a: dict(v=a["v"].half()), T, r"v dtype torch.float16 must match q dtype"),
+    ("mla_prefill", lambda a: dict(cu_seqlens_k=a["cu_seqlens_k"].long()), T, r"cu_seqlens_k must be int32"),
+    ("mla_prefill", lambda a: dict(k=a["k"][:, :3], v=a["v"][:, :3]), V, r"h_q = 4 must be a multiple of h_k = 3"),
+    ("mla_prefill", lambda a: dict(max_seqlen_q=-1), V, r"max_seqlen_q must be in \[0, inf\], got -1"),
+    ("mla_prefill_out", lambda a: dict(out=a["out"][:5]), V, r"out must be \[8, 4, 128\]"),
+]
+
+
+@pytest.fixture(scope="module")
+def cpu_inputs():
+    return inputs("cpu")
+
+
+@pytest.mark.parametrize("case", CPU_CASES, ids=_ids(CPU_CASES))
+def test_cpu_kernel_error(cpu_inputs, case):
+    with pytest.raises(case[2], match=case[3]):
+        raise_case(cpu_inputs, case)
+
+
+def test_cpu_valid_inputs_pass(cpu_inputs):
+    """The base inputs of the cases are valid: each case fails for its own change only."""
+    for key in cpu_inputs:
+        raise_case(cpu_inputs, (key, lambda a: {}))
+
+
+# The wrappers' own checks (arguments the ops do not take) and the exception rule on them.
+def _decode_call(**kw):
+    c = make_decode_case([20, 3], 2, 16, 16)  # 32 query rows per request
+    kw = {"softmax_scale": 0.1, **kw}
+    return lambda: mla_attn.mla_decode(c["q"], c["kv_cache"], c["block_table"], c["cache_seqlens"], **kw)
+
+
+WRAPPER_CASES = [
+    ("softmax_scale None", _decode_call(softmax_scale=None), V, r"softmax_scale is required"),
+    ("softmax_scale str", _decode_call(softmax_scale="0.1"), T, r"softmax_scale must be a number, got str"),
+    ("metadata tuple", _decode_call(metadata=(1, 2)), T, r"metadata must be a DecodeMetadata"),
+    ("unknown kernel", _decode_call(_kernel="narrow64"), V, r"unknown decode kernel 'narrow64'"),
+    ("kernel not str", _decode_call(_kernel=3), T, r"kernel must be a str or None, got int"),
+    ("kernel rows", _decode_call(_kernel="narrow16"), V, r"runs at most 16 query rows per request .* got 32"),
+    ("kernel cache", _decode_call(_kernel="fp8mma"), V, r"'fp8mma' needs a float8_e4m3fn kv_cache"),
+    ("metadata heads", lambda: mla_attn.get_decode_metadata(torch.zeros(2, dtype=torch.int32), 129, s_q=1), V,
+     r"num_heads_q must be in \[1, 128\], got 129"),
+    ("metadata lens dtype", lambda: mla_attn.get_decode_metadata(torch.zeros(2), 16, s_q=1), T,
+     r"cache_seqlens must be int32"),
+    ("prefill scale inf", lambda: mla_attn.mla_prefill(*_prefill_args(), softmax_scale=math.inf, causal=True), V,
+     r"softmax_scale must be a finite number > 0"),
+    ("prefill cu dtype", lambda: mla_attn.mla_prefill(*_prefill_args(cu_k=torch.int64), softmax_scale=0.1,
+                                                      causal=True), T, r"cu_seqlens_k must be int32"),
+    ("cp q shape", lambda: cp_mla_decode(torch.zeros(2, 2, 4, 576), None, None, None, softmax_scale=0.1), V,
+     r"cp_mla_decode needs q \[B, 1, h_q, D\]"),
+    ("cp rank", lambda: cp_slice(torch.zeros(1, 4, dtype=torch.int32), torch.zeros(1, dtype=torch.int32), 16, 2, 2), V,
+     r"rank 2 is not in \[0, world_size=2\)"),
+    ("layer dims", lambda: mla_attn.MLAAttention(mla_attn.MLAConfig(hidden_size=64, num_heads=2, kv_lora_rank=256)), V,
+     r"mla_attn kernels need kv_lora_rank=512, got 256"),
+    ("batch table dtype", lambda: mla_attn.MLABatch.build([1], [3], torch.zeros(1, 1, dtype=torch.int64), 16, "cpu"),
+     T, r"block_table tensor must be int32"),
+]
+
+
+def _prefill_args(cu_k=torch.int32):
+    c = make_prefill_case([5, 3], [7, 3], 4, pad=0)
+    return c["q"], c["k"], c["v"], c["cu_seqlens_q"], c["cu_seqlens_k"].to(cu_k), 5, 7
+
+
+@pytest.mark.parametrize("name,fn,exc,match", WRAPPER_CASES, ids=[c[0] for c in WRAPPER_CASES])
+def test_wrapper_error(name, fn, exc, match):
+    with pytest.raises(exc, match=match):
+        fn()
