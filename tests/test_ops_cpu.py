@@ -1,11 +1,14 @@
 """The torch.ops surface on CPU: registration, CPU kernels vs the reference, opcheck, torch.compile
 through the fakes, and the CPU scheduler (the twin of the device scheduler kernel)."""
+import re
+from pathlib import Path
+
 import pytest
 import torch
 from cases import D_V, make_decode_case
 
 import mla_attn
-from mla_attn.metadata import (BLOCK_N, FIXED_COST, NO_SPLIT_SLACK, SCHEDULE_COLUMN, ScheduleRow,
+from mla_attn.metadata import (BLOCK_N, DECODE_KERNELS, FIXED_COST, NO_SPLIT_SLACK, SCHEDULE_COLUMN, ScheduleRow,
                                num_sm_parts, schedule_cpu, split_payload)
 from mla_attn.reference import mla_decode_ref
 
@@ -72,6 +75,32 @@ def test_opcheck(varlen):
     torch.library.opcheck(OPS.mla_decode_out.default, args + (out, lse))
     torch.library.opcheck(OPS.get_decode_metadata.default,
                           (c["cache_seqlens"], c["cu_seqlens_q"], c["max_seqlen_q"], 3, True, 7, 9))
+
+
+def test_decode_kernel_option_cpu():
+    # The private kernel= of the ops: None or a kernel's name runs (the CPU reference stands in for
+    # every kernel); an unknown name is a ValueError, as from the CUDA op.
+    c = make_decode_case([20, 0, 33], 2, 3, 16)
+    args = _op_args(c)
+    want = OPS.mla_decode(*args)
+    for name in (None,) + DECODE_KERNELS:
+        got = OPS.mla_decode(*args, kernel=name)
+        assert torch.equal(got[0], want[0]) and torch.equal(got[1], want[1]), name
+    out = torch.empty_like(want[0])
+    lse = torch.empty_like(want[1])
+    OPS.mla_decode_out(*args, out, lse, kernel="rows64")
+    assert torch.equal(out, want[0]) and torch.equal(lse, want[1])
+    with pytest.raises(ValueError, match="unknown decode kernel 'rows32'"):
+        OPS.mla_decode(*args, kernel="rows32")
+    with pytest.raises(ValueError, match="unknown decode kernel"):
+        OPS.mla_decode_out(*args, out, lse, kernel="")
+    torch.library.opcheck(OPS.mla_decode.default, args, {"kernel": "seesaw"})
+
+
+def test_decode_kernel_names_match_the_dispatch_header():
+    (header,) = (Path(__file__).resolve().parents[1] / "csrc").glob("**/dispatch.h")
+    table = re.search(r"kDecodeKernelNames = \{\{(.*?)\}\};", header.read_text(), re.S).group(1)
+    assert tuple(re.findall(r'\{DecodeKernel::\w+, "(\w+)"\}', table)) == DECODE_KERNELS
 
 
 def test_torch_compile_fullgraph():

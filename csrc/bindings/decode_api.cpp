@@ -7,6 +7,8 @@
 #include <torch/library.h>
 
 #include <cmath>
+#include <optional>
+#include <string>
 
 #include "bindings/checks.h"
 #include "mla_decode/config.h"
@@ -20,12 +22,31 @@ using mla_decode::DecodeParams;
 using mla_decode::DecodeProblem;
 using namespace mla_bindings;
 
+// The split kernel: the one `name` forces (ValueError if it is unknown or cannot run this case),
+// else the default choice.
+DecodeKernel resolve_decode_kernel(const std::optional<c10::string_view>& name, const DecodeProblem& problem) {
+  using namespace mla_decode;
+  if (!name.has_value()) return choose_decode_kernel(problem);
+  const std::optional<DecodeKernel> kernel = parse_decode_kernel(*name);
+  if (!kernel.has_value()) {
+    std::string known;
+    for (const auto& entry : kDecodeKernelNames) known += (known.empty() ? "" : ", ") + std::string(entry.name);
+    TORCH_CHECK_VALUE(false, "mla_attn: unknown decode kernel '", *name, "'; the kernels are ", known);
+  }
+  TORCH_CHECK_VALUE(decode_kernel_supports(*kernel, problem), "mla_attn: decode kernel '", *name,
+                    "' cannot run this case: it needs ", decode_kernel_requirement(*kernel), "; got ",
+                    problem.rows(), " query rows per request and a ",
+                    problem.fp8_cache ? "float8_e4m3fn" : "16-bit", " cache");
+  return *kernel;
+}
+
 void mla_decode_cuda_impl(const Tensor& q, const std::optional<Tensor>& q_pe, const Tensor& kv_cache,
                           const Tensor& block_table, const Tensor& cache_seqlens,
                           const std::optional<Tensor>& cu_seqlens_q, int64_t max_seqlen_q,
                           double softmax_scale, bool causal, const Tensor& tile_sched,
                           const Tensor& req_splits, int64_t num_sm_parts, Tensor& out, Tensor& lse,
-                          const std::optional<Tensor>& k_scale, bool deterministic, bool fp8_mma) {
+                          const std::optional<Tensor>& k_scale, bool deterministic, bool fp8_mma,
+                          const std::optional<c10::string_view>& kernel_name) {
   using namespace mla_decode;
   check_sm90(q, "decode");
   const bool fp8_kv = kv_cache.scalar_type() == at::kFloat8_e4m3fn;
@@ -80,7 +101,7 @@ void mla_decode_cuda_impl(const Tensor& q, const std::optional<Tensor>& q_pe, co
   TORCH_CHECK(max_seqlen_q >= 1, "mla_attn: max_seqlen_q must be >= 1");
   const DecodeProblem problem{.fp8_cache = fp8_kv, .max_seqlen_q = max_seqlen_q, .heads_q = heads, .batch = batch,
                               .deterministic = deterministic, .fp8_mma = fp8_mma};
-  const DecodeKernel kernel = choose_decode_kernel(problem);
+  const DecodeKernel kernel = resolve_decode_kernel(kernel_name, problem);
   const int tiles = int(problem.q_tiles());
   TORCH_CHECK(num_sm_parts >= 1 && num_sm_parts <= tile_sched.size(0) && num_sm_parts <= kMaxSmParts,
               "mla_attn: num_sm_parts out of range");
@@ -174,14 +195,15 @@ std::tuple<Tensor, Tensor> mla_decode_cuda(const Tensor& q, const std::optional<
                                            int64_t max_seqlen_q, double softmax_scale, bool causal,
                                            const Tensor& tile_sched, const Tensor& req_splits,
                                            int64_t num_sm_parts, const std::optional<Tensor>& k_scale,
-                                           bool deterministic, bool fp8_mma) {
+                                           bool deterministic, bool fp8_mma,
+                                           std::optional<c10::string_view> kernel) {
   auto out_shape = q.sizes().vec();
   out_shape.back() = mla_decode::kHeadDimV;
   Tensor out = at::empty(out_shape, q.options());
   Tensor lse = at::empty(q.sizes().slice(0, q.dim() - 1), q.options().dtype(at::kFloat));
   mla_decode_cuda_impl(q, q_pe, kv_cache, block_table, cache_seqlens, cu_seqlens_q, max_seqlen_q,
                        softmax_scale, causal, tile_sched, req_splits, num_sm_parts, out, lse, k_scale,
-                       deterministic, fp8_mma);
+                       deterministic, fp8_mma, kernel);
   return {out, lse};
 }
 
@@ -190,14 +212,15 @@ void mla_decode_out_cuda(const Tensor& q, const std::optional<Tensor>& q_pe, con
                          const std::optional<Tensor>& cu_seqlens_q, int64_t max_seqlen_q,
                          double softmax_scale, bool causal, const Tensor& tile_sched,
                          const Tensor& req_splits, int64_t num_sm_parts, Tensor out, Tensor lse,
-                         const std::optional<Tensor>& k_scale, bool deterministic, bool fp8_mma) {
+                         const std::optional<Tensor>& k_scale, bool deterministic, bool fp8_mma,
+                         std::optional<c10::string_view> kernel) {
   TORCH_CHECK(out.scalar_type() == q.scalar_type() && out.size(-1) == mla_decode::kHeadDimV &&
                   out.stride(-1) == 1,
               "mla_attn: out must be [.., h_q, 512] of q's dtype, contiguous in the last dim");
   TORCH_CHECK(lse.scalar_type() == at::kFloat, "mla_attn: lse must be float32");
   mla_decode_cuda_impl(q, q_pe, kv_cache, block_table, cache_seqlens, cu_seqlens_q, max_seqlen_q,
                        softmax_scale, causal, tile_sched, req_splits, num_sm_parts, out, lse, k_scale,
-                       deterministic, fp8_mma);
+                       deterministic, fp8_mma, kernel);
 }
 
 std::tuple<Tensor, Tensor> get_decode_metadata_cuda(const Tensor& cache_seqlens,

@@ -36,13 +36,6 @@ inline constexpr std::array<DecodeKernelName, 7> kDecodeKernelNames = {{
     {DecodeKernel::kFp8Mma, "fp8mma"},
 }};
 
-constexpr std::string_view decode_kernel_name(DecodeKernel kernel) {
-  for (const auto& entry : kDecodeKernelNames) {
-    if (entry.kernel == kernel) return entry.name;
-  }
-  return "?";
-}
-
 // nullopt for a name that is not a kernel's.
 constexpr std::optional<DecodeKernel> parse_decode_kernel(std::string_view name) {
   for (const auto& entry : kDecodeKernelNames) {
