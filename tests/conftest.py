@@ -9,6 +9,7 @@ from cases import make_decode_case
 from fp8_cases import dequantized, to_fp8_case
 
 import mla_attn
+from mla_attn.metadata import ScheduleRow
 from mla_attn.reference import mla_decode_ref
 
 FP8 = torch.float8_e4m3fn
@@ -169,7 +170,9 @@ def schedule_segments(tile_sched, parts, num_blocks):
     tile_sched's first `parts` rows; num_blocks: KV blocks per request."""
     segments = []
     for p in range(parts):
-        b0, blk0, b1, hi1, k0 = tile_sched[p, :5].tolist()
-        for b in range(b0, b1 + 1):
-            segments.append((b, blk0 if b == b0 else 0, hi1 if b == b1 else num_blocks[b], k0 if b == b0 else 0, p))
+        r = ScheduleRow(*tile_sched[p].tolist())
+        for b in range(r.first_request, r.last_request + 1):
+            segments.append((b, r.first_block if b == r.first_request else 0,
+                             r.last_end_block if b == r.last_request else num_blocks[b],
+                             r.first_split if b == r.first_request else 0, p))
     return segments

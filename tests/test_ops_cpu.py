@@ -1,12 +1,16 @@
 """The torch.ops surface on CPU: registration, CPU kernels vs the reference, opcheck, torch.compile
 through the fakes, and the CPU scheduler (the twin of the device scheduler kernel)."""
+import re
+from pathlib import Path
+
 import pytest
 import torch
 from cases import D_V, make_decode_case
 from conftest import ragged_lengths, schedule_segments
 
 import mla_attn
-from mla_attn.metadata import BLOCK_N, FIXED_COST, NO_SPLIT_SLACK, num_sm_parts, schedule_cpu, split_payload
+from mla_attn.metadata import (BLOCK_N, DECODE_KERNELS, FIXED_COST, NO_SPLIT_SLACK, SCHEDULE_COLUMN, ScheduleRow,
+                               num_sm_parts, schedule_cpu, split_payload)
 from mla_attn.reference import mla_decode_ref
 
 OPS = torch.ops.mla_attn
@@ -74,6 +78,32 @@ def test_opcheck(varlen):
                           (c["cache_seqlens"], c["cu_seqlens_q"], c["max_seqlen_q"], 3, True, 7, 9))
 
 
+def test_decode_kernel_option_cpu():
+    # The private kernel= of the ops: None or a kernel's name runs (the CPU reference stands in for
+    # every kernel); an unknown name is a ValueError, as from the CUDA op.
+    c = make_decode_case([20, 0, 33], 2, 3, 16)
+    args = _op_args(c)
+    want = OPS.mla_decode(*args)
+    for name in (None,) + DECODE_KERNELS:
+        got = OPS.mla_decode(*args, kernel=name)
+        assert torch.equal(got[0], want[0]) and torch.equal(got[1], want[1]), name
+    out = torch.empty_like(want[0])
+    lse = torch.empty_like(want[1])
+    OPS.mla_decode_out(*args, out, lse, kernel="rows64")
+    assert torch.equal(out, want[0]) and torch.equal(lse, want[1])
+    with pytest.raises(ValueError, match="unknown decode kernel 'rows32'"):
+        OPS.mla_decode(*args, kernel="rows32")
+    with pytest.raises(ValueError, match="unknown decode kernel"):
+        OPS.mla_decode_out(*args, out, lse, kernel="")
+    torch.library.opcheck(OPS.mla_decode.default, args, {"kernel": "seesaw"})
+
+
+def test_decode_kernel_names_match_the_dispatch_header():
+    (header,) = (Path(__file__).resolve().parents[1] / "csrc").glob("**/dispatch.h")
+    table = re.search(r"kDecodeKernelNames = \{\{(.*?)\}\};", header.read_text(), re.S).group(1)
+    assert tuple(re.findall(r'\{DecodeKernel::\w+, "(\w+)"\}', table)) == DECODE_KERNELS
+
+
 def test_torch_compile_fullgraph():
     c = make_decode_case([40, 7], 2, 4, 16)
     md = mla_attn.get_decode_metadata(c["cache_seqlens"], 4, s_q=2)
@@ -121,26 +151,26 @@ def test_schedule_properties(parts, seed):
     payload = split_payload(n, parts)
     # Balanced: only the last part takes the remainder (whole requests: at most NO_SPLIT_SLACK more).
     assert max(cost[:-1], default=0) <= payload + (NO_SPLIT_SLACK if max(num_splits, default=1) <= 1 else 0)
-    for p in range(parts):  # column 5: the length of the part's first request (0 for an empty part)
-        b0, _, b1 = tile_sched[p, :3].tolist()
-        assert tile_sched[p, 5] == (lens[b0] if b1 >= b0 else 0)
-    # Column 6: b + 1 of each split request in order (at most parts - 1 of them), then zeros.
+    for p in range(parts):  # first_seqlen: the length of the part's first request (0 for an empty part)
+        r = ScheduleRow(*tile_sched[p].tolist())
+        assert r.first_seqlen == (lens[r.first_request] if r.last_request >= r.first_request else 0)
+    # split_list: b + 1 of each split request in order (at most parts - 1 of them), then zeros.
     split_list = [b + 1 for b in range(B) if num_splits[b] > 1]
     assert len(split_list) <= parts - 1 or not split_list
-    assert tile_sched[:, 6].tolist() == split_list + [0] * (132 - len(split_list))
+    assert tile_sched[:, SCHEDULE_COLUMN.split_list].tolist() == split_list + [0] * (132 - len(split_list))
 
 
 def test_schedule_hand_worked():
     # n = [10, 3], P = 2: total 23, payload 14 (split_payload: 12 and 13 leave blocks over); whole
     # requests fit at capacity 15 <= 14 + NO_SPLIT_SLACK: part 0 takes request
-    # 0 (15), request 1 (8) no longer fits. Column 5 is the length of the part's first request.
+    # 0 (15), request 1 (8) no longer fits. first_seqlen is the length of the part's first request.
     ts, rs = schedule_cpu(torch.tensor([640, 130], dtype=torch.int32), None, 1, 1, 2, 4)
     assert ts.tolist() == [[0, 0, 0, 10, 0, 640, 0, 0], [1, 0, 1, 3, 0, 130, 0, 0]] + [[0, 0, -1, 0, 0, 0, 0, 0]] * 2
     assert rs.tolist() == [[1, 0], [1, 0]]
     # n = [30], P = 3: total 35, payload 15 (the smallest that fits), so 10-block pieces with split
     # indices 0, 1, 2.
     ts, rs = schedule_cpu(torch.tensor([1920], dtype=torch.int32), None, 1, 1, 3, 3)
-    # Column 6 of row 0: request 0 (+ 1) is the first split request.
+    # split_list of row 0: request 0 (+ 1) is the first split request.
     assert ts.tolist() == [[0, 0, 0, 10, 0, 1920, 1, 0], [0, 10, 0, 20, 1, 1920, 0, 0], [0, 20, 0, 30, 2, 1920, 0, 0]]
     assert rs.tolist() == [[3, 0]]
     # empty batch: all parts empty

@@ -7,57 +7,37 @@
 #include <torch/library.h>
 
 #include <cmath>
+#include <optional>
+#include <string>
 
 #include "bindings/checks.h"
 #include "mla_decode/config.h"
 #include "mla_decode/decode.h"
+#include "mla_decode/dispatch.h"
 
 namespace {
 using at::Tensor;
+using mla_decode::DecodeKernel;
 using mla_decode::DecodeParams;
+using mla_decode::DecodeProblem;
 using namespace mla_bindings;
 
-int num_q_tiles(int64_t max_seqlen_q, int64_t num_heads_q) {
-  return int((max_seqlen_q * num_heads_q + mla_decode::kBlockM - 1) / mla_decode::kBlockM);
-}
-
-// The split kernel of a 16-bit cache (an fp8 cache's choice is in mla_decode_cuda_impl).
-enum class Kernel16 { kNarrow16, kRows64, kSeesaw, kSeesawSteady };
-
-// The seesaw kernel from kSeesawMinQTiles q-tiles of work (batch x q-tiles per request), with the
-// steady loop from kSteadyMinQTiles.
-constexpr int64_t kSeesawMinQTiles = 5;
-constexpr int64_t kSteadyMinQTiles = 128;
-
-Kernel16 choose_16bit_kernel(const DecodeParams& p, int tiles, bool deterministic) {
+// The split kernel: the one `name` forces (ValueError if it is unknown or cannot run this case),
+// else the default choice.
+DecodeKernel resolve_decode_kernel(const std::optional<c10::string_view>& name, const DecodeProblem& problem) {
   using namespace mla_decode;
-  const int rows = p.max_seqlen_q * p.num_heads_q;  // of the longest request
-  const int64_t work = int64_t(p.batch) * tiles;
-  // Few query rows: the transposed (narrow) kernel, whose MMAs have N = rows instead of 64 padded
-  // rows. 16 rows only: 32 measured slower than the 64-row kernel (H200, cold, h16 s2 b1 L1024: 25.2
-  // vs 16.1 us; b128 L1024 56.7 vs 50.2; at batch > 1 0.74-1.08x, faster only at b128 L65536:
-  // BENCHMARKS.md). Not with deterministic=True: rows depends on the batch's max_seqlen_q, and a
-  // request's result must not depend on the batch it is in (hence h_q alone below, too).
-  if (!deterministic && rows <= 16) return Kernel16::kNarrow16;
-  // The seesaw kernel overlaps one warpgroup's softmax with the other's MMAs, which pays where the
-  // MMAs bound the time: a request's rows fill two or more q-tiles, which share each KV tile
-  // (measured, H200: h_q 128 5-12 % faster with 32+ requests of 4k+ keys; h16 s64 b32 L4096 549 ->
-  // 492 us). At one q-tile the 64-row kernel's earlier stage release keeps more loads in flight (the
-  // seesaw there: 0.80-0.97x on h16 s2/s4, h32, h64 cells). With little work the seesaw kernel's
-  // larger code costs more than its overlap gains when the code is not in L2 (cold; warm it is
-  // faster): h128 s1 b1 L1024 19.0 vs 15.7 us with the 64-row kernel, b1 L16384 27.2 vs 24.7, s2
-  // b1 L1024 19.7 vs 16.6 (b1 L16384 32.5 vs 32.0), s1 b32 L1024 (64 q-tiles) 33.3 vs 32.0 but b32
-  // L4096 72.6 vs 78.6: segments of ~17 blocks repay the code (at h_q 128 batch 1, ~64k keys: such
-  // single requests may lose a few % here; not measured).
-  const bool seesaw = deterministic ? p.num_heads_q > kBlockM : rows > kBlockM && work >= kSeesawMinQTiles;
-  if (!seesaw) return Kernel16::kRows64;
-  // The steady loop pays in segments of 32+ blocks, but its code costs every call 0.3-5 us more when
-  // not in L2, even where no segment is that long (measured, H200: h128 s1 b32 L4096 73.0 -> 78.0
-  // us; b1 +2-3 %). Lengths are on the device, so: from 128 q-tiles of work (h128: b >= 64 at s_q 1,
-  // b >= 32 at s_q 2), where segments of 32+ blocks are likely (h128 s2 b128 L16384 -3.4 %, s2 b32
-  // L16384 -2.9 %, s1 b128 L1024 +1.2 %); deterministic: always (a request's path then depends on
-  // its length alone).
-  return deterministic || work >= kSteadyMinQTiles ? Kernel16::kSeesawSteady : Kernel16::kSeesaw;
+  if (!name.has_value()) return choose_decode_kernel(problem);
+  const std::optional<DecodeKernel> kernel = parse_decode_kernel(*name);
+  if (!kernel.has_value()) {
+    std::string known;
+    for (const auto& entry : kDecodeKernelNames) known += (known.empty() ? "" : ", ") + std::string(entry.name);
+    TORCH_CHECK_VALUE(false, "mla_attn: unknown decode kernel '", *name, "'; the kernels are ", known);
+  }
+  TORCH_CHECK_VALUE(decode_kernel_supports(*kernel, problem), "mla_attn: decode kernel '", *name,
+                    "' cannot run this case: it needs ", decode_kernel_requirement(*kernel), "; got ",
+                    problem.rows(), " query rows per request and a ",
+                    problem.fp8_cache ? "float8_e4m3fn" : "16-bit", " cache");
+  return *kernel;
 }
 
 void mla_decode_cuda_impl(const Tensor& q, const std::optional<Tensor>& q_pe, const Tensor& kv_cache,
@@ -65,7 +45,8 @@ void mla_decode_cuda_impl(const Tensor& q, const std::optional<Tensor>& q_pe, co
                           const std::optional<Tensor>& cu_seqlens_q, int64_t max_seqlen_q,
                           double softmax_scale, bool causal, const Tensor& tile_sched,
                           const Tensor& req_splits, int64_t num_sm_parts, Tensor& out, Tensor& lse,
-                          const std::optional<Tensor>& k_scale, bool deterministic, bool fp8_mma) {
+                          const std::optional<Tensor>& k_scale, bool deterministic, bool fp8_mma,
+                          const std::optional<c10::string_view>& kernel_name) {
   using namespace mla_decode;
   check_sm90(q, "decode");
   const bool fp8_kv = kv_cache.scalar_type() == at::kFloat8_e4m3fn;
@@ -105,7 +86,7 @@ void mla_decode_cuda_impl(const Tensor& q, const std::optional<Tensor>& q_pe, co
   check_i32(req_splits, "req_splits", q);
   const int64_t batch = cache_seqlens.size(0);
   TORCH_CHECK(block_table.dim() == 2 && block_table.size(0) == batch, "mla_attn: block_table must be [B, max_pages]");
-  TORCH_CHECK(tile_sched.dim() == 2 && tile_sched.size(1) == 8 && tile_sched.is_contiguous() &&
+  TORCH_CHECK(tile_sched.dim() == 2 && tile_sched.size(1) == kScheduleRowInts && tile_sched.is_contiguous() &&
                   req_splits.dim() == 2 && req_splits.size(1) == 2 && req_splits.is_contiguous(),
               "mla_attn: metadata must be contiguous tile_sched [num_sms, 8] and req_splits [B, 2]");
   TORCH_CHECK(req_splits.size(0) == batch, "mla_attn: metadata was made for another batch size");
@@ -118,7 +99,10 @@ void mla_decode_cuda_impl(const Tensor& q, const std::optional<Tensor>& q_pe, co
   const int64_t heads = q.size(-2);
   TORCH_CHECK(heads >= 1 && heads <= 128, "mla_attn: h_q must be in [1, 128]");
   TORCH_CHECK(max_seqlen_q >= 1, "mla_attn: max_seqlen_q must be >= 1");
-  const int tiles = num_q_tiles(max_seqlen_q, heads);
+  const DecodeProblem problem{.fp8_cache = fp8_kv, .max_seqlen_q = max_seqlen_q, .heads_q = heads, .batch = batch,
+                              .deterministic = deterministic, .fp8_mma = fp8_mma};
+  const DecodeKernel kernel = resolve_decode_kernel(kernel_name, problem);
+  const int tiles = int(problem.q_tiles());
   TORCH_CHECK(num_sm_parts >= 1 && num_sm_parts <= tile_sched.size(0) && num_sm_parts <= kMaxSmParts,
               "mla_attn: num_sm_parts out of range");
 
@@ -162,7 +146,7 @@ void mla_decode_cuda_impl(const Tensor& q, const std::optional<Tensor>& q_pe, co
   p.max_seqlen_q = int(max_seqlen_q);
   p.scale_log2 = float(softmax_scale * M_LOG2E);
   p.causal = causal;
-  p.tile_sched = tile_sched.data_ptr<int>();
+  p.tile_sched = reinterpret_cast<const ScheduleRow*>(tile_sched.data_ptr<int>());
   p.req_splits = req_splits.data_ptr<int>();
   p.num_sm_parts = int(num_sm_parts);
   p.num_q_tiles = tiles;
@@ -182,41 +166,24 @@ void mla_decode_cuda_impl(const Tensor& q, const std::optional<Tensor>& q_pe, co
   DecodeTma tma;
   const char* tma_error = make_kv_tma(p, fp8_kv ? TmaElement::kFp8 : bf16 ? TmaElement::kBf16 : TmaElement::kFp16, &tma);
   TORCH_CHECK(tma_error == nullptr, "mla_attn: ", tma_error ? tma_error : "");
-  const Kernel16 kernel16 = choose_16bit_kernel(p, tiles, deterministic);
-  tma.q_by_tma = !fp8_kv && heads > kBlockM &&
-                 (kernel16 == Kernel16::kSeesaw || kernel16 == Kernel16::kSeesawSteady) &&
+  tma.q_by_tma = decode_kernel_wants_q_by_tma(kernel, problem) &&
                  make_q_tma(p, varlen ? q.size(0) : q.size(1), varlen ? 1 : batch,
                             bf16 ? TmaElement::kBf16 : TmaElement::kFp16, &tma);
   const cudaError_t err = dispatch_half_type<cutlass::bfloat16_t, cutlass::half_t>(
       q.scalar_type(), "decode", [&]<typename Element>() {
-        if (!fp8_kv) {
-          switch (kernel16) {
-            case Kernel16::kNarrow16: return run_mla_decode_narrow<Element, 16, 2, false>(p, tma, stream);
-            case Kernel16::kRows64: return run_mla_decode<Element, false>(p, tma, stream);
-            case Kernel16::kSeesaw: return run_mla_decode_seesaw<Element, false>(p, tma, stream);
-            case Kernel16::kSeesawSteady: return run_mla_decode_seesaw<Element, true>(p, tma, stream);
-          }
+        switch (kernel) {
+          case DecodeKernel::kNarrow16:
+            return fp8_kv ? run_mla_decode_narrow<Element, kNarrow16Rows, 2, true>(p, tma, stream)
+                          : run_mla_decode_narrow<Element, kNarrow16Rows, 2, false>(p, tma, stream);
+          case DecodeKernel::kNarrow16x3: return run_mla_decode_narrow<Element, kNarrow16Rows, 3, true>(p, tma, stream);
+          case DecodeKernel::kNarrow32: return run_mla_decode_narrow<Element, kNarrow32Rows, 2, true>(p, tma, stream);
+          case DecodeKernel::kRows64:
+            return fp8_kv ? run_mla_decode<Element, true>(p, tma, stream) : run_mla_decode<Element, false>(p, tma, stream);
+          case DecodeKernel::kSeesaw: return run_mla_decode_seesaw<Element, false>(p, tma, stream);
+          case DecodeKernel::kSeesawSteady: return run_mla_decode_seesaw<Element, true>(p, tma, stream);
+          case DecodeKernel::kFp8Mma: return run_mla_decode_fp8mma<Element>(p, tma, stream);
         }
-        // Few query rows (those of the longest request): the transposed (narrow) kernel, whose MMAs
-        // have N = rows instead of 64 padded rows and whose Q tile is 18-36 KB. Not with
-        // deterministic=True (as in choose_16bit_kernel).
-        const int rows = p.max_seqlen_q * p.num_heads_q;
-        const bool narrow = !deterministic && rows <= kNarrowMaxRows;
-        // fp8: the narrow kernel converts in registers. At 32 rows its per-tile latency is higher
-        // (few registers to load ahead): measured slower than the 64-row kernel for a single request
-        // (H200, h16 s2 b1 L 1024: 30.1 vs 24.6 us). At 16 rows, three math warpgroups keep more
-        // tiles in flight but each tile takes longer: measured faster from batch 2 up, slower for a
-        // single request (h16 s1 b128 L16384: 319 vs 347 us; b1 L1024: 18.1 vs 16.2 us).
-        if (narrow && rows <= 16 && p.batch > 1) return run_mla_decode_narrow<Element, 16, 3, true>(p, tma, stream);
-        if (narrow && rows <= 16) return run_mla_decode_narrow<Element, 16, 2, true>(p, tma, stream);
-        // fp8_mma (opt-in): above 16 rows (with deterministic=True at any, chosen by h_q alone), e4m3
-        // MMAs, no conversion, Q and P rounded to e4m3 (fp8mma_kernel.cuh). Measured (H200): h_q 128
-        // 1.2-1.9x the 16-bit-MMA kernel's speed (1.1-1.3x a bf16 cache's); 17-32 rows at batch > 1
-        // 0.97-1.57x the narrow kernel's; at about 3 % relative error against the dequantized
-        // reference (0.17 % without). 16 rows or fewer stream the cache: the narrow kernel stays.
-        if (fp8_mma && (rows > 16 || deterministic)) return run_mla_decode_fp8mma<Element>(p, tma, stream);
-        if (narrow && p.batch > 1) return run_mla_decode_narrow<Element, kNarrowMaxRows, 2, true>(p, tma, stream);
-        return run_mla_decode<Element, true>(p, tma, stream);
+        return cudaErrorInvalidValue;  // not reached: every kernel has its case
       });
   C10_CUDA_CHECK(err);
 }
@@ -228,14 +195,15 @@ std::tuple<Tensor, Tensor> mla_decode_cuda(const Tensor& q, const std::optional<
                                            int64_t max_seqlen_q, double softmax_scale, bool causal,
                                            const Tensor& tile_sched, const Tensor& req_splits,
                                            int64_t num_sm_parts, const std::optional<Tensor>& k_scale,
-                                           bool deterministic, bool fp8_mma) {
+                                           bool deterministic, bool fp8_mma,
+                                           std::optional<c10::string_view> kernel) {
   auto out_shape = q.sizes().vec();
   out_shape.back() = mla_decode::kHeadDimV;
   Tensor out = at::empty(out_shape, q.options());
   Tensor lse = at::empty(q.sizes().slice(0, q.dim() - 1), q.options().dtype(at::kFloat));
   mla_decode_cuda_impl(q, q_pe, kv_cache, block_table, cache_seqlens, cu_seqlens_q, max_seqlen_q,
                        softmax_scale, causal, tile_sched, req_splits, num_sm_parts, out, lse, k_scale,
-                       deterministic, fp8_mma);
+                       deterministic, fp8_mma, kernel);
   return {out, lse};
 }
 
@@ -244,14 +212,15 @@ void mla_decode_out_cuda(const Tensor& q, const std::optional<Tensor>& q_pe, con
                          const std::optional<Tensor>& cu_seqlens_q, int64_t max_seqlen_q,
                          double softmax_scale, bool causal, const Tensor& tile_sched,
                          const Tensor& req_splits, int64_t num_sm_parts, Tensor out, Tensor lse,
-                         const std::optional<Tensor>& k_scale, bool deterministic, bool fp8_mma) {
+                         const std::optional<Tensor>& k_scale, bool deterministic, bool fp8_mma,
+                         std::optional<c10::string_view> kernel) {
   TORCH_CHECK(out.scalar_type() == q.scalar_type() && out.size(-1) == mla_decode::kHeadDimV &&
                   out.stride(-1) == 1,
               "mla_attn: out must be [.., h_q, 512] of q's dtype, contiguous in the last dim");
   TORCH_CHECK(lse.scalar_type() == at::kFloat, "mla_attn: lse must be float32");
   mla_decode_cuda_impl(q, q_pe, kv_cache, block_table, cache_seqlens, cu_seqlens_q, max_seqlen_q,
                        softmax_scale, causal, tile_sched, req_splits, num_sm_parts, out, lse, k_scale,
-                       deterministic, fp8_mma);
+                       deterministic, fp8_mma, kernel);
 }
 
 std::tuple<Tensor, Tensor> get_decode_metadata_cuda(const Tensor& cache_seqlens,
@@ -267,11 +236,11 @@ std::tuple<Tensor, Tensor> get_decode_metadata_cuda(const Tensor& cache_seqlens,
   const int64_t batch = cache_seqlens.size(0);
   TORCH_CHECK(batch <= 50000, "mla_attn: get_decode_metadata supports at most 50000 requests");
   auto opts = cache_seqlens.options().dtype(at::kInt);
-  Tensor tile_sched = at::empty({num_sms, 8}, opts);
+  Tensor tile_sched = at::empty({num_sms, mla_decode::kScheduleRowInts}, opts);
   Tensor req_splits = at::empty({batch, 2}, opts);
   C10_CUDA_CHECK(mla_decode::run_decode_metadata(
       cache_seqlens.data_ptr<int>(), int(batch), int(num_sm_parts), int(num_sms),
-      deterministic, tile_sched.data_ptr<int>(), req_splits.data_ptr<int>(),
+      deterministic, reinterpret_cast<mla_decode::ScheduleRow*>(tile_sched.data_ptr<int>()), req_splits.data_ptr<int>(),
       at::cuda::getCurrentCUDAStream()));
   return {tile_sched, req_splits};
 }

@@ -30,15 +30,19 @@ TORCH_LIBRARY(mla_attn, m) {
   //   deterministic: the kernel is chosen by h_q alone (metadata computed with deterministic=True)
   //   fp8_mma: with a float8_e4m3fn cache and > 16 query rows per request (any when deterministic),
   //            the MMAs run in e4m3 (Q and P rounded to e4m3)
+  //   kernel:  private (tests, benchmarks): forces the split kernel by name instead of the default
+  //            choice (csrc/mla_decode/dispatch.h); an unknown name, or a kernel that cannot run the
+  //            case, raises ValueError
   m.def(
       "mla_decode(Tensor q, Tensor? q_pe, Tensor kv_cache, Tensor block_table, Tensor cache_seqlens, "
       "Tensor? cu_seqlens_q, int max_seqlen_q, float softmax_scale, bool causal, "
       "Tensor tile_sched, Tensor req_splits, int num_sm_parts, *, Tensor? k_scale=None, bool deterministic=False, "
-      "bool fp8_mma=False) "
+      "bool fp8_mma=False, str? kernel=None) "
       "-> (Tensor, Tensor)");
   m.def(
       "mla_decode_out(Tensor q, Tensor? q_pe, Tensor kv_cache, Tensor block_table, "
       "Tensor cache_seqlens, Tensor? cu_seqlens_q, int max_seqlen_q, float softmax_scale, "
       "bool causal, Tensor tile_sched, Tensor req_splits, int num_sm_parts, Tensor(a!) out, "
-      "Tensor(b!) lse, *, Tensor? k_scale=None, bool deterministic=False, bool fp8_mma=False) -> ()");
+      "Tensor(b!) lse, *, Tensor? k_scale=None, bool deterministic=False, bool fp8_mma=False, "
+      "str? kernel=None) -> ()");
 }
