@@ -5,16 +5,18 @@ import torch
 from cases import make_decode_case
 
 import mla_attn
-from mla_attn.metadata import BLOCK_N, schedule_cpu
+from mla_attn.metadata import BLOCK_N, ScheduleRow, schedule_cpu
 
 
 def _parts_of(tile_sched, parts, B):
     """Request -> list of (part, lo, hi) pieces, expanded as the kernel walks tile_sched."""
     pieces = [[] for _ in range(B)]
     for p in range(parts):
-        b0, blk0, b1, hi1, k0 = tile_sched[p, :5].tolist()
-        for b in range(b0, b1 + 1):
-            pieces[b].append((p, blk0 if b == b0 else 0, hi1 if b == b1 else None, k0 if b == b0 else 0))
+        r = ScheduleRow(*tile_sched[p].tolist())
+        for b in range(r.first_request, r.last_request + 1):
+            pieces[b].append((p, r.first_block if b == r.first_request else 0,
+                              r.last_end_block if b == r.last_request else None,
+                              r.first_split if b == r.first_request else 0))
     return pieces
 
 

@@ -5,7 +5,8 @@ import torch
 from cases import D_V, make_decode_case
 
 import mla_attn
-from mla_attn.metadata import BLOCK_N, FIXED_COST, NO_SPLIT_SLACK, num_sm_parts, schedule_cpu, split_payload
+from mla_attn.metadata import (BLOCK_N, FIXED_COST, NO_SPLIT_SLACK, SCHEDULE_COLUMN, ScheduleRow,
+                               num_sm_parts, schedule_cpu, split_payload)
 from mla_attn.reference import mla_decode_ref
 
 OPS = torch.ops.mla_attn
@@ -96,9 +97,11 @@ def _segments(tile_sched, n, parts):
     """Expand tile_sched into (request, lo, hi, split, part) segments, as the kernel walks it."""
     segs = []
     for p in range(parts):
-        b0, blk0, b1, hi1, k0 = tile_sched[p, :5].tolist()
-        for b in range(b0, b1 + 1):
-            segs.append((b, blk0 if b == b0 else 0, hi1 if b == b1 else n[b], k0 if b == b0 else 0, p))
+        r = ScheduleRow(*tile_sched[p].tolist())
+        for b in range(r.first_request, r.last_request + 1):
+            segs.append((b, r.first_block if b == r.first_request else 0,
+                         r.last_end_block if b == r.last_request else n[b],
+                         r.first_split if b == r.first_request else 0, p))
     return segs
 
 
@@ -132,26 +135,26 @@ def test_schedule_properties(parts, seed):
     payload = split_payload(n, parts)
     # Balanced: only the last part takes the remainder (whole requests: at most NO_SPLIT_SLACK more).
     assert max(cost[:-1], default=0) <= payload + (NO_SPLIT_SLACK if max(num_splits, default=1) <= 1 else 0)
-    for p in range(parts):  # column 5: the length of the part's first request (0 for an empty part)
-        b0, _, b1 = tile_sched[p, :3].tolist()
-        assert tile_sched[p, 5] == (lens[b0] if b1 >= b0 else 0)
-    # Column 6: b + 1 of each split request in order (at most parts - 1 of them), then zeros.
+    for p in range(parts):  # first_seqlen: the length of the part's first request (0 for an empty part)
+        r = ScheduleRow(*tile_sched[p].tolist())
+        assert r.first_seqlen == (lens[r.first_request] if r.last_request >= r.first_request else 0)
+    # split_list: b + 1 of each split request in order (at most parts - 1 of them), then zeros.
     split_list = [b + 1 for b in range(B) if num_splits[b] > 1]
     assert len(split_list) <= parts - 1 or not split_list
-    assert tile_sched[:, 6].tolist() == split_list + [0] * (132 - len(split_list))
+    assert tile_sched[:, SCHEDULE_COLUMN.split_list].tolist() == split_list + [0] * (132 - len(split_list))
 
 
 def test_schedule_hand_worked():
     # n = [10, 3], P = 2: total 23, payload 14 (split_payload: 12 and 13 leave blocks over); whole
     # requests fit at capacity 15 <= 14 + NO_SPLIT_SLACK: part 0 takes request
-    # 0 (15), request 1 (8) no longer fits. Column 5 is the length of the part's first request.
+    # 0 (15), request 1 (8) no longer fits. first_seqlen is the length of the part's first request.
     ts, rs = schedule_cpu(torch.tensor([640, 130], dtype=torch.int32), None, 1, 1, 2, 4)
     assert ts.tolist() == [[0, 0, 0, 10, 0, 640, 0, 0], [1, 0, 1, 3, 0, 130, 0, 0]] + [[0, 0, -1, 0, 0, 0, 0, 0]] * 2
     assert rs.tolist() == [[1, 0], [1, 0]]
     # n = [30], P = 3: total 35, payload 15 (the smallest that fits), so 10-block pieces with split
     # indices 0, 1, 2.
     ts, rs = schedule_cpu(torch.tensor([1920], dtype=torch.int32), None, 1, 1, 3, 3)
-    # Column 6 of row 0: request 0 (+ 1) is the first split request.
+    # split_list of row 0: request 0 (+ 1) is the first split request.
     assert ts.tolist() == [[0, 0, 0, 10, 0, 1920, 1, 0], [0, 10, 0, 20, 1, 1920, 0, 0], [0, 20, 0, 30, 2, 1920, 0, 0]]
     assert rs.tolist() == [[3, 0]]
     # empty batch: all parts empty

@@ -1,17 +1,35 @@
 """The split-KV scheduler's whole-request partition (metadata.py: whole_request_capacity), on the CPU
-twin; test_decode_gpu.py checks the device kernel against it bit for bit."""
+twin; test_decode_gpu.py checks the device kernel against it bit for bit. The schedule's row layout:
+the same fields in C++ and Python."""
+import re
+from pathlib import Path
+
 import torch
 
-from mla_attn.metadata import (BLOCK_N, FIXED_COST, MIN_SEARCHED_PIECE, NO_SPLIT_SLACK, _split_walk_fits,
-                               schedule_cpu, split_payload, whole_request_capacity)
+from mla_attn.metadata import (BLOCK_N, FIXED_COST, MIN_SEARCHED_PIECE, NO_SPLIT_SLACK, SCHEDULE_COLUMN,
+                               SCHEDULE_ROW_FIELDS, ScheduleRow, _split_walk_fits, metadata_shapes, schedule_cpu,
+                               split_payload, whole_request_capacity)
+
+CSRC = Path(__file__).resolve().parents[1] / "csrc"
+
+
+def test_schedule_row_fields_match_the_cuda_struct():
+    (header,) = CSRC.glob("**/schedule_row.h")  # wherever the decode sources keep it
+    body = re.search(r"struct ScheduleRow \{(.*?)\};", header.read_text(), re.S).group(1)
+    body = re.sub(r"//[^\n]*", "", body)
+    assert tuple(re.findall(r"\bint\s+(\w+)\s*;", body)) == SCHEDULE_ROW_FIELDS
+    assert re.fullmatch(r"(\s*int\s+\w+\s*;)*\s*", body), "only int32 fields"
+    assert metadata_shapes(3, 132)[0] == (132, len(SCHEDULE_ROW_FIELDS)) == (132, 8)
+    assert SCHEDULE_COLUMN.split_list == SCHEDULE_ROW_FIELDS.index("split_list")
 
 
 def _part_costs(tile_sched, parts, n):
     costs = []
     for p in range(parts):
-        b0, blk0, b1, hi1, _ = tile_sched[p, :5].tolist()
-        costs.append(sum((hi1 if b == b1 else n[b]) - (blk0 if b == b0 else 0) + FIXED_COST
-                         for b in range(b0, b1 + 1)))
+        r = ScheduleRow(*tile_sched[p].tolist())
+        costs.append(sum((r.last_end_block if b == r.last_request else n[b])
+                         - (r.first_block if b == r.first_request else 0) + FIXED_COST
+                         for b in range(r.first_request, r.last_request + 1)))
     return costs
 
 

@@ -105,7 +105,7 @@ void mla_decode_cuda_impl(const Tensor& q, const std::optional<Tensor>& q_pe, co
   check_i32(req_splits, "req_splits", q);
   const int64_t batch = cache_seqlens.size(0);
   TORCH_CHECK(block_table.dim() == 2 && block_table.size(0) == batch, "mla_attn: block_table must be [B, max_pages]");
-  TORCH_CHECK(tile_sched.dim() == 2 && tile_sched.size(1) == 8 && tile_sched.is_contiguous() &&
+  TORCH_CHECK(tile_sched.dim() == 2 && tile_sched.size(1) == kScheduleRowInts && tile_sched.is_contiguous() &&
                   req_splits.dim() == 2 && req_splits.size(1) == 2 && req_splits.is_contiguous(),
               "mla_attn: metadata must be contiguous tile_sched [num_sms, 8] and req_splits [B, 2]");
   TORCH_CHECK(req_splits.size(0) == batch, "mla_attn: metadata was made for another batch size");
@@ -162,7 +162,7 @@ void mla_decode_cuda_impl(const Tensor& q, const std::optional<Tensor>& q_pe, co
   p.max_seqlen_q = int(max_seqlen_q);
   p.scale_log2 = float(softmax_scale * M_LOG2E);
   p.causal = causal;
-  p.tile_sched = tile_sched.data_ptr<int>();
+  p.tile_sched = reinterpret_cast<const ScheduleRow*>(tile_sched.data_ptr<int>());
   p.req_splits = req_splits.data_ptr<int>();
   p.num_sm_parts = int(num_sm_parts);
   p.num_q_tiles = tiles;
@@ -267,11 +267,11 @@ std::tuple<Tensor, Tensor> get_decode_metadata_cuda(const Tensor& cache_seqlens,
   const int64_t batch = cache_seqlens.size(0);
   TORCH_CHECK(batch <= 50000, "mla_attn: get_decode_metadata supports at most 50000 requests");
   auto opts = cache_seqlens.options().dtype(at::kInt);
-  Tensor tile_sched = at::empty({num_sms, 8}, opts);
+  Tensor tile_sched = at::empty({num_sms, mla_decode::kScheduleRowInts}, opts);
   Tensor req_splits = at::empty({batch, 2}, opts);
   C10_CUDA_CHECK(mla_decode::run_decode_metadata(
       cache_seqlens.data_ptr<int>(), int(batch), int(num_sm_parts), int(num_sms),
-      deterministic, tile_sched.data_ptr<int>(), req_splits.data_ptr<int>(),
+      deterministic, reinterpret_cast<mla_decode::ScheduleRow*>(tile_sched.data_ptr<int>()), req_splits.data_ptr<int>(),
       at::cuda::getCurrentCUDAStream()));
   return {tile_sched, req_splits};
 }

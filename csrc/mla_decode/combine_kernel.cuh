@@ -59,8 +59,8 @@ __global__ void __launch_bounds__(kCombineThreads)
   // metadata, cu_seqlens_q): a CTA with nothing to merge exits without waiting for the split kernel
   // (as FlashMLA's combine does), so a batch with few or no split requests ends sooner.
   // blockIdx.x: the request, or with fewer CTAs than requests the entry of the split list
-  // (tile_sched column 6: b + 1 of the x-th split request, 0 past the last).
-  const int b = int(gridDim.x) == p.batch ? int(blockIdx.x) : p.tile_sched[8 * blockIdx.x + 6] - 1;
+  // (ScheduleRow::split_list: b + 1 of the x-th split request, 0 past the last).
+  const int b = int(gridDim.x) == p.batch ? int(blockIdx.x) : p.tile_sched[blockIdx.x].split_list - 1;
   if (b < 0) return;
   const int chunk = blockIdx.z, warp = threadIdx.x / 32, lane = threadIdx.x % 32;
   const int row = blockIdx.y * kRowsPerCta + warp / kWarpsPerRow;

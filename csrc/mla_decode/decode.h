@@ -42,11 +42,11 @@ cudaError_t run_mla_decode_seesaw(const DecodeParams& params, const DecodeTma& t
 template <typename Element, int kRows, int kMathWarpgroups, bool kFp8Kv>
 cudaError_t run_mla_decode_narrow(const DecodeParams& params, const DecodeTma& tma, cudaStream_t stream);
 
-// One-warp scheduler kernel: fills tile_sched [num_sms, 8] and req_splits [batch, 2]. The partition
+// One-warp scheduler kernel: fills tile_sched [num_sms] and req_splits [batch, 2]. The partition
 // depends on the KV lengths only; query lengths and heads enter through num_sm_parts. With
 // `deterministic`, parts end only at request boundaries (no request is split).
 cudaError_t run_decode_metadata(const int* cache_seqlens, int batch, int num_sm_parts, int num_sms,
-                                bool deterministic, int* tile_sched, int* req_splits,
+                                bool deterministic, ScheduleRow* tile_sched, int* req_splits,
                                 cudaStream_t stream);
 
 }  // namespace mla_decode

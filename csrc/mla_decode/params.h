@@ -3,6 +3,8 @@
 #include <cuda.h>  // CUtensorMap (type only; the driver entry point is fetched at run time)
 #include <cstdint>
 
+#include "mla_decode/schedule_row.h"
+
 namespace mla_decode {
 
 struct DecodeParams {
@@ -39,7 +41,7 @@ struct DecodeParams {
   // Split-KV schedule (see python/mla_attn/metadata.py) and the workspace for split partials: rows
   // normalised by their own denominator in q's dtype (as FlashInfer stores them; half the bytes of
   // fp32 to write and to merge), LSE in fp32.
-  const int* tile_sched;  // [num_sms, 8]: begin_b, begin_blk, last_b, last_hi, begin_split, seqlen of begin_b
+  const ScheduleRow* tile_sched;  // [num_sms]
   const int* req_splits;  // [batch, 2]: num_splits, first workspace slot
   int num_sm_parts, num_q_tiles;
   void* partial_out;   // [slots * num_q_tiles * 64, 512], q's dtype

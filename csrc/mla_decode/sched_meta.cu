@@ -17,7 +17,7 @@ constexpr int kMetadataThreads = 256;
 // whole, however long, so every request is summed by one CTA in key order, whatever the batch.
 __global__ void __launch_bounds__(kMetadataThreads)
     decode_metadata_kernel(const int* cache_seqlens, int batch, int num_sm_parts, int num_sms,
-                           bool deterministic, int* tile_sched, int* req_splits) {
+                           bool deterministic, ScheduleRow* tile_sched, int* req_splits) {
   extern __shared__ int num_blocks[];  // [batch]
   __shared__ long long warp_totals[kMetadataThreads / 32];
   __shared__ int warp_max_cost[kMetadataThreads / 32];
@@ -41,8 +41,7 @@ __global__ void __launch_bounds__(kMetadataThreads)
   }
   if (tid == 0) split_cost = whole_capacity = INT_MAX;
   for (int part = num_sm_parts + tid; part < num_sms; part += kMetadataThreads) {
-    int* row = tile_sched + part * 8;
-    row[0] = 0; row[1] = 0; row[2] = -1; row[3] = 0; row[4] = 0; row[5] = 0; row[6] = 0; row[7] = 0;
+    tile_sched[part] = ScheduleRow{.last_request = -1};  // no request; the rest 0
   }
   __syncthreads();
   total = 0;
@@ -97,9 +96,10 @@ __global__ void __launch_bounds__(kMetadataThreads)
     }
     int b = 0, blk = 0, split = 0, slot = 0, split_requests = 0;
     for (int part = 0; part < num_sm_parts; ++part) {
-      int* row = tile_sched + part * 8;
-      row[0] = b < batch ? b : 0; row[1] = b < batch ? blk : 0; row[4] = b < batch ? split : 0;
-      row[5] = 0; row[6] = 0; row[7] = 0;
+      ScheduleRow& row = tile_sched[part];
+      row.first_request = b < batch ? b : 0; row.first_block = b < batch ? blk : 0;
+      row.first_split = b < batch ? split : 0;
+      row.first_seqlen = 0; row.split_list = 0; row.reserved = 0;
       const int first_b = b;
       int last_b = b < batch ? b - 1 : -1, last_hi = 0;
       long long remain = payload;
@@ -114,9 +114,9 @@ __global__ void __launch_bounds__(kMetadataThreads)
           req_splits[2 * b + 1] = slot;
           if (num_splits > 1) {
             slot += num_splits;
-            // The split list (column 6, metadata.py): a split request ends in a part after its i-th
-            // boundary, so row i has been initialised by then.
-            tile_sched[split_requests++ * 8 + 6] = b + 1;
+            // The split list (metadata.py): a split request ends in a part after its i-th boundary,
+            // so row i has been initialised by then.
+            tile_sched[split_requests++].split_list = b + 1;
           }
           last_b = b; last_hi = n;
           ++b; blk = 0; split = 0;
@@ -126,21 +126,21 @@ __global__ void __launch_bounds__(kMetadataThreads)
           break;
         }
       }
-      row[2] = last_b; row[3] = last_hi;
+      row.last_request = last_b; row.last_end_block = last_hi;
     }
   }
   __syncthreads();  // thread 0's rows are visible to the block
-  // The length of each part's first request rides along in row[5]: at the split kernel's start a
-  // CTA needs it for its first Q and K addresses, and reading cache_seqlens there was one more
-  // dependent global load before them.
+  // The length of each part's first request rides along in the schedule: at the split kernel's
+  // start a CTA needs it for its first Q and K addresses, and reading cache_seqlens there was one
+  // more dependent global load before them.
   for (int part = tid; part < num_sm_parts; part += kMetadataThreads) {
-    int* row = tile_sched + part * 8;
-    row[5] = row[2] >= row[0] ? cache_seqlens[row[0]] : 0;  // 0 for a part with no request
+    ScheduleRow& row = tile_sched[part];
+    row.first_seqlen = row.last_request >= row.first_request ? cache_seqlens[row.first_request] : 0;
   }
 }
 
 cudaError_t run_decode_metadata(const int* cache_seqlens, int batch, int num_sm_parts, int num_sms,
-                                bool deterministic, int* tile_sched, int* req_splits,
+                                bool deterministic, ScheduleRow* tile_sched, int* req_splits,
                                 cudaStream_t stream) {
   const int smem = batch * int(sizeof(int));
   if (smem > 48 * 1024) {

@@ -36,8 +36,8 @@ struct PartRange {
   int begin_seqlen;  // cache_seqlens[begin_b], from the schedule: one dependent load less at the start
 
   __device__ static PartRange load(const DecodeParams& p, int part) {
-    const int* s = p.tile_sched + part * 8;
-    return {s[0], s[1], s[2], s[3], s[4], s[5]};
+    const ScheduleRow& row = p.tile_sched[part];
+    return {row.first_request, row.first_block, row.last_request, row.last_end_block, row.first_split, row.first_seqlen};
   }
 
   // Fills `seg` for request b; returns false when this CTA's q-tile has no rows in request b.

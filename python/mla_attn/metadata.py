@@ -22,6 +22,23 @@ MIN_SEARCHED_PIECE = 2
 CPU_NUM_SMS = 132  # H200: CPU schedules mirror what the GPU would do
 
 
+class ScheduleRow(NamedTuple):
+    """One row of tile_sched: the work of one part. Mirrors struct ScheduleRow in
+    csrc/mla_decode/schedule_row.h (same fields, same order; a test compares them)."""
+    first_request: int  # the part's first request (0 for a part with no request)
+    first_block: int  # its first KV block
+    last_request: int  # the part's last request; below first_request when it has none
+    last_end_block: int  # KV block after the last request's last block in this part
+    first_split: int  # split index of the first request's piece
+    first_seqlen: int  # cache_seqlens of the first request (0 for no request)
+    split_list: int  # row i: b + 1 of the i-th split request, for the combine kernel; 0 past the last
+    reserved: int  # 0
+
+
+SCHEDULE_ROW_FIELDS = ScheduleRow._fields
+SCHEDULE_COLUMN = ScheduleRow(*range(len(SCHEDULE_ROW_FIELDS)))  # tile_sched[:, SCHEDULE_COLUMN.split_list]
+
+
 def _cdiv(a, b):
     return -(-a // b)
 
@@ -36,7 +53,7 @@ def num_sm_parts(num_sms, max_seqlen_q, h_q):
 
 def metadata_shapes(batch, num_sms):
     """Shapes of (tile_sched, req_splits)."""
-    return (num_sms, 8), (batch, 2)
+    return (num_sms, len(SCHEDULE_ROW_FIELDS)), (batch, 2)
 
 
 @functools.lru_cache(maxsize=None)
@@ -52,7 +69,7 @@ def device_num_sms(device):
 
 
 class DecodeMetadata(NamedTuple):
-    tile_sched: torch.Tensor  # int32 [num_sms, 8]
+    tile_sched: torch.Tensor  # int32 [num_sms, 8]: ScheduleRow rows
     req_splits: torch.Tensor  # int32 [B, 2] = (num_splits, first workspace slot)
     num_sm_parts: int
     max_seqlen_q: int
@@ -61,7 +78,7 @@ class DecodeMetadata(NamedTuple):
     deterministic: bool = False  # schedule never splits a request (batch-invariant results)
 
 
-_EMPTY_PART = (0, 0, -1, 0, 0, 0, 0, 0)
+_EMPTY_PART = ScheduleRow(0, 0, -1, 0, 0, 0, 0, 0)
 
 
 def _split_walk_fits(num_blocks, num_sm_parts, payload):
@@ -117,10 +134,9 @@ def whole_request_capacity(num_blocks, num_sm_parts, payload):
 def schedule_cpu(cache_seqlens, cu_seqlens_q, max_seqlen_q, num_heads_q, num_sm_parts, num_sms,
                  deterministic=False):
     """The contract's sequential walk. Returns (tile_sched int32 [num_sms, 8], req_splits int32 [B, 2]).
-    A tile_sched row is (first request, its first block, last request, its end block, split index of
-    the first piece, cache_seqlens of the first request, split list, 0); a part with no request is
-    (0, 0, -1, 0, 0, 0, split list, 0). Split list: column 6 of row i is b + 1 of the i-th request that
-    is split (for the combine kernel), 0 past the last.
+    A tile_sched row is a ScheduleRow; a part with no request is (0, 0, -1, 0, 0, 0, split list, 0).
+    Split list: split_list of row i is b + 1 of the i-th request that is split (for the combine
+    kernel), 0 past the last.
 
     The partition depends only on KV lengths (every q tile of a request walks the same KV blocks),
     so cu_seqlens_q / max_seqlen_q / num_heads_q are accepted for signature parity but unused.
@@ -161,15 +177,15 @@ def schedule_cpu(cache_seqlens, cu_seqlens_q, max_seqlen_q, num_heads_q, num_sm_
                     blk, k = blk + take, k + 1
                 break
         first_len = int(lens[begin[0]]) if last_b >= begin[0] else 0  # the kernel's first addresses need it
-        sched[p] = (begin[0], begin[1], last_b, last_hi, begin[2], first_len, 0, 0)
+        sched[p] = ScheduleRow(begin[0], begin[1], last_b, last_hi, begin[2], first_len, 0, 0)
     slots, slot = [], 0
     for s in num_splits:
         slots.append(slot)
         slot += s if s > 1 else 0
-    # Column 6 lists the split requests (b + 1, in order; at most P - 1 of them, one per part boundary)
-    # for the combine kernel, which then needs no CTA per request that was not split.
+    # split_list lists the split requests (b + 1, in order; at most P - 1 of them, one per part
+    # boundary) for the combine kernel, which then needs no CTA per request that was not split.
     for i, b in enumerate(b for b in range(B) if num_splits[b] > 1):
-        sched[i] = sched[i][:6] + (b + 1, 0)
-    tile_sched = torch.tensor(sched, dtype=torch.int32).reshape(num_sms, 8)
+        sched[i] = sched[i]._replace(split_list=b + 1)
+    tile_sched = torch.tensor(sched, dtype=torch.int32).reshape(num_sms, len(SCHEDULE_ROW_FIELDS))
     req_splits = torch.tensor(list(zip(num_splits, slots)), dtype=torch.int32).reshape(B, 2)
     return tile_sched, req_splits
