@@ -140,6 +140,34 @@ def test_metadata_matches_cpu_schedule():
         assert torch.equal(md.req_splits.cpu(), splits_cpu)
 
 
+
+def test_metadata_matches_cpu_schedule_extremes():
+    """The device scheduler against the CPU twin at part counts 1..num_sms, lengths at the 64-key
+    block edges and up to INT32_MAX (costs past 2^31, one long request among short ones), and
+    batches whose prefix sums need more than 48 KiB of shared memory (20000) or live in req_splits
+    (50000)."""
+    g = torch.Generator().manual_seed(3)
+    num_sms = device_num_sms("cuda")
+    edges = torch.tensor([0, 1, 63, 64, 65, 2**31 - 65, 2**31 - 64, 2**31 - 1], dtype=torch.int32)
+    one_long = torch.randint(0, 300, (127,), generator=g, dtype=torch.int32)
+    one_long[5] = 10**7
+    cases = [(torch.zeros(0, dtype=torch.int32), (1, num_sms)),
+             (edges[torch.randint(0, 8, (128,), generator=g)], (1, 2, 3, 66, num_sms)),
+             (torch.full((2,), 2**31 - 1, dtype=torch.int32), (1, 2, num_sms)),
+             (one_long, (1, 7, 64, num_sms)),
+             (torch.full((1000,), 4096, dtype=torch.int32), (1, 100, num_sms)),
+             (torch.randint(0, 9000, (20000,), generator=g, dtype=torch.int32), (1, num_sms)),
+             (torch.randint(0, 9000, (50000,), generator=g, dtype=torch.int32), (2, num_sms))]
+    cases += [(torch.randint(0, 20000, (batch,), generator=g, dtype=torch.int32), range(1, num_sms + 1))
+              for batch in (1, 33)]
+    for (lens, parts_list), det in itertools.product(cases, (False, True)):
+        for parts in parts_list:
+            tile_sched, req_splits = torch.ops.mla_attn.get_decode_metadata(lens.cuda(), None, 1, 16, True, parts,
+                                                                            num_sms, deterministic=det)
+            tile_cpu, splits_cpu = schedule_cpu(lens, None, 1, 16, parts, num_sms, det)
+            assert torch.equal(tile_sched.cpu(), tile_cpu), (len(lens), parts, det)
+            assert torch.equal(req_splits.cpu(), splits_cpu), (len(lens), parts, det)
+
 def test_more_requests_than_part_boundaries():
     # h_q 128, s_q 4: 8 q-tiles, 16 parts; 24 requests, 11 of them split. The combine kernel's grid
     # then covers the scheduler's split list (tile_sched column 6) instead of the batch.

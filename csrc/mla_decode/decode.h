@@ -42,9 +42,10 @@ cudaError_t run_mla_decode_seesaw(const DecodeParams& params, const DecodeTma& t
 template <typename Element, int kRows, int kMathWarpgroups, bool kFp8Kv>
 cudaError_t run_mla_decode_narrow(const DecodeParams& params, const DecodeTma& tma, cudaStream_t stream);
 
-// One-warp scheduler kernel: fills tile_sched [num_sms] and req_splits [batch, 2]. The partition
-// depends on the KV lengths only; query lengths and heads enter through num_sm_parts. With
-// `deterministic`, parts end only at request boundaries (no request is split).
+// One-CTA scheduler kernel: fills tile_sched [num_sms] and req_splits [batch, 2] (8-byte aligned: a
+// large batch keeps its prefix sums there until the values are written). The partition depends on
+// the KV lengths only; query lengths and heads enter through num_sm_parts. With `deterministic`,
+// parts end only at request boundaries (no request is split).
 cudaError_t run_decode_metadata(const int* cache_seqlens, int batch, int num_sm_parts, int num_sms,
                                 bool deterministic, ScheduleRow* tile_sched, int* req_splits,
                                 cudaStream_t stream);
