@@ -24,7 +24,7 @@ sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
 from _timing import GraphTimer, capture, measure_ceilings  # noqa: E402
 
 import mla_attn  # noqa: E402
-from mla_attn.prefill import _prefill_cpu  # noqa: E402
+from mla_attn._ops import prefill_cpu  # noqa: E402
 
 TOTAL = 16384
 REQUEST_LENS = (512, 2048, 8192, 16384)
@@ -55,7 +55,7 @@ def check(p, causal):
                                     causal=causal, k_pe=p["k_pe"], return_lse=True)
     sub = lambda t: None if t is None else t[:, heads].float()  # noqa: E731
     k_pe = None if p["k_pe"] is None else p["k_pe"].float()
-    ref_out, ref_lse = _prefill_cpu(sub(p["q"]), sub(p["k"]), sub(p["v"]), p["cu"], p["cu"], SCALE, causal, k_pe)
+    ref_out, ref_lse = prefill_cpu(sub(p["q"]), sub(p["k"]), sub(p["v"]), p["cu"], p["cu"], SCALE, causal, k_pe)
     return dict(max_err=(out[:, heads].float() - ref_out).abs().max().item(),
                 lse_err=(lse[:, heads] - ref_lse).abs().max().item())
 

@@ -1,7 +1,7 @@
 """A small subset of calls for compute-sanitizer (scripts/sanitize.sh), small enough to run under
 memcheck and racecheck in seconds. Decode: split and unsplit requests, tail blocks, empty requests,
-varlen causal, page sizes 16 and 64, q_pe split, each with a 16-bit and an FP8 cache (in-place
-dequantisation by the converter warps). Prefill: partial and causal-diagonal blocks, empty
+varlen causal, page sizes 16 and 64, q_pe split, each with a 16-bit and an FP8 cache and through
+every split kernel that can run it. Prefill: partial and causal-diagonal blocks, empty
 rows, k_pe split. Then an LSE merge and a KV-cache write + gather round trip."""
 import os
 import sys
@@ -11,8 +11,9 @@ import torch
 sys.path.insert(0, os.path.join(os.path.dirname(__file__), "..", "tests"))
 import mla_attn  # noqa: E402
 from cases import make_decode_case, make_prefill_case  # noqa: E402
+from conftest import decode_kernels_for  # noqa: E402
 from fp8_cases import dequantized, to_fp8_case  # noqa: E402
-from mla_attn.prefill import _prefill_cpu  # noqa: E402
+from mla_attn._ops import prefill_cpu  # noqa: E402
 from mla_attn.reference import mla_decode_ref  # noqa: E402
 
 CASES = [
@@ -45,7 +46,7 @@ def check_prefill():
                                    c["max_seqlen_k"], softmax_scale=c["softmax_scale"], causal=causal,
                                    k_pe=c["k_pe"])
         q, k, v, k_pe = (None if t is None else t.float() for t in (c["q"], c["k"], c["v"], c["k_pe"]))
-        ref, _ = _prefill_cpu(q, k, v, c["cu_seqlens_q"], c["cu_seqlens_k"], c["softmax_scale"], causal, k_pe)
+        ref, _ = prefill_cpu(q, k, v, c["cu_seqlens_q"], c["cu_seqlens_k"], c["softmax_scale"], causal, k_pe)
         t_q = int(c["cu_seqlens_q"][-1])
         err = (out[:t_q].float() - ref[:t_q]).abs().max().item()
         print(f"prefill lens_q={lens_q} lens_k={lens_k}: max |err| {err:.2e}", flush=True)
@@ -74,31 +75,26 @@ def check_merge_and_cache():
     print("merge, write_kv_cache, gather_kv_cache: ok", flush=True)
 
 
-def main():
-    check_prefill()
-    check_merge_and_cache()
-    worst = {False: 0.0, True: 0.0}  # by fp8_mma
-    # Each case with a 16-bit cache, an FP8 one, and an FP8 one with fp8_mma (e4m3 MMAs above 16 rows
-    # per request).
-    modes = [(False, False), (True, False), (True, True)]
-    for (lens, s_q, h_q, page, varlen, split_pe), (fp8, fp8_mma) in [(c, m) for c in CASES for m in modes]:
-        if fp8_mma and s_q * h_q <= 16:
-            continue
+def check_decode():
+    """Every case through every split kernel that can run it (mla_decode's private _kernel), with a
+    16-bit and an FP8 cache."""
+    worst = {False: 0.0, True: 0.0}  # by e4m3 MMAs
+    for (lens, s_q, h_q, page, varlen, split_pe), fp8 in [(c, f) for c in CASES for f in (False, True)]:
         c = cuda(make_decode_case(lens, s_q, h_q, page, varlen=varlen, split_pe=split_pe))
         c = to_fp8_case(c) if fp8 else {**c, "k_scale": None}
         kw = dict(max_seqlen_q=c["max_seqlen_q"]) if varlen else {}
-        out, lse = mla_attn.mla_decode(c["q"], c["kv_cache"], c["block_table"], c["cache_seqlens"],
-                                       cu_seqlens_q=c["cu_seqlens_q"], q_pe=c["q_pe"], k_scale=c["k_scale"],
-                                       softmax_scale=c["softmax_scale"], causal=True, return_lse=True,
-                                       fp8_mma=fp8_mma, **kw)
         r = dequantized(c) if fp8 else c
         ref, _ = mla_decode_ref(r["q"], r["kv_cache"], r["block_table"], r["cache_seqlens"],
                                 cu_seqlens_q=r["cu_seqlens_q"], q_pe=r["q_pe"],
                                 softmax_scale=r["softmax_scale"], causal=True)
-        err = (out.float() - ref).abs().max().item()
-        worst[fp8_mma] = max(worst[fp8_mma], err)
-        print(f"lens={lens} s_q={s_q} h_q={h_q} page={page} fp8={fp8} fp8_mma={fp8_mma}: max |err| {err:.2e}",
-              flush=True)
+        for kernel in decode_kernels_for(c["kv_cache"].dtype, s_q * h_q):
+            out = mla_attn.mla_decode(c["q"], c["kv_cache"], c["block_table"], c["cache_seqlens"],
+                                      cu_seqlens_q=c["cu_seqlens_q"], q_pe=c["q_pe"], k_scale=c["k_scale"],
+                                      softmax_scale=c["softmax_scale"], causal=True, _kernel=kernel, **kw)
+            err = (out.float() - ref).abs().max().item()
+            worst[kernel == "fp8mma"] = max(worst[kernel == "fp8mma"], err)
+            print(f"lens={lens} s_q={s_q} h_q={h_q} page={page} fp8={fp8} {kernel}: max |err| {err:.2e}",
+                  flush=True)
     # Whole requests of 40 and 33 blocks per CTA (deterministic): the seesaw kernel's steady loop.
     c = cuda(make_decode_case([2500, 2111], 2, 128, 64))
     out = mla_attn.mla_decode(c["q"], c["kv_cache"], c["block_table"], c["cache_seqlens"],
@@ -109,6 +105,12 @@ def main():
     worst[False] = max(worst[False], err)
     print(f"steady loop (lens [2500, 2111], h_q 128, s_q 2, deterministic): max |err| {err:.2e}", flush=True)
     assert worst[False] < 3e-2 and worst[True] < 0.2, worst  # e4m3 Q and P: tests/test_decode_fp8_mma_gpu.py
+
+
+def main():
+    check_prefill()
+    check_merge_and_cache()
+    check_decode()
 
 
 if __name__ == "__main__":

@@ -1,5 +1,5 @@
 """mla_decode(fp8_mma=True) over a float8_e4m3fn cache on the GPU: the e4m3-MMA kernel
-(csrc/mla_decode/fp8mma_kernel.cuh), against the float32 reference on the dequantized cache, on the
+(csrc/mla_decode/fp8mma/kernel.cuh), against the float32 reference on the dequantized cache, on the
 adversarial inputs of tests/cases.py (NaN past every length and in unused pages, permuted block
 tables, empty requests, odd head counts, varlen causal, page sizes 16...256).
 

@@ -50,7 +50,7 @@ def test_long_context(kernel):
 @pytest.mark.parametrize("h_q,s_q,kernel", with_kernels([(128, 1), (128, 2), (64, 1), (16, 1)], lambda h, s: h * s))
 def test_scores_growing_along_the_context(h_q, s_q, kernel, dtype):
     """Keys scaled by a ramp from 0.1 to 8 along each request: the running row max moves by more
-    than the kernels' slack (kMaxSlack, decode_tile_io.cuh: O is rescaled) several times and by less
+    than the kernels' slack (kMaxSlack, shared/online_softmax.cuh: O is rescaled) several times and by less
     (P above 1) in between."""
     lens, page = [5000, 2100], 64
     case = make_decode_case(lens, s_q, h_q, page, seed=11, dtype=dtype)

@@ -12,13 +12,13 @@
 namespace mla_decode {
 
 enum class DecodeKernel {
-  kNarrow16,      // transposed MMAs, N = 16 rows; 2 math warpgroups (narrow_kernel.cuh)
+  kNarrow16,      // transposed MMAs, N = 16 rows; 2 math warpgroups (narrow/)
   kNarrow16x3,    // the same with 3 math warpgroups (fp8 cache)
   kNarrow32,      // transposed MMAs, N = 32 rows (fp8 cache)
-  kRows64,        // 64-row q-tiles (decode_kernel.cuh)
-  kSeesaw,        // 64-row q-tiles, two warpgroups on a pair of KV blocks (seesaw_kernel.cuh)
+  kRows64,        // 64-row q-tiles (rows64/)
+  kSeesaw,        // 64-row q-tiles, two warpgroups on a pair of KV blocks (seesaw/)
   kSeesawSteady,  // the same with the steady loop for long segments
-  kFp8Mma,        // 64-row q-tiles, e4m3 MMAs (fp8mma_kernel.cuh)
+  kFp8Mma,        // 64-row q-tiles, e4m3 MMAs (fp8mma/)
 };
 
 // The names of the `kernel=` option (python/mla_attn/metadata.py: DECODE_KERNELS mirrors them).

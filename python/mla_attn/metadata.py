@@ -109,7 +109,7 @@ def split_payload(num_blocks: list[int], num_sm_parts: int) -> int:
     below the upper end) at which it fits in num_sm_parts parts (_split_walk_fits), else the upper end
     (the last part takes the rest). The upper end alone left parts idle: 32 requests of 16 blocks over
     132 parts took 6-block pieces on 96 parts (C = 11), where C = 9 gives 4-block pieces on 128. The
-    device tests each candidate on a thread of its own."""
+    device walks each candidate on a warp of its own."""
     base = _cdiv(sum(num_blocks) + len(num_blocks) * FIXED_COST, num_sm_parts)
     upper = base + FIXED_COST
     lo = max(base, min(MIN_SEARCHED_PIECE + FIXED_COST, upper))
@@ -119,7 +119,7 @@ def split_payload(num_blocks: list[int], num_sm_parts: int) -> int:
 def whole_request_capacity(num_blocks: list[int], num_sm_parts: int, payload: int) -> Optional[int]:
     """The smallest part cost C <= payload (the split walk's) + NO_SPLIT_SLACK at which whole requests,
     taken in order while a part's cost stays <= C, fit in num_sm_parts parts; None if there is none
-    (then requests are split). A request costs its blocks + FIXED_COST. The device tests each candidate C on a thread
+    (then requests are split). A request costs its blocks + FIXED_COST. The device walks each candidate C on a warp
     of its own (at most FIXED_COST + NO_SPLIT_SLACK + 1 of them)."""
     costs = [k + FIXED_COST for k in num_blocks]
     if not costs:

@@ -10,7 +10,6 @@ import torch
 from torch import Tensor
 
 from . import _validation as check
-from ._ops import prefill_cpu as _prefill_cpu  # noqa: F401  (the name benchmarks/bench_prefill.py imports)
 
 
 def mla_prefill(q: Tensor, k: Tensor, v: Tensor, cu_seqlens_q: Tensor, cu_seqlens_k: Tensor, max_seqlen_q: int,
