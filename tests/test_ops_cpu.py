@@ -6,7 +6,7 @@ from pathlib import Path
 import pytest
 import torch
 from cases import D_V, make_decode_case
-from conftest import ragged_lengths, schedule_segments
+from conftest import decode_kernels_for, ragged_lengths, schedule_segments
 
 import mla_attn
 from mla_attn.metadata import (BLOCK_N, DECODE_KERNELS, FIXED_COST, NO_SPLIT_SLACK, SCHEDULE_COLUMN, ScheduleRow,
@@ -79,12 +79,17 @@ def test_opcheck(varlen):
 
 
 def test_decode_kernel_option_cpu():
-    # The private kernel= of the ops: None or a kernel's name runs (the CPU reference stands in for
-    # every kernel); an unknown name is a ValueError, as from the CUDA op.
+    # The private kernel= of the ops: None or a kernel that can run the case runs (the CPU reference
+    # stands in for every kernel); any other name is a ValueError, as from the CUDA op.
     c = make_decode_case([20, 0, 33], 2, 3, 16)
     args = _op_args(c)
     want = OPS.mla_decode(*args)
+    runs = decode_kernels_for(c["kv_cache"].dtype, 2 * 3)
     for name in (None,) + DECODE_KERNELS:
+        if name is not None and name not in runs:
+            with pytest.raises(ValueError, match=f"decode kernel '{name}' needs"):
+                OPS.mla_decode(*args, kernel=name)
+            continue
         got = OPS.mla_decode(*args, kernel=name)
         assert torch.equal(got[0], want[0]) and torch.equal(got[1], want[1]), name
     out = torch.empty_like(want[0])
