@@ -243,26 +243,16 @@ if TORCH_CUDA_INC is not None:
 # copy: a second copy's iostreams and locale facets mix with the process's (they share data symbols
 # but not code), so the first TORCH_CHECK message that formats a number crashed with SIGSEGV instead
 # of raising. Toolchains installed without a shared libstdc++ (or with -static-libstdc++ in their
-# specs) link that copy into every shared object; for those we link the loaded libstdc++.so.6
-# explicitly, and every build is checked afterwards.
+# specs) link that copy into every shared object: a build that carries one is linked again against
+# the libstdc++.so.6 this process (torch) loaded, and refused if that does not remove it.
 # ---------------------------------------------------------------------------------------------
-_PROBE_SOURCE = """#include <sstream>
-#include <stdexcept>
-extern "C" int mla_attn_probe(long x) {
-  std::ostringstream s;
-  s << x;
-  if (x) throw std::runtime_error(s.str());
-  return 0;
-}
-"""
-
-
 def defines_cxx_runtime(shared_object: str):
     """Whether `shared_object` carries its own C++ runtime (defines __cxa_throw); None if unknown."""
     try:
         out = subprocess.check_output(["nm", "-D", "--defined-only", shared_object], text=True,
                                       stderr=subprocess.DEVNULL)
     except (OSError, subprocess.CalledProcessError):
+        log(f"WARNING: nm could not read {shared_object}; its C++ runtime is not checked")
         return None
     return any(line.split()[-1] == "__cxa_throw" for line in out.splitlines() if line.strip())
 
@@ -277,45 +267,24 @@ def loaded_libstdcxx():
     return sorted(paths)[0] if paths else None
 
 
-def shared_cxx_runtime_link_args(cxx: str) -> list:
-    """Extra link arguments that make `cxx` link the shared libstdc++ (none on usual toolchains)."""
-    import tempfile
-
-    with tempfile.TemporaryDirectory() as tmp:
-        src, lib = os.path.join(tmp, "probe.cpp"), os.path.join(tmp, "probe.so")
-        Path(src).write_text(_PROBE_SOURCE)
-
-        def private_runtime(extra: list):
-            subprocess.check_call([cxx, "-shared", "-fPIC", src, "-o", lib] + extra)
-            return defines_cxx_runtime(lib)
-
-        try:
-            private = private_runtime([])
-        except (OSError, subprocess.CalledProcessError) as e:
-            log(f"WARNING: could not probe how {cxx} links libstdc++ ({e})")
-            return []
-        if not private:
-            return []
-        shared = loaded_libstdcxx()
-        if shared is None or private_runtime([shared]):
-            sys.exit(f"error: {cxx} links a static copy of libstdc++ into shared objects, and linking "
-                     f"{shared or 'the libstdc++.so.6 torch uses (not found)'} instead did not help. "
-                     "Build with a compiler that has a shared libstdc++ (CXX=...).")
-        log(f"{cxx} links libstdc++ statically into shared objects: linking {shared} (torch's) instead")
-        return [shared]
-
-
 class BuildExtensionSharedCxxRuntime(BuildExtension):
     def build_extensions(self):
-        cxx = (getattr(self.compiler, "linker_so_cxx", None) or self.compiler.linker_so)[0]
-        extra = shared_cxx_runtime_link_args(cxx)
-        for ext in self.extensions:
-            ext.extra_link_args = list(ext.extra_link_args or []) + extra
         super().build_extensions()
         for ext in self.extensions:
-            if defines_cxx_runtime(self.get_ext_fullpath(ext.name)):
-                sys.exit(f"error: {self.get_ext_fullpath(ext.name)} carries its own copy of libstdc++; "
-                         "its error paths would crash instead of raising. Build with another compiler.")
+            path = self.get_ext_fullpath(ext.name)
+            if not defines_cxx_runtime(path):
+                continue
+            shared = loaded_libstdcxx()
+            if shared is None:
+                sys.exit(f"error: {path} carries its own copy of libstdc++ (the compiler links it "
+                         "statically) and torch's shared libstdc++ was not found to link instead")
+            log(f"{path} carries its own copy of libstdc++: linking it again against {shared} (torch's)")
+            ext.extra_link_args = list(ext.extra_link_args or []) + [shared]
+            self.force = True  # the objects are up to date: only the link runs again
+            self.build_extension(ext)
+            if defines_cxx_runtime(path):
+                sys.exit(f"error: {path} still carries its own copy of libstdc++; its error paths would "
+                         "crash instead of raising. Build with a compiler that has a shared libstdc++ (CXX=...).")
 
 
 # ---------------------------------------------------------------------------------------------
