@@ -50,11 +50,9 @@ def mla_decode(q: Tensor, kv_cache: Tensor, block_table: Tensor, cache_seqlens: 
     have been computed with the same flag.
     fp8_mma=True (float8_e4m3fn cache only): with more than 16 query rows per request
     (max_seqlen_q * h_q > 16), or any with deterministic=True, the MMAs run in e4m3: each Q row is
-    rounded to e4m3 (times a power of two) and so are the probabilities. That is 1.2-1.9x faster at
-    h_q 128, where the kernel is bound by its MMAs (faster than a bf16 cache there too), and up to
-    1.5x at 17-32 rows, but costs about 3 % relative error against the reference on the dequantized
-    cache (0.17 % without), the size of the error the FP8 cache itself adds, and LSE within ~0.1.
-    16 rows or fewer stream the cache and keep 16-bit MMAs.
+    rounded to e4m3 (times a power of two) and so are the probabilities: faster where the kernel is
+    bound by its MMAs (h_q 64-128), at several times the relative error against the reference on the
+    dequantized cache (figures: BENCHMARKS.md). 16 rows or fewer stream the cache and keep 16-bit MMAs.
     _kernel (private, for tests and benchmarks): run this split kernel (metadata.DECODE_KERNELS)
     instead of the one the dispatch chooses; ValueError if it cannot run the call.
     """
