@@ -46,7 +46,7 @@ void mla_decode_cuda_impl(const Tensor& q, const std::optional<Tensor>& q_pe, co
                           double softmax_scale, bool causal, const Tensor& tile_sched,
                           const Tensor& req_splits, int64_t num_sm_parts, Tensor& out, Tensor& lse,
                           const std::optional<Tensor>& k_scale, bool deterministic, bool fp8_mma,
-                          const std::optional<c10::string_view>& kernel_name) {
+                          const std::optional<c10::string_view>& kernel_name, bool kv_slots) {
   using namespace mla_decode;
   check_sm90(q, "decode");
   const bool fp8_kv = kv_cache.scalar_type() == at::kFloat8_e4m3fn;
@@ -71,7 +71,8 @@ void mla_decode_cuda_impl(const Tensor& q, const std::optional<Tensor>& q_pe, co
               "mla_attn: kv_cache must be [pages, page_size, 576] or [pages, page_size, 1, 576]");
   TORCH_CHECK(kv_cache.size(-1) == kHeadDimK && kv_cache.stride(-1) == 1, "mla_attn: kv_cache last dim must be 576, contiguous");
   const int64_t page_size = kv_cache.size(1);
-  TORCH_CHECK(page_size % 16 == 0 && page_size >= 16 && page_size <= 256, "mla_attn: page_size must be a multiple of 16 in [16, 256]");
+  TORCH_CHECK(page_size >= 1 && page_size <= 256, "mla_attn: page_size must be in [1, 256]");
+  TORCH_CHECK(kv_cache.size(0) * page_size < (int64_t(1) << 31), "mla_attn: the cache must hold fewer than 2^31 slots");
   TORCH_CHECK(q.stride(-1) == 1 && (!q_pe.has_value() || q_pe->stride(-1) == 1), "mla_attn: q and q_pe must be contiguous in the last dim");
   check_aligned(q, "q", 16);
   if (q_pe.has_value()) check_aligned(*q_pe, "q_pe", 16);
@@ -85,7 +86,8 @@ void mla_decode_cuda_impl(const Tensor& q, const std::optional<Tensor>& q_pe, co
   check_i32(tile_sched, "tile_sched", q);
   check_i32(req_splits, "req_splits", q);
   const int64_t batch = cache_seqlens.size(0);
-  TORCH_CHECK(block_table.dim() == 2 && block_table.size(0) == batch, "mla_attn: block_table must be [B, max_pages]");
+  TORCH_CHECK(block_table.dim() == 2 && block_table.size(0) == batch,
+              kv_slots ? "mla_attn: with kv_slots, block_table must be [B, max_keys]" : "mla_attn: block_table must be [B, max_pages]");
   TORCH_CHECK(tile_sched.dim() == 2 && tile_sched.size(1) == kScheduleRowInts && tile_sched.is_contiguous() &&
                   req_splits.dim() == 2 && req_splits.size(1) == 2 && req_splits.is_contiguous(),
               "mla_attn: metadata must be contiguous tile_sched [num_sms, 8] and req_splits [B, 2]");
@@ -133,6 +135,8 @@ void mla_decode_cuda_impl(const Tensor& q, const std::optional<Tensor>& q_pe, co
   p.block_table = block_table.data_ptr<int>();
   p.block_table_stride = block_table.stride(0);
   p.max_pages = int(block_table.size(1));
+  p.kv_slots = kv_slots;
+  p.keys_per_table_entry = kv_slots ? 1 : int(page_size);
   p.cache_seqlens = cache_seqlens.data_ptr<int>();
   p.cu_seqlens_q = varlen ? cu_seqlens_q->data_ptr<int>() : nullptr;
   p.kv = kv_cache.data_ptr();
@@ -196,14 +200,14 @@ std::tuple<Tensor, Tensor> mla_decode_cuda(const Tensor& q, const std::optional<
                                            const Tensor& tile_sched, const Tensor& req_splits,
                                            int64_t num_sm_parts, const std::optional<Tensor>& k_scale,
                                            bool deterministic, bool fp8_mma,
-                                           std::optional<c10::string_view> kernel) {
+                                           std::optional<c10::string_view> kernel, bool kv_slots) {
   auto out_shape = q.sizes().vec();
   out_shape.back() = mla_decode::kHeadDimV;
   Tensor out = at::empty(out_shape, q.options());
   Tensor lse = at::empty(q.sizes().slice(0, q.dim() - 1), q.options().dtype(at::kFloat));
   mla_decode_cuda_impl(q, q_pe, kv_cache, block_table, cache_seqlens, cu_seqlens_q, max_seqlen_q,
                        softmax_scale, causal, tile_sched, req_splits, num_sm_parts, out, lse, k_scale,
-                       deterministic, fp8_mma, kernel);
+                       deterministic, fp8_mma, kernel, kv_slots);
   return {out, lse};
 }
 
@@ -213,14 +217,14 @@ void mla_decode_out_cuda(const Tensor& q, const std::optional<Tensor>& q_pe, con
                          double softmax_scale, bool causal, const Tensor& tile_sched,
                          const Tensor& req_splits, int64_t num_sm_parts, Tensor out, Tensor lse,
                          const std::optional<Tensor>& k_scale, bool deterministic, bool fp8_mma,
-                         std::optional<c10::string_view> kernel) {
+                         std::optional<c10::string_view> kernel, bool kv_slots) {
   TORCH_CHECK(out.scalar_type() == q.scalar_type() && out.size(-1) == mla_decode::kHeadDimV &&
                   out.stride(-1) == 1,
               "mla_attn: out must be [.., h_q, 512] of q's dtype, contiguous in the last dim");
   TORCH_CHECK(lse.scalar_type() == at::kFloat, "mla_attn: lse must be float32");
   mla_decode_cuda_impl(q, q_pe, kv_cache, block_table, cache_seqlens, cu_seqlens_q, max_seqlen_q,
                        softmax_scale, causal, tile_sched, req_splits, num_sm_parts, out, lse, k_scale,
-                       deterministic, fp8_mma, kernel);
+                       deterministic, fp8_mma, kernel, kv_slots);
 }
 
 std::tuple<Tensor, Tensor> get_decode_metadata_cuda(const Tensor& cache_seqlens,

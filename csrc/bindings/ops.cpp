@@ -25,7 +25,7 @@ TORCH_LIBRARY(mla_attn, m) {
   // Absorbed MLA decode over a paged latent cache.
   //   q        [B, s_q, h_q, 576|512] or varlen [T, h_q, 576|512] (with cu_seqlens_q)
   //   q_pe     None, or [.., h_q, 64] when q holds only the 512 latent dims
-  //   kv_cache [num_pages, page_size, 576] or [num_pages, page_size, 1, 576]
+  //   kv_cache [num_pages, page_size, 576] or [num_pages, page_size, 1, 576], page_size 1..256
   //   returns  out [.., h_q, 512] (q's dtype), lse fp32 [.., h_q] (natural log, +inf = no key)
   //   deterministic: the kernel is chosen by h_q alone (metadata computed with deterministic=True)
   //   fp8_mma: with a float8_e4m3fn cache and > 16 query rows per request (any when deterministic),
@@ -33,16 +33,20 @@ TORCH_LIBRARY(mla_attn, m) {
   //   kernel:  private (tests, benchmarks): forces the split kernel by name instead of the default
   //            choice (csrc/mla_decode/dispatch.h); an unknown name, or a kernel that cannot run the
   //            case, raises ValueError
+  //   kv_slots: block_table [B, max_keys] lists one cache slot (page * page_size + row in page) per
+  //            key instead of one page per page_size keys: the first cache_seqlens[b] entries of
+  //            row b are request b's keys, each in [0, num_pages * page_size) (mla_sparse_decode
+  //            compacts its top-k indices into this form)
   m.def(
       "mla_decode(Tensor q, Tensor? q_pe, Tensor kv_cache, Tensor block_table, Tensor cache_seqlens, "
       "Tensor? cu_seqlens_q, int max_seqlen_q, float softmax_scale, bool causal, "
       "Tensor tile_sched, Tensor req_splits, int num_sm_parts, *, Tensor? k_scale=None, bool deterministic=False, "
-      "bool fp8_mma=False, str? kernel=None) "
+      "bool fp8_mma=False, str? kernel=None, bool kv_slots=False) "
       "-> (Tensor, Tensor)");
   m.def(
       "mla_decode_out(Tensor q, Tensor? q_pe, Tensor kv_cache, Tensor block_table, "
       "Tensor cache_seqlens, Tensor? cu_seqlens_q, int max_seqlen_q, float softmax_scale, "
       "bool causal, Tensor tile_sched, Tensor req_splits, int num_sm_parts, Tensor(a!) out, "
       "Tensor(b!) lse, *, Tensor? k_scale=None, bool deterministic=False, bool fp8_mma=False, "
-      "str? kernel=None) -> ()");
+      "str? kernel=None, bool kv_slots=False) -> ()");
 }

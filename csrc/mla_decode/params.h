@@ -22,17 +22,23 @@ struct DecodeParams {
   int64_t out_batch_stride, out_token_stride, out_head_stride;
   int64_t lse_batch_stride, lse_token_stride, lse_head_stride;
 
-  const int* block_table;  // [batch, max_pages]
+  // [batch, max_pages]: page ids, one per page_size keys; or, with kv_slots, one cache slot
+  // (page * page_size + row in page) per key: a sparse key list (mla_sparse_decode) whose first
+  // cache_seqlens[b] entries are all in [0, num_pages * page_size).
+  const int* block_table;
   int64_t block_table_stride;
+  bool kv_slots;
   const int* cache_seqlens;  // [batch]
   const int* cu_seqlens_q;   // [batch + 1] or nullptr (uniform: every request has max_seqlen_q tokens)
 
-  // Paged cache [num_pages, page_size, 576]; read through `kv_tma` only. An fp8 (e4m3) cache holds
+  // Paged cache [num_pages, page_size, 576]: read by TMA (DecodeTma::kv) where the keys come in runs
+  // of 16 rows of one page, else gathered row by row (DecodeTma::gather). An fp8 (e4m3) cache holds
   // stored values; the real value is stored * k_scale[0] (k_scale is nullptr for a 16-bit cache).
   const void* kv;
   const float* k_scale;
   int64_t kv_page_stride, kv_token_stride;
   int num_pages, page_size, max_pages;
+  int keys_per_table_entry;  // page_size, or 1 with kv_slots
 
   int batch, num_heads_q, max_seqlen_q;
   float scale_log2;  // softmax_scale * log2(e)
@@ -53,12 +59,21 @@ struct DecodeParams {
 struct FastDivisor {
   int divisor;
   uint32_t multiplier, shift;
+#ifdef __CUDACC__
+  __device__ __forceinline__ int divide(int n) const {
+    return divisor == 1 ? n : int(__umulhi(uint32_t(n), multiplier) >> shift);
+  }
+#endif
 };
 
 struct DecodeTma {
+  // TMA copies of runs of rows_per_copy rows of one page: page_size a multiple of 16, no kv_slots.
+  // Otherwise (gather) the producer warps copy each key row by cp.async into the same swizzled
+  // stage layout (shared/kv_producer.cuh).
+  bool gather;
   CUtensorMap kv;  // 3-D (576, page_size, num_pages), box (64, rows_per_copy, 1), 128-byte swizzle
   int rows_per_copy_log2;  // rows_per_copy = gcd(page_size, 64): 16, 32 or 64
-  FastDivisor page_size;   // key -> (page index, row in page)
+  FastDivisor page_size;   // key -> (page index, row in page); a slot -> (page, row) with kv_slots
   // Q tiles by TMA (seesaw kernel, h_q a multiple of 64: a q-tile is 64 heads of one token): 4-D
   // (dims, h_q, tokens, batch) maps of q_nope (512 dims) and q_pe (64), box (64, 64, 1, 1), 128-byte
   // swizzle. q_by_tma is false otherwise (then cp.async); the other kernels load Q by cp.async.

@@ -11,6 +11,7 @@ int gcd(int a, int b) { return b == 0 ? a : gcd(b, a % b); }
 // Round-up reciprocal: with 2^(p-1) < divisor <= 2^p (2^p for a power of two), multiplier =
 // ceil(2^(31+p) / divisor) < 2^32, and n * multiplier >> (31 + p) = n / divisor for n < 2^31.
 FastDivisor make_fast_divisor(int divisor) {
+  if (divisor == 1) return FastDivisor{1, 0, 0};  // FastDivisor::divide special-cases it
   int p = 0;
   while ((1 << p) < divisor) ++p;
   const uint64_t multiplier = ((uint64_t(1) << (31 + p)) + uint64_t(divisor) - 1) / uint64_t(divisor);
@@ -19,10 +20,14 @@ FastDivisor make_fast_divisor(int divisor) {
 }  // namespace
 
 const char* make_kv_tma(const DecodeParams& p, mla_common::TmaElement element, DecodeTma* tma) {
+  tma->page_size = make_fast_divisor(p.page_size);
+  // A TMA copy of fewer than 16 rows (or one per key of a sparse list) would cost more to issue than
+  // to gather the rows by cp.async.
+  tma->gather = p.kv_slots || p.page_size % 16 != 0;
+  if (tma->gather) return nullptr;
   // A copy never crosses a page: rows_per_copy divides page_size (a multiple of 16) and 64.
   const int rows_per_copy = gcd(p.page_size, kBlockN);
   tma->rows_per_copy_log2 = __builtin_ctz(rows_per_copy);
-  tma->page_size = make_fast_divisor(p.page_size);
   const size_t elem = element == mla_common::TmaElement::kFp8 ? 1 : 2;
   const uint64_t dims[3] = {uint64_t(kHeadDimK), uint64_t(p.page_size), uint64_t(p.num_pages)};
   const uint64_t strides[2] = {uint64_t(p.kv_token_stride * elem), uint64_t(p.kv_page_stride * elem)};

@@ -7,7 +7,7 @@ D_V = 512  # V is the first 512 dims of the latent cache
 D_PE = D_QK - D_V  # the rope part
 MAX_HEADS_Q = 128
 MAX_SEQLEN_Q = 512  # query tokens per request
-PAGE_SIZE_MIN, PAGE_SIZE_MAX, PAGE_SIZE_ALIGN = 16, 256, 16
+PAGE_SIZE_MIN, PAGE_SIZE_MAX = 1, 256  # below 16, or not a multiple of 16, the kernels gather rows
 
 # prefill: un-absorbed MLA over up-projected K/V
 PREFILL_D_QK = 192  # nope (128) + rope (64)

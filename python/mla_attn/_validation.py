@@ -26,7 +26,7 @@ import torch
 from torch import Tensor
 
 from ._constants import (ALIGN_BYTES, D_PE, D_QK, D_V, FP8, HALF_DTYPES, MAX_HEADS_Q, MAX_SEQLEN_Q, MERGE_D_ALIGN,
-                         PAGE_SIZE_ALIGN, PAGE_SIZE_MAX, PAGE_SIZE_MIN, PREFILL_D_NOPE, PREFILL_D_PE, PREFILL_D_QK,
+                         PAGE_SIZE_MAX, PAGE_SIZE_MIN, PREFILL_D_NOPE, PREFILL_D_PE, PREFILL_D_QK,
                          PREFILL_D_V)
 from .metadata import DECODE_KERNELS, DecodeMetadata
 
@@ -186,9 +186,8 @@ def check_decode(q: Tensor, q_pe: Optional[Tensor], kv_cache: Tensor, block_tabl
             raise ValueError(f"q_pe must have shape {tuple(q.shape[:-1]) + (D_PE,)}, got {tuple(q_pe.shape)}")
     check_kv_cache_shape(kv_cache)
     page_size = kv_cache.shape[1]
-    if not (PAGE_SIZE_MIN <= page_size <= PAGE_SIZE_MAX and page_size % PAGE_SIZE_ALIGN == 0):
-        raise ValueError(f"page_size must be a multiple of {PAGE_SIZE_ALIGN} in [{PAGE_SIZE_MIN}, {PAGE_SIZE_MAX}], "
-                         f"got {page_size}")
+    if not PAGE_SIZE_MIN <= page_size <= PAGE_SIZE_MAX:
+        raise ValueError(f"page_size must be in [{PAGE_SIZE_MIN}, {PAGE_SIZE_MAX}], got {page_size}")
     check_int32("block_table", block_table, 2)
     check_int32("cache_seqlens", cache_seqlens, 1)
     batch = cache_seqlens.shape[0]

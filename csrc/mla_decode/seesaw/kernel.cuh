@@ -52,9 +52,19 @@ __device__ void produce_seesaw_tiles(const DecodeParams& p, const DecodeTma& tma
   for_each_scheduled_block(p, range, m_block, [&](const Segment& seg, const int* pages, int blk, int iteration) {
     const int stage = iteration % Traits::kStages;
     if (stage != my_stage) return;
-    const auto copies = BlockCopies<Traits>::plan(p, tma, pages, seg, blk, lane);
     const uint32_t free_parity = ((iteration / Traits::kStages) - 1) & 1;
     const bool reused = iteration >= Traits::kStages;
+    if (tma.gather) {
+      const auto rows = GatheredRows<Traits>::plan(p, tma, pages, seg, blk, lane);
+      if (reused) cutlass::arch::ClusterBarrier::wait(&ss.kv_empty[stage][half], free_parity);
+      rows.copy(p, ss, stage, 4 * half, 1, 4 * half + 4, lane);
+      if (half == 0) {
+        if (reused) cutlass::arch::ClusterBarrier::wait(&ss.kv_empty[stage][1], free_parity);
+        rows.copy(p, ss, stage, kSlabs - 1, 1, kSlabs, lane);
+      }
+      return;
+    }
+    const auto copies = BlockCopies<Traits>::plan(p, tma, pages, seg, blk, lane);
     if (reused) cutlass::arch::ClusterBarrier::wait(&ss.kv_empty[stage][half], free_parity);
     for (int slab = 4 * half; slab < 4 * half + 4; ++slab) copies.expect(ss, stage, slab, lane);
     for (int slab = 4 * half; slab < 4 * half + 4; ++slab) copies.copy(tma, ss, stage, slab, lane);
@@ -436,10 +446,12 @@ struct SeesawKernel {
   static constexpr int kMathRegisters = kSeesawMathRegisters, kProducerRegisters = kSeesawProducerRegisters;
 
   // kv_empty[stage][w]: warpgroup w freed its V half; q_full: a Q tile by TMA.
-  __device__ __forceinline__ static void init_barriers(SharedStorage& ss) {
+  __device__ __forceinline__ static void init_barriers(SharedStorage& ss, const DecodeTma& tma) {
     if (threadIdx.x != 0) return;
     for (int s = 0; s < Traits::kStages; ++s) {
-      for (int slab = 0; slab < kSlabs; ++slab) cutlass::arch::ClusterTransactionBarrier::init(&ss.kv_full[s][slab], 1);
+      for (int slab = 0; slab < kSlabs; ++slab) {
+        cutlass::arch::ClusterTransactionBarrier::init(&ss.kv_full[s][slab], kv_full_arrivals(tma));
+      }
       for (int w = 0; w < 2; ++w) cutlass::arch::ClusterBarrier::init(&ss.kv_empty[s][w], 1);
     }
     cutlass::arch::ClusterTransactionBarrier::init(&ss.q_full, 1);

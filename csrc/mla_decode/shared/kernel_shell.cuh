@@ -5,7 +5,7 @@
 //   Kernel::kThreads            (kMathWarpgroups + 1) x 128; also the launch bounds
 //   Kernel::kMathWarpgroups     the producer is warpgroup kMathWarpgroups
 //   Kernel::kMathRegisters, kProducerRegisters      the setmaxnreg split
-//   Kernel::init_barriers(ss)   thread 0 initialises the mbarriers (the shell syncs the CTA after)
+//   Kernel::init_barriers(ss, tma)   thread 0 initialises the mbarriers (the shell syncs the CTA after)
 //   Kernel::produce(params, tma, ss, range, warp)   warp: 0..3 within the producer warpgroup
 //   Kernel::consume(params, tma, ss, range, warpgroup)
 #pragma once
@@ -30,12 +30,12 @@ __global__ void __launch_bounds__(Kernel::kThreads, 1)
   // in griddepcontrol.wait until this grid has finished and flushed.
   mla_common::launch_dependents();
 
-  Kernel::init_barriers(ss);
+  Kernel::init_barriers(ss, tma);
   __syncthreads();
 
   if (warpgroup == Kernel::kMathWarpgroups) {
     cutlass::arch::warpgroup_reg_dealloc<Kernel::kProducerRegisters>();
-    if (threadIdx.x % 32 == 0) cute::prefetch_tma_descriptor(&tma.kv);
+    if (threadIdx.x % 32 == 0 && !tma.gather) cute::prefetch_tma_descriptor(&tma.kv);
     Kernel::produce(params, tma, ss, range, int(threadIdx.x / 32) - Kernel::kMathWarpgroups * 4);
   } else {
     cutlass::arch::warpgroup_reg_alloc<Kernel::kMathRegisters>();

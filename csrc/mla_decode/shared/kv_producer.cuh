@@ -1,5 +1,7 @@
-// The TMA producer of the decode kernels: walks a CTA's schedule and loads its K tiles, slab by slab,
-// into a ring of Traits::kStages stages.
+// The producer of the decode kernels: walks a CTA's schedule and loads its K tiles, slab by slab,
+// into a ring of Traits::kStages stages: by TMA where keys come in runs of >= 16 rows of one page
+// (BlockCopies), else row by row by cp.async into the same swizzled layout (GatheredRows: page sizes
+// that are not a multiple of 16, and the sparse key lists of kv_slots).
 #pragma once
 #include <cute/tensor.hpp>
 #include <cute/arch/copy_sm90_tma.hpp>
@@ -8,6 +10,7 @@
 #include "common/device_utils.cuh"
 #include "mla_decode/config.h"
 #include "mla_decode/params.h"
+#include "mla_decode/shared/fp8_dequant.cuh"
 #include "mla_decode/shared/schedule.cuh"
 
 namespace mla_decode {
@@ -56,6 +59,76 @@ struct BlockCopies {
   }
 };
 
+// The cp.async gather of one KV block, as seen by one lane of a producer warp. A lane holds the cache
+// byte offsets of key rows lane and lane + 32 of the block (-1: past the sequence end, zero-filled);
+// the lanes that copy a row get its offset by shuffles. Each slab is issued by one warp, whose 32
+// lanes then arrive on its kv_full barrier (count 32) when their copies have landed (.noinc: the
+// arrival is the cp.async completion's, as CUTLASS's cp.async GMMA pipelines do).
+template <typename Traits>
+struct GatheredRows {
+  static constexpr int kRowBytes = Traits::kFp8Kv ? kTmaColumns : kTmaColumns * 2;  // of a slab
+  static constexpr int kChunksPerRow = kRowBytes / 16;
+  static constexpr int kRowsPerPass = 32 / kChunksPerRow;  // rows one warp instruction covers
+  int64_t offset[2];
+
+  // Never reads past the cache: a slot or page outside it is clamped (the Python layer checks them).
+  __device__ static GatheredRows plan(const DecodeParams& p, const DecodeTma& tma, const int* table,
+                                      const Segment& seg, int blk, int lane) {
+    constexpr int kElementBytes = Traits::kFp8Kv ? 1 : 2;
+    GatheredRows g;
+#pragma unroll
+    for (int i = 0; i < 2; ++i) {
+      const int key = blk * kBlockN + lane + 32 * i;
+      g.offset[i] = -1;
+      if (key < seg.seqlen_k) {
+        int page, row;
+        if (p.kv_slots) {
+          const int slot = min(max(table[key], 0), p.num_pages * p.page_size - 1);
+          page = tma.page_size.divide(slot);
+          row = slot - page * p.page_size;
+        } else {
+          const int index = tma.page_size.divide(key);
+          page = min(max(table[index], 0), p.num_pages - 1);
+          row = key - index * p.page_size;
+        }
+        g.offset[i] = (int64_t(page) * p.kv_page_stride + int64_t(row) * p.kv_token_stride) * kElementBytes;
+      }
+    }
+    return g;
+  }
+
+  // Byte address in shared memory of 16-byte chunk `chunk` of row `row` of a slab, in the layout TMA
+  // writes: 128-byte swizzle of 16-bit rows, or the 64-byte swizzle of fp8 ones (fp8_slab_offset).
+  __device__ static uint8_t* chunk_dst(typename Traits::SharedStorage& ss, int stage, int slab, int row, int chunk) {
+    uint8_t* slab_base = static_cast<uint8_t*>(Traits::kv_copy_dst(ss, stage, slab, 0));
+    if constexpr (Traits::kFp8Kv) return slab_base + fp8_slab_offset(row, chunk);
+    else return slab_base + row * kRowBytes + ((chunk ^ (row & 7)) << 4);
+  }
+
+  // Copies slabs first_slab, first_slab + slab_step, ... < end_slab of all 64 rows; the calling warp
+  // then arrives on their barriers.
+  __device__ void copy(const DecodeParams& p, typename Traits::SharedStorage& ss, int stage, int first_slab,
+                       int slab_step, int end_slab, int lane) const {
+    const int chunk = lane % kChunksPerRow;
+    const uint8_t* kv = static_cast<const uint8_t*>(p.kv) + chunk * 16;
+#pragma unroll
+    for (int j = 0; j < kBlockN / kRowsPerPass; ++j) {
+      const int row = lane / kChunksPerRow + j * kRowsPerPass;
+      const int64_t src = __shfl_sync(0xffffffff, j * kRowsPerPass < 32 ? offset[0] : offset[1], row % 32);
+      for (int slab = first_slab; slab < end_slab; slab += slab_step) {
+        mla_common::cp_async_16(chunk_dst(ss, stage, slab, row, chunk), kv + max(src, int64_t(0)) + slab * kRowBytes,
+                                src >= 0);
+      }
+    }
+    for (int slab = first_slab; slab < end_slab; slab += slab_step) {
+      cutlass::arch::cpasync_barrier_arrive_noinc(&ss.kv_full[stage][slab]);
+    }
+  }
+};
+
+// kv_full arrivals per slab and phase: one arrive_and_expect_tx (TMA), or the 32 lanes of a warp.
+__device__ __forceinline__ int kv_full_arrivals(const DecodeTma& tma) { return tma.gather ? 32 : 1; }
+
 // Calls fn(seg, pages, blk, iteration) for every KV block of this CTA's schedule, in order; iteration
 // counts the blocks (a block's place in the stage ring), pages is the request's block-table row.
 template <typename Fn>
@@ -69,13 +142,17 @@ __device__ __forceinline__ void for_each_scheduled_block(const DecodeParams& p, 
   }
 }
 
-// Thread 0 initialises the ring's barriers: kv_full[stage][slab] (one arrival, plus the TMA bytes)
-// and kv_empty[stage] (empty_arrivals); the caller syncs the CTA after.
+// Thread 0 initialises the ring's barriers: kv_full[stage][slab] (kv_full_arrivals) and
+// kv_empty[stage] (empty_arrivals); the caller syncs the CTA after.
 template <typename Traits>
-__device__ __forceinline__ void init_kv_ring(typename Traits::SharedStorage& ss, int empty_arrivals) {
+__device__ __forceinline__ void init_kv_ring(typename Traits::SharedStorage& ss, const DecodeTma& tma,
+                                             int empty_arrivals) {
   if (threadIdx.x != 0) return;
+  const int full_arrivals = kv_full_arrivals(tma);
   for (int s = 0; s < Traits::kStages; ++s) {
-    for (int slab = 0; slab < kSlabs; ++slab) cutlass::arch::ClusterTransactionBarrier::init(&ss.kv_full[s][slab], 1);
+    for (int slab = 0; slab < kSlabs; ++slab) {
+      cutlass::arch::ClusterTransactionBarrier::init(&ss.kv_full[s][slab], full_arrivals);
+    }
     cutlass::arch::ClusterBarrier::init(&ss.kv_empty[s], empty_arrivals);
   }
   cutlass::arch::fence_barrier_init();
@@ -92,12 +169,21 @@ __device__ void produce_kv_tiles(const DecodeParams& p, const DecodeTma& tma,
                                  typename Traits::SharedStorage& ss, const PartRange& range,
                                  int m_block, int first_slab, int slab_step) {
   const int lane = threadIdx.x % 32;
-  for_each_scheduled_block(p, range, m_block, [&](const Segment& seg, const int* pages, int blk, int iteration) {
-    const int stage = iteration % Traits::kStages;
-    const auto copies = BlockCopies<Traits>::plan(p, tma, pages, seg, blk, lane);
+  auto wait_free = [&](int stage, int iteration) {
     if (iteration >= Traits::kStages) {
       cutlass::arch::ClusterBarrier::wait(&ss.kv_empty[stage], ((iteration / Traits::kStages) - 1) & 1);
     }
+  };
+  for_each_scheduled_block(p, range, m_block, [&](const Segment& seg, const int* pages, int blk, int iteration) {
+    const int stage = iteration % Traits::kStages;
+    if (tma.gather) {
+      const auto rows = GatheredRows<Traits>::plan(p, tma, pages, seg, blk, lane);
+      wait_free(stage, iteration);
+      rows.copy(p, ss, stage, first_slab, slab_step, kSlabs, lane);
+      return;
+    }
+    const auto copies = BlockCopies<Traits>::plan(p, tma, pages, seg, blk, lane);
+    wait_free(stage, iteration);
     for (int slab = first_slab; slab < kSlabs; slab += slab_step) copies.expect(ss, stage, slab, lane);
     for (int slab = first_slab; slab < kSlabs; slab += slab_step) copies.copy(tma, ss, stage, slab, lane);
   });
@@ -113,7 +199,9 @@ struct KvRingKernel {
   static constexpr int kThreads = kNumThreads, kMathWarpgroups = kNumMathWarpgroups;
   static constexpr int kMathRegisters = mla_decode::kMathRegisters, kProducerRegisters = mla_decode::kProducerRegisters;
 
-  __device__ __forceinline__ static void init_barriers(SharedStorage& ss) { init_kv_ring<Traits>(ss, kNumMathWarpgroups); }
+  __device__ __forceinline__ static void init_barriers(SharedStorage& ss, const DecodeTma& tma) {
+    init_kv_ring<Traits>(ss, tma, kNumMathWarpgroups);
+  }
   __device__ __forceinline__ static void produce(const DecodeParams& p, const DecodeTma& tma, SharedStorage& ss,
                                                  const PartRange& range, int warp) {
     produce_kv_tiles<Traits>(p, tma, ss, range, blockIdx.x, warp, 4);
