@@ -133,11 +133,23 @@ def ext_configs():
     return out
 
 
+def page_configs():
+    """The page-size sweep: SGLang's 1 (rows gathered by cp.async), vLLM's 16-128 (TMA), where the
+    MMAs bound the time (h_q 128) and where the reads do (h_q 16)."""
+    out = []
+    for h_q, b, L in ((128, 128, 4096), (128, 32, 16384), (16, 128, 16384)):
+        for page in (1, 8, 16, 32, 64, 128):
+            out.append(cfg(h_q, 1, b, L, page=page, grid="pages"))
+    return out
+
+
 def select_configs(which, quick, only):
     if which == "main":
         cs = main_configs()
     elif which == "ext":
         cs = ext_configs()
+    elif which == "pages":
+        cs = page_configs()
     else:
         cs = main_configs() + ext_configs()
     if quick:
@@ -520,7 +532,7 @@ def write_outputs(results, out_dir):
 def add_args(ap):
     """The sweep's options; run_all.py adds them to its own parser."""
     here = os.path.dirname(os.path.abspath(__file__))
-    ap.add_argument("--configs", default="main", choices=("main", "ext", "all"))
+    ap.add_argument("--configs", default="main", choices=("main", "ext", "pages", "all"))
     ap.add_argument("--quick", action="store_true", help="small fixed subset (%d configs)" % len(QUICK))
     ap.add_argument("--only", default="", help="comma list of config-name substrings")
     ap.add_argument("--out", default=os.path.join(here, "results"))

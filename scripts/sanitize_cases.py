@@ -1,6 +1,6 @@
 """A small subset of calls for compute-sanitizer (scripts/sanitize.sh), small enough to run under
 memcheck and racecheck in seconds. Decode: split and unsplit requests, tail blocks, empty requests,
-varlen causal, page sizes 16 and 64, q_pe split, each with a 16-bit and an FP8 cache and through
+varlen causal, page sizes 16, 32 and 64 (TMA) and 1 and 24 (cp.async gather), q_pe split, each with a 16-bit and an FP8 cache and through
 every split kernel that can run it. Prefill: partial and causal-diagonal blocks, empty
 rows, k_pe split. Then an LSE merge and a KV-cache write + gather round trip."""
 import os
@@ -25,6 +25,8 @@ CASES = [
     ([130, 300, 0], 2, 128, 64, True, True),   # Q tiles by TMA (h_q 128), several requests per CTA, varlen
     ([130, 0, 1000], 3, 96, 16, True, True),   # seesaw: odd block counts (a pair without b), tails, page 16, varlen
     ([500, 70], 2, 16, 32, False, False),       # 32 rows: the fp8 narrow kernel with N = 32
+    ([70, 0, 129], 1, 16, 1, False, False),     # page 1: rows gathered by cp.async (narrow kernels)
+    ([300, 65], 2, 64, 24, True, False),         # page 24 (gathered), varlen causal, two q tiles
 ]
 
 

@@ -69,7 +69,7 @@ STATIC_ERRORS = [
     (_with(C, block_table=C["block_table"].t().contiguous().t()), ValueError, r"block_table: last dim"),
     # page size
     (_with(C, kv_cache=KV[:, :0]), ValueError, r"page_size must be in \[1, 256\], got 0"),
-    (_with(C, kv_cache=torch.randn(2, 24, D_QK).bfloat16()), ValueError, r"page_size .* got 24"),
+    (_with(C, kv_cache=torch.randn(2, 257, D_QK).bfloat16()), ValueError, r"page_size .* got 257"),
     (_with(C, kv_cache=torch.randn(1, 272, D_QK).bfloat16()), ValueError, r"page_size .* got 272"),
     # batch sizes
     (_with(C, block_table=C["block_table"][:1]), ValueError, r"block_table has 1 rows but cache_seqlens has 2"),

@@ -111,7 +111,8 @@ struct GatheredRows {
                        int slab_step, int end_slab, int lane) const {
     const int chunk = lane % kChunksPerRow;
     const uint8_t* kv = static_cast<const uint8_t*>(p.kv) + chunk * 16;
-#pragma unroll
+    // Not unrolled: the producer runs on 24-40 registers.
+#pragma unroll 1
     for (int j = 0; j < kBlockN / kRowsPerPass; ++j) {
       const int row = lane / kChunksPerRow + j * kRowsPerPass;
       const int64_t src = __shfl_sync(0xffffffff, j * kRowsPerPass < 32 ? offset[0] : offset[1], row % 32);

@@ -1,0 +1,76 @@
+"""mla_decode with every kind of page size on every kernel that runs the case: multiples of 16 (TMA
+copies of 16-64 rows) and the rest down to SGLang's 1 (rows gathered by cp.async), 16-bit and FP8
+caches, against the float32 reference. NaN sits in every slot past each length and in unused pages
+(tests/cases.py), so a row gathered from a wrong page or offset shows."""
+import pytest
+import torch
+from cases import make_decode_case
+from conftest import FP8, check_decode, decode_kernels_for, run_decode, to_device
+from fp8_cases import to_fp8_case
+
+import mla_attn
+
+pytestmark = pytest.mark.gpu
+
+PAGE_SIZES = [1, 3, 8, 16, 24, 32, 64, 100, 128, 256]
+# Lengths that end mid-page and mid-block for every page size above, an empty request, and one long
+# enough to be split across CTAs.
+LENS = [1, 77, 0, 1000, 4097]
+
+
+def _params():
+    params = []
+    for page_size in PAGE_SIZES:
+        for cache_dtype in (torch.bfloat16, FP8):
+            for h_q, s_q in ((16, 1), (64, 2)):
+                for kernel in [None] + decode_kernels_for(cache_dtype, h_q * s_q):
+                    params.append(pytest.param(page_size, cache_dtype, h_q, s_q, kernel,
+                                               id=f"ps{page_size}-{'fp8' if cache_dtype == FP8 else 'bf16'}"
+                                                  f"-h{h_q}s{s_q}-{kernel}"))
+    return params
+
+
+@pytest.mark.parametrize("page_size,cache_dtype,h_q,s_q,kernel", _params())
+def test_page_size(page_size, cache_dtype, h_q, s_q, kernel):
+    case = make_decode_case(LENS, s_q, h_q, page_size, kv_4d=page_size % 2 == 1, seed=page_size + h_q)
+    if cache_dtype == FP8:
+        case = to_fp8_case(case)
+    case = to_device(case)
+    out, lse = run_decode(case, True, _kernel=kernel)
+    check_decode(case, True, out, lse, kernel)
+
+
+@pytest.mark.parametrize("page_size", [1, 24, 64])
+def test_cuda_graph_replay_with_new_tables(page_size):
+    """A captured decode (metadata included) replays with the cache's pages moved (a new block table
+    and cache contents) and new lengths."""
+    case = to_device(make_decode_case([300, 2000, 5], 1, 128, page_size, seed=page_size))
+    static = dict(case, kv_cache=case["kv_cache"].clone(), block_table=case["block_table"].clone(),
+                  cache_seqlens=case["cache_seqlens"].clone())
+    out = torch.empty(3, 1, 128, 512, device="cuda", dtype=torch.bfloat16)
+
+    def step():
+        md = mla_attn.get_decode_metadata(static["cache_seqlens"], 128, s_q=1, causal=True)
+        return run_decode(static, True, metadata=md, out=out)
+
+    step()
+    torch.cuda.synchronize()
+    graph = torch.cuda.CUDAGraph()
+    with torch.cuda.graph(graph):
+        _, lse = step()
+    g = torch.Generator().manual_seed(page_size)
+    for lens in ([300, 2000, 5], [1999, 0, 1]):  # never longer than the pages allocated
+        num_pages = case["kv_cache"].shape[0]
+        perm = torch.randperm(num_pages, generator=g).to("cuda")
+        moved = torch.empty_like(case["kv_cache"])
+        moved[perm] = case["kv_cache"]  # page j now lives at perm[j]
+        table = case["block_table"].long()
+        inside = (table >= 0) & (table < num_pages)
+        new = dict(case, kv_cache=moved, cache_seqlens=torch.tensor(lens, dtype=torch.int32, device="cuda"),
+                   block_table=torch.where(inside, perm[table.clamp(0, num_pages - 1)], table).to(torch.int32))
+        for key in ("kv_cache", "block_table", "cache_seqlens"):
+            static[key].copy_(new[key])
+        out.fill_(float("nan"))
+        graph.replay()
+        torch.cuda.synchronize()
+        check_decode(new, True, out, lse, None)
