@@ -79,6 +79,8 @@ def inputs(device):
                  slot_mapping=torch.arange(6, dtype=torch.int64, device=device))
     gather = dict(kv_cache=cache, block_table=torch.tensor([[0, 1], [2, 0]], dtype=torch.int32, device=device),
                   cu_seqlens=torch.tensor([0, 20, 23], dtype=torch.int32, device=device), num_tokens=25)
+    ds_cache = torch.zeros(3, 16, 656, dtype=torch.uint8, device=device)  # ds_mla_fp8 rows
+    write_ds, gather_ds = dict(write, kv_cache=ds_cache), dict(gather, kv_cache=ds_cache)
 
     o = torch.randn(2, 5, 3, 16, device=device).bfloat16()
     lse = torch.randn(2, 5, 3, device=device)
@@ -93,7 +95,7 @@ def inputs(device):
                        lse=torch.empty(8, 4, device=device))
     return dict(mla_decode=decode, mla_decode_varlen=decode_varlen, mla_decode_out=decode_out,
                 mla_decode_fp8=decode_fp8, get_decode_metadata=metadata, write_kv_cache=write,
-                gather_kv_cache=gather, merge_attn_states=merge, merge_attn_states_out=merge_out,
+                gather_kv_cache=gather, write_kv_cache_ds=write_ds, gather_kv_cache_ds=gather_ds, merge_attn_states=merge, merge_attn_states_out=merge_out,
                 merge_attn_states_n=merge_n, mla_prefill=prefill, mla_prefill_out=prefill_out)
 
 
@@ -102,7 +104,7 @@ def raise_case(base, case):
     key, change, *_ = case
     named = dict(base[key])
     named.update(change(named))
-    invoke(key.split("_varlen")[0].split("_fp8")[0], named)
+    invoke(key.split("_varlen")[0].split("_fp8")[0].split("_ds")[0], named)
 
 
 def on(device):
@@ -165,7 +167,16 @@ GPU_CASES = [
      r"get_decode_metadata supports at most 50000 requests"),
     # kv_cache_api.cpp: check_cache (through gather, which checks the cache first)
     ("gather_kv_cache", lambda a: dict(kv_cache=a["kv_cache"].float()), R,
-     r"kv_cache must be bfloat16, float16 or float8_e4m3fn, got Float"),
+     r"kv_cache must be bfloat16, float16, float8_e4m3fn or uint8 \(ds_mla_fp8\), got Float"),
+    ("gather_kv_cache_ds", lambda a: dict(kv_format="fp8_ds_mla"), V,
+     r"unknown kv_format 'fp8_ds_mla'; the formats are model, fp8, ds_mla_fp8"),
+    ("write_kv_cache", lambda a: dict(kv_format="ds_mla_fp8"), V,
+     r"kv_format='ds_mla_fp8' needs a uint8 kv_cache, got BFloat16"),
+    ("gather_kv_cache_ds", lambda a: dict(kv_cache=a["kv_cache"][..., :576]), R,
+     r"kv_cache must be \[num_pages, page_size, 656\] or \[num_pages, page_size, 1, 656\], contiguous"),
+    ("gather_kv_cache_ds", lambda a: dict(kv_cache=shifted(a["kv_cache"])), R, r"kv_cache must be 16-byte aligned"),
+    ("gather_kv_cache_ds", lambda a: dict(k_scale=torch.ones(1, device="cuda")), V,
+     r"k_scale is not used with a ds_mla_fp8 kv_cache \(its scales are in the rows\)"),
     ("gather_kv_cache", lambda a: dict(kv_cache=a["kv_cache"][..., :512]), R,
      r"kv_cache must be \[num_pages, page_size, 576\] or \[num_pages, page_size, 1, 576\], contiguous"),
     ("gather_kv_cache", lambda a: dict(kv_cache=a["kv_cache"][:, :0]), R, r"kv_cache page_size must be >= 1"),
@@ -188,7 +199,8 @@ GPU_CASES = [
     ("write_kv_cache", lambda a: dict(k_pe=a["k_pe"][:5]), R, r"k_pe must be \[T, 64\] or \[T, 1, 64\]"),
     ("write_kv_cache", lambda a: dict(slot_mapping=a["slot_mapping"].int()), R, r"slot_mapping must be int64 \[T\]"),
     ("write_kv_cache", lambda a: dict(kv_cache=a["kv_cache"].half()), R,
-     r"kv_cache must have kv_c's dtype or be float8_e4m3fn"),
+     r"kv_cache must have kv_c's dtype or be float8_e4m3fn or uint8 \(ds_mla_fp8\)"),
+    ("write_kv_cache_ds", lambda a: dict(kv_format="fp8"), V, r"kv_format='fp8' needs a float8_e4m3fn kv_cache, got Byte"),
     ("write_kv_cache", lambda a: dict(slot_mapping=a["slot_mapping"].cpu()), R, r"all tensors must be on cuda"),
     ("write_kv_cache", lambda a: dict(kv_c=shifted(a["kv_c"])), R, r"kv_c must be 16-byte aligned"),
     ("write_kv_cache", lambda a: dict(k_pe=shifted(a["k_pe"])), R, r"k_pe must be 16-byte aligned"),
@@ -311,6 +323,14 @@ CPU_CASES = [
     ("gather_kv_cache", lambda a: dict(cu_seqlens=a["cu_seqlens"][:2]), V, r"cu_seqlens must have B \+ 1 = 3 entries"),
     ("gather_kv_cache", lambda a: dict(num_tokens=-1), V, r"num_tokens must be in \[0, inf\], got -1"),
     ("gather_kv_cache", lambda a: dict(out_dtype=torch.int8), T, r"out_dtype must be None, bfloat16"),
+    ("gather_kv_cache", lambda a: dict(kv_cache=a["kv_cache"].float()), T,
+     r"kv_cache must be bfloat16, float16, float8_e4m3fn or uint8 \(ds_mla_fp8\), got torch.float32"),
+    ("write_kv_cache", lambda a: dict(kv_format="ds_mla_fp8"), V, r"kv_format='ds_mla_fp8' needs a uint8 kv_cache"),
+    ("write_kv_cache_ds", lambda a: dict(kv_format="fp8"), V, r"kv_format='fp8' needs a float8_e4m3fn kv_cache"),
+    ("write_kv_cache_ds", lambda a: dict(k_scale=torch.ones(1)), V, r"k_scale is not used with a ds_mla_fp8 kv_cache"),
+    ("gather_kv_cache_ds", lambda a: dict(kv_format="fp8_ds_mla"), V, r"unknown kv_format 'fp8_ds_mla'"),
+    ("gather_kv_cache_ds", lambda a: dict(kv_cache=a["kv_cache"][..., :576]), V,
+     r"kv_cache must be \[num_pages, page_size, 656\] or \[num_pages, page_size, 1, 656\] \(ds_mla_fp8"),
     ("merge_attn_states", lambda a: dict(out_a=a["out_a"].double()), T, r"out_a must be bfloat16, float16 or float32"),
     ("merge_attn_states", lambda a: dict(out_b=a["out_b"][:3]), V, r"out_b shape \(3, 3, 16\) must match out_a"),
     ("merge_attn_states_out", lambda a: dict(lse=a["lse"][:2]), V, r"lse must have shape \(5, 3\)"),

@@ -256,7 +256,7 @@ WRITE_ERRORS = [
     (dict(slot_mapping=SLOTS[:5]), ValueError, r"slot_mapping must have shape \[T\] = \[6\]"),
     (dict(slot_mapping=SLOTS.to("meta")), TypeError, r"slot_mapping is on meta but kv_c is on cpu"),
     (dict(kv_cache=CACHE.half()), TypeError, r"kv_cache dtype torch.float16 must be kv_c's dtype"),
-    (dict(kv_cache=CACHE.float()), TypeError, r"kv_cache must be bfloat16, float16 or float8_e4m3fn"),
+    (dict(kv_cache=CACHE.float()), TypeError, r"kv_cache must be bfloat16, float16, float8_e4m3fn or uint8"),
     (dict(kv_cache=CACHE[..., :512]), ValueError, r"kv_cache must be \[num_pages, page_size, 576\]"),
     (dict(kv_cache=CACHE[:, :, None].expand(-1, -1, 2, -1)), ValueError, r"kv_cache must be"),
     (dict(kv_cache=CACHE.to(FP8)), ValueError, r"float8_e4m3fn kv_cache needs k_scale"),

@@ -15,19 +15,48 @@ using namespace mla_kv_cache;
 
 bool is_half(at::ScalarType t) { return t == at::kBFloat16 || t == at::kHalf; }
 
+// The cache formats of python/mla_attn/kv_cache.py; a cache's dtype names its format.
+enum class CacheFormat { kModel, kFp8, kDsMlaFp8 };
+
+// The cache's format, from its dtype; a given kv_format must name that format.
+CacheFormat cache_format(const Tensor& kv_cache, const std::optional<c10::string_view>& kv_format) {
+  const at::ScalarType t = kv_cache.scalar_type();
+  TORCH_CHECK(is_half(t) || t == at::kFloat8_e4m3fn || t == at::kByte,
+              "mla_attn: kv_cache must be bfloat16, float16, float8_e4m3fn or uint8 (ds_mla_fp8), got ", t);
+  const CacheFormat inferred =
+      t == at::kByte ? CacheFormat::kDsMlaFp8 : t == at::kFloat8_e4m3fn ? CacheFormat::kFp8 : CacheFormat::kModel;
+  if (!kv_format.has_value()) return inferred;
+  const c10::string_view name = *kv_format;
+  const bool known = name == "model" || name == "fp8" || name == "ds_mla_fp8";
+  TORCH_CHECK_VALUE(known, "mla_attn: unknown kv_format '", name, "'; the formats are model, fp8, ds_mla_fp8");
+  const CacheFormat named =
+      name == "ds_mla_fp8" ? CacheFormat::kDsMlaFp8 : name == "fp8" ? CacheFormat::kFp8 : CacheFormat::kModel;
+  TORCH_CHECK_VALUE(named == inferred, "mla_attn: kv_format='", name, "' needs a ",
+                    named == CacheFormat::kDsMlaFp8 ? "uint8" : named == CacheFormat::kFp8 ? "float8_e4m3fn"
+                                                                                             : "bfloat16 or float16",
+                    " kv_cache, got ", t);
+  return inferred;
+}
+
 // Checks the cache and its scale; returns nullptr or the scale's pointer (fp8 caches).
-const float* check_cache(const Tensor& kv_cache, const std::optional<Tensor>& k_scale, const Tensor& like) {
-  TORCH_CHECK(is_half(kv_cache.scalar_type()) || kv_cache.scalar_type() == at::kFloat8_e4m3fn,
-              "mla_attn: kv_cache must be bfloat16, float16 or float8_e4m3fn, got ", kv_cache.scalar_type());
+const float* check_cache(const Tensor& kv_cache, const std::optional<Tensor>& k_scale, const Tensor& like,
+                         CacheFormat format) {
+  const int64_t row = format == CacheFormat::kDsMlaFp8 ? kDsRowBytes : kDimRow;
   TORCH_CHECK((kv_cache.dim() == 3 || (kv_cache.dim() == 4 && kv_cache.size(2) == 1)) &&
-                  kv_cache.size(-1) == kDimRow && kv_cache.stride(-1) == 1,
-              "mla_attn: kv_cache must be [num_pages, page_size, 576] or [num_pages, page_size, 1, 576], "
-              "contiguous in the last dim; got ", kv_cache.sizes());
+                  kv_cache.size(-1) == row && kv_cache.stride(-1) == 1,
+              "mla_attn: kv_cache must be [num_pages, page_size, ", row, "] or [num_pages, page_size, 1, ", row,
+              "], contiguous in the last dim; got ", kv_cache.sizes());
   TORCH_CHECK(kv_cache.size(1) >= 1, "mla_attn: kv_cache page_size must be >= 1");
-  // 8-element chunks: 16-byte aligned rows (8-byte for fp8)
-  mla_bindings::check_aligned(kv_cache, "kv_cache", 8 * kv_cache.element_size());
+  // 8-element chunks: 16-byte aligned rows (8-byte for fp8); ds_mla_fp8 rows take 16-byte stores
+  const int64_t align = format == CacheFormat::kDsMlaFp8 ? 16 : 8 * kv_cache.element_size();
+  mla_bindings::check_aligned(kv_cache, "kv_cache", align);
   mla_bindings::check_same_device({kv_cache}, like);
-  if (kv_cache.scalar_type() != at::kFloat8_e4m3fn) {
+  if (format == CacheFormat::kDsMlaFp8) {
+    TORCH_CHECK_VALUE(!k_scale.has_value(),
+                      "mla_attn: k_scale is not used with a ds_mla_fp8 kv_cache (its scales are in the rows)");
+    return nullptr;
+  }
+  if (format == CacheFormat::kModel) {
     TORCH_CHECK(!k_scale.has_value(), "mla_attn: k_scale is only valid with a float8_e4m3fn kv_cache");
     return nullptr;
   }
@@ -39,7 +68,7 @@ const float* check_cache(const Tensor& kv_cache, const std::optional<Tensor>& k_
 }
 
 void write_kv_cache_cuda(const Tensor& kv_c, const Tensor& k_pe, Tensor kv_cache, const Tensor& slot_mapping,
-                         const std::optional<Tensor>& k_scale) {
+                         const std::optional<Tensor>& k_scale, const std::optional<c10::string_view>& kv_format) {
   TORCH_CHECK(is_half(kv_c.scalar_type()), "mla_attn: kv_c must be bfloat16 or float16, got ", kv_c.scalar_type());
   TORCH_CHECK(kv_c.dim() == 2 && kv_c.size(1) == kDimLatent && kv_c.stride(1) == 1,
               "mla_attn: kv_c must be [T, 512], contiguous in the last dim; got ", kv_c.sizes());
@@ -50,9 +79,11 @@ void write_kv_cache_cuda(const Tensor& kv_c, const Tensor& k_pe, Tensor kv_cache
               "mla_attn: k_pe must be [T, 64] or [T, 1, 64], contiguous in the last dim; got ", k_pe.sizes());
   TORCH_CHECK(slot_mapping.scalar_type() == at::kLong && slot_mapping.dim() == 1 && slot_mapping.size(0) == T,
               "mla_attn: slot_mapping must be int64 [T]");
-  TORCH_CHECK(kv_cache.scalar_type() == kv_c.scalar_type() || kv_cache.scalar_type() == at::kFloat8_e4m3fn,
-              "mla_attn: kv_cache must have kv_c's dtype or be float8_e4m3fn");
-  const float* scale = check_cache(kv_cache, k_scale, kv_c);
+  TORCH_CHECK(kv_cache.scalar_type() == kv_c.scalar_type() || kv_cache.scalar_type() == at::kFloat8_e4m3fn ||
+                  kv_cache.scalar_type() == at::kByte,
+              "mla_attn: kv_cache must have kv_c's dtype or be float8_e4m3fn or uint8 (ds_mla_fp8)");
+  const CacheFormat format = cache_format(kv_cache, kv_format);
+  const float* scale = check_cache(kv_cache, k_scale, kv_c, format);
   mla_bindings::check_same_device({k_pe, slot_mapping}, kv_c);
   mla_bindings::check_aligned(kv_c, "kv_c", 16);
   mla_bindings::check_aligned(k_pe, "k_pe", 16);
@@ -74,6 +105,11 @@ void write_kv_cache_cuda(const Tensor& kv_c, const Tensor& k_pe, Tensor kv_cache
   p.num_slots = kv_cache.size(0) * kv_cache.size(1);
   p.k_scale = scale;
   const c10::cuda::CUDAGuard guard(kv_c.device());
+  if (format == CacheFormat::kDsMlaFp8) {
+    C10_CUDA_CHECK(run_write_ds_mla_fp8(p, mla_bindings::kernel_dtype(kv_c.scalar_type(), "kv_c"),
+                                        at::cuda::getCurrentCUDAStream()));
+    return;
+  }
   C10_CUDA_CHECK(run_write_kv_cache(p, mla_bindings::kernel_dtype(kv_c.scalar_type(), "kv_c"),
                                     mla_bindings::kernel_dtype(kv_cache.scalar_type(), "kv_cache"),
                                     at::cuda::getCurrentCUDAStream()));
@@ -81,16 +117,17 @@ void write_kv_cache_cuda(const Tensor& kv_c, const Tensor& k_pe, Tensor kv_cache
 
 Tensor gather_kv_cache_cuda(const Tensor& kv_cache, const Tensor& block_table, const Tensor& cu_seqlens,
                             int64_t num_tokens, const std::optional<Tensor>& k_scale,
-                            std::optional<at::ScalarType> out_dtype) {
-  const float* scale = check_cache(kv_cache, k_scale, block_table);
+                            std::optional<at::ScalarType> out_dtype, const std::optional<c10::string_view>& kv_format) {
+  const CacheFormat format = cache_format(kv_cache, kv_format);
+  const float* scale = check_cache(kv_cache, k_scale, block_table, format);
   mla_bindings::check_i32(block_table, "block_table", kv_cache);
   mla_bindings::check_i32(cu_seqlens, "cu_seqlens", kv_cache);
   TORCH_CHECK(block_table.dim() == 2, "mla_attn: block_table must be [B, max_pages]");
   const int64_t batch = block_table.size(0);
   TORCH_CHECK(cu_seqlens.dim() == 1 && cu_seqlens.size(0) == batch + 1, "mla_attn: cu_seqlens must be [B + 1]");
   TORCH_CHECK(num_tokens >= 0, "mla_attn: num_tokens must be >= 0");
-  const at::ScalarType dtype = out_dtype.value_or(
-      kv_cache.scalar_type() == at::kFloat8_e4m3fn ? at::kBFloat16 : kv_cache.scalar_type());
+  const at::ScalarType dtype =
+      out_dtype.value_or(format == CacheFormat::kModel ? kv_cache.scalar_type() : at::kBFloat16);
   TORCH_CHECK(is_half(dtype) || dtype == at::kFloat, "mla_attn: out_dtype must be bfloat16, float16 or float32");
   Tensor out = at::empty({num_tokens, kDimRow}, kv_cache.options().dtype(dtype));
   if (num_tokens == 0) return out;
@@ -111,6 +148,11 @@ Tensor gather_kv_cache_cuda(const Tensor& kv_cache, const Tensor& block_table, c
   p.num_tokens = num_tokens;
   p.k_scale = scale;
   const c10::cuda::CUDAGuard guard(kv_cache.device());
+  if (format == CacheFormat::kDsMlaFp8) {
+    C10_CUDA_CHECK(run_gather_ds_mla_fp8(p, mla_bindings::kernel_dtype(dtype, "out_dtype"),
+                                         at::cuda::getCurrentCUDAStream()));
+    return out;
+  }
   C10_CUDA_CHECK(run_gather_kv_cache(p, mla_bindings::kernel_dtype(kv_cache.scalar_type(), "kv_cache"),
                                      mla_bindings::kernel_dtype(dtype, "out_dtype"),
                                      at::cuda::getCurrentCUDAStream()));

@@ -12,6 +12,15 @@ constexpr int kDimLatent = 512;  // kv_c
 constexpr int kDimRope = 64;     // k_pe
 constexpr int kDimRow = kDimLatent + kDimRope;
 
+// ds_mla_fp8 (DeepSeek-V3.2): one 656-byte row per token, byte offsets below; see ds_mla_fp8_kernel.cuh.
+constexpr int kDsTile = 128;                                 // latent values per scale
+constexpr int kDsNumTiles = kDimLatent / kDsTile;            // 4 fp32 scales
+constexpr int kDsScaleOffset = kDimLatent;                   // [0, 512): e4m3 latent
+constexpr int kDsRopeOffset = kDsScaleOffset + 4 * kDsNumTiles;  // [512, 528): scales
+constexpr int kDsRowBytes = kDsRopeOffset + 2 * kDimRope;    // [528, 656): bf16 rope
+static_assert(kDsRowBytes == 656 && kDsRopeOffset % 16 == 0 && kDsRowBytes % 16 == 0,
+              "16-byte pieces of a row stay 16-byte aligned");
+
 // All strides in elements; every row (and the 8-element chunks in it) is 16-byte aligned
 // (8-byte for fp8).
 struct WriteParams {
@@ -21,14 +30,14 @@ struct WriteParams {
   int64_t k_pe_stride;
   const int64_t* slot_mapping;  // [T]: page * page_size + offset; < 0 skips the token
   int64_t slot_stride;
-  void* cache;                  // [num_pages, page_size, 576]
+  void* cache;                  // [num_pages, page_size, 576] (ds_mla_fp8: uint8 [.., 656])
   int64_t page_stride, token_stride;
   int64_t num_tokens, page_size, num_slots;  // num_slots = num_pages * page_size
   const float* k_scale;         // [1], fp8 cache only: stored = e4m3(x / k_scale)
 };
 
 struct GatherParams {
-  const void* cache;            // [num_pages, page_size, 576]
+  const void* cache;            // [num_pages, page_size, 576] (ds_mla_fp8: uint8 [.., 656])
   int64_t page_stride, token_stride;
   int num_pages, page_size;
   const int* block_table;       // [batch, max_pages]
@@ -47,5 +56,9 @@ cudaError_t run_write_kv_cache(const WriteParams& params, mla_common::Dtype in, 
 // cache: bf16/fp16/fp8; out: bf16/fp16/fp32.
 cudaError_t run_gather_kv_cache(const GatherParams& params, mla_common::Dtype cache, mla_common::Dtype out,
                                 cudaStream_t stream);
+
+// ds_mla_fp8 cache (k_scale unused). Write: in bf16/fp16. Gather: out bf16/fp16/fp32.
+cudaError_t run_write_ds_mla_fp8(const WriteParams& params, mla_common::Dtype in, cudaStream_t stream);
+cudaError_t run_gather_ds_mla_fp8(const GatherParams& params, mla_common::Dtype out, cudaStream_t stream);
 
 }  // namespace mla_kv_cache

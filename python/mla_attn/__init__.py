@@ -6,7 +6,7 @@ from . import _ops  # noqa: F401  (the fakes and CPU kernels of every op)
 from . import reference
 from .decode import get_decode_metadata, mla_decode
 from .distributed import CPSlice, cp_mla_decode, cp_slice, cp_token_slot
-from .kv_cache import gather_kv_cache, write_kv_cache
+from .kv_cache import dequantize_ds_mla_fp8, gather_kv_cache, quantize_ds_mla_fp8, write_kv_cache
 from .merge import merge_attn_states, merge_attn_states_n
 from .metadata import DecodeMetadata
 from .prefill import mla_prefill
@@ -18,6 +18,7 @@ build_info = _C.build_info
 __version__ = "0.1.0"
 
 __all__ = ["mla_decode", "get_decode_metadata", "DecodeMetadata", "mla_prefill", "merge_attn_states",
-           "merge_attn_states_n", "write_kv_cache", "gather_kv_cache", "MLAAttention", "MLAConfig", "MLABatch",
+           "merge_attn_states_n", "write_kv_cache", "gather_kv_cache", "quantize_ds_mla_fp8",
+           "dequantize_ds_mla_fp8", "MLAAttention", "MLAConfig", "MLABatch",
            "RotaryEmbedding", "YarnScaling", "cp_mla_decode", "cp_slice", "cp_token_slot", "CPSlice", "reference",
            "build_info", "__version__"]

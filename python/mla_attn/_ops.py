@@ -14,7 +14,7 @@ from torch import Tensor
 from . import _C  # noqa: F401  (registers the mla_attn schemas)
 from . import _validation as check
 from ._constants import D_PE, D_QK, D_V, FP8, PREFILL_D_PE, PREFILL_D_V
-from .kv_cache import quantize_fp8
+from .kv_cache import dequantize_ds_mla_fp8, quantize_ds_mla_fp8, quantize_fp8
 from .metadata import metadata_shapes, schedule_cpu
 from .reference import merge_attn_states_ref, mla_decode_ref, mla_prefill_ref
 
@@ -183,37 +183,40 @@ _register("merge_attn_states_n", fake=_merge_n_fake, cpu=_merge_n_cpu)
 
 # ------------------------------------------------------------------------------------------ KV cache
 def _rows(kv_cache: Tensor) -> Tensor:
-    """[num_pages, page_size, 576] view of either cache layout."""
+    """[num_pages, page_size, row] view of either cache shape (row: 576 values, or 656 ds_mla_fp8 bytes)."""
     return kv_cache if kv_cache.dim() == 3 else kv_cache[:, :, 0]
 
 
 def _gather_dtype(cache_dtype: torch.dtype, out_dtype: Optional[torch.dtype]) -> torch.dtype:
     if out_dtype is not None:
         return out_dtype
-    return torch.bfloat16 if cache_dtype == FP8 else cache_dtype
+    return torch.bfloat16 if cache_dtype in (FP8, torch.uint8) else cache_dtype
 
 
-def _write_fake(kv_c, k_pe, kv_cache, slot_mapping, *, k_scale=None):
+def _write_fake(kv_c, k_pe, kv_cache, slot_mapping, *, k_scale=None, kv_format=None):
     return None
 
 
-def _gather_fake(kv_cache, block_table, cu_seqlens, num_tokens, *, k_scale=None, out_dtype=None):
+def _gather_fake(kv_cache, block_table, cu_seqlens, num_tokens, *, k_scale=None, out_dtype=None, kv_format=None):
     return kv_cache.new_empty((num_tokens, D_QK), dtype=_gather_dtype(kv_cache.dtype, out_dtype))
 
 
-def _write_cpu(kv_c, k_pe, kv_cache, slot_mapping, *, k_scale=None):
-    check.check_write_kv_cache(kv_c, k_pe, kv_cache, slot_mapping, k_scale)
-    rows = torch.cat([kv_c, k_pe.reshape(kv_c.shape[0], D_PE)], dim=-1)
-    if k_scale is not None:
-        rows = quantize_fp8(rows, k_scale)
+def _write_cpu(kv_c, k_pe, kv_cache, slot_mapping, *, k_scale=None, kv_format=None):
+    fmt = check.check_write_kv_cache(kv_c, k_pe, kv_cache, slot_mapping, k_scale, kv_format)
     keep = slot_mapping >= 0
     slots = slot_mapping[keep]
     page_size = kv_cache.shape[1]
-    _rows(kv_cache)[slots // page_size, slots % page_size] = rows[keep]
+    if fmt == "ds_mla_fp8":
+        rows = quantize_ds_mla_fp8(kv_c[keep], k_pe[keep])
+    else:
+        rows = torch.cat([kv_c[keep], k_pe[keep].reshape(-1, D_PE)], dim=-1)
+        if k_scale is not None:
+            rows = quantize_fp8(rows, k_scale)
+    _rows(kv_cache)[slots // page_size, slots % page_size] = rows
 
 
-def _gather_cpu(kv_cache, block_table, cu_seqlens, num_tokens, *, k_scale=None, out_dtype=None):
-    check.check_gather_kv_cache(kv_cache, block_table, cu_seqlens, num_tokens, k_scale, out_dtype)
+def _gather_cpu(kv_cache, block_table, cu_seqlens, num_tokens, *, k_scale=None, out_dtype=None, kv_format=None):
+    fmt = check.check_gather_kv_cache(kv_cache, block_table, cu_seqlens, num_tokens, k_scale, out_dtype, kv_format)
     cache = _rows(kv_cache)
     page_size = cache.shape[1]
     cu = cu_seqlens.long()
@@ -222,9 +225,13 @@ def _gather_cpu(kv_cache, block_table, cu_seqlens, num_tokens, *, k_scale=None, 
     req = (torch.searchsorted(cu, rows, right=True) - 1).clamp(0, max(cu.numel() - 2, 0))[valid]
     pos = rows[valid] - cu[req]
     pages = block_table[req, pos // page_size].long()
-    vals = cache[pages, pos % page_size].float()
-    if k_scale is not None:
-        vals = vals * k_scale
+    vals = cache[pages, pos % page_size]
+    if fmt == "ds_mla_fp8":
+        vals = dequantize_ds_mla_fp8(vals)
+    else:
+        vals = vals.float()
+        if k_scale is not None:
+            vals = vals * k_scale
     dtype = _gather_dtype(kv_cache.dtype, out_dtype)
     out = torch.zeros(num_tokens, D_QK, dtype=dtype)
     out[valid] = vals.to(dtype)

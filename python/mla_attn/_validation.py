@@ -25,9 +25,9 @@ from typing import Optional
 import torch
 from torch import Tensor
 
-from ._constants import (ALIGN_BYTES, D_PE, D_QK, D_V, FP8, HALF_DTYPES, MAX_HEADS_Q, MAX_SEQLEN_Q, MERGE_D_ALIGN,
-                         PAGE_SIZE_MAX, PAGE_SIZE_MIN, PREFILL_D_NOPE, PREFILL_D_PE, PREFILL_D_QK,
-                         PREFILL_D_V)
+from ._constants import (ALIGN_BYTES, D_PE, D_QK, D_V, DS_ROW_BYTES, FP8, HALF_DTYPES, KV_FORMATS, MAX_HEADS_Q,
+                         MAX_SEQLEN_Q, MERGE_D_ALIGN, PAGE_SIZE_MAX, PAGE_SIZE_MIN, PREFILL_D_NOPE, PREFILL_D_PE,
+                         PREFILL_D_QK, PREFILL_D_V)
 from .metadata import DECODE_KERNELS, DecodeMetadata
 
 _MERGE_DTYPES = HALF_DTYPES + (torch.float32,)
@@ -109,14 +109,37 @@ def check_lse(name: str, t: Tensor, shape: Sequence[int], like_name: str, like: 
     check_device(name, t, like_name, like)
 
 
-def check_kv_cache_shape(kv_cache: Tensor) -> None:
-    if kv_cache.dim() not in (3, 4) or kv_cache.shape[-1] != D_QK or (kv_cache.dim() == 4 and kv_cache.shape[2] != 1):
-        raise ValueError(f"kv_cache must be [num_pages, page_size, {D_QK}] or [num_pages, page_size, 1, {D_QK}], "
+def check_kv_cache_shape(kv_cache: Tensor, row: int = D_QK) -> None:
+    """[num_pages, page_size, row] or [num_pages, page_size, 1, row]: row 576 values, or the 656 bytes of a
+    ds_mla_fp8 row."""
+    if kv_cache.dim() not in (3, 4) or kv_cache.shape[-1] != row or (kv_cache.dim() == 4 and kv_cache.shape[2] != 1):
+        what = " (ds_mla_fp8: 656 bytes per token)" if row == DS_ROW_BYTES else ""
+        raise ValueError(f"kv_cache must be [num_pages, page_size, {row}] or [num_pages, page_size, 1, {row}]{what}, "
                          f"got shape {tuple(kv_cache.shape)}")
+
+
+_FORMAT_DTYPES = {"model": "bfloat16 or float16", "fp8": "float8_e4m3fn", "ds_mla_fp8": "uint8"}
+
+
+def check_kv_format(kv_cache: Tensor, kv_format: Optional[str]) -> str:
+    """The cache's format (kv_cache.py), named by its dtype (checked before); a given kv_format must name
+    the same one. Returns it."""
+    inferred = "ds_mla_fp8" if kv_cache.dtype == torch.uint8 else "fp8" if kv_cache.dtype == FP8 else "model"
+    if kv_format is None:
+        return inferred
+    if not isinstance(kv_format, str):
+        raise TypeError(f"kv_format must be a str or None, got {type(kv_format).__name__}")
+    if kv_format not in KV_FORMATS:
+        raise ValueError(f"unknown kv_format {kv_format!r}; the formats are {', '.join(KV_FORMATS)}")
+    if kv_format != inferred:
+        raise ValueError(f"kv_format={kv_format!r} needs a {_FORMAT_DTYPES[kv_format]} kv_cache, got {kv_cache.dtype}")
+    return inferred
 
 
 def check_k_scale(kv_cache: Tensor, k_scale: Optional[Tensor]) -> None:
     """k_scale: required with (and only valid with) a float8_e4m3fn cache; float32 [1] on its device."""
+    if kv_cache.dtype == torch.uint8 and k_scale is not None:
+        raise ValueError("k_scale is not used with a ds_mla_fp8 kv_cache (its scales are in the rows)")
     if kv_cache.dtype != FP8:
         if k_scale is not None:
             raise ValueError(f"k_scale is only valid with a float8_e4m3fn kv_cache, got {kv_cache.dtype}")
@@ -424,20 +447,26 @@ def check_merge_n(outs: Tensor, lses: Tensor) -> None:
 
 
 # ------------------------------------------------------------------------------------------ KV cache
-def _check_cache(kv_cache: Tensor, k_scale: Optional[Tensor], like_name: str, like: Tensor) -> None:
+def _check_cache(kv_cache: Tensor, k_scale: Optional[Tensor], kv_format: Optional[str], like_name: str,
+                 like: Tensor) -> str:
+    """The cache of the KV-cache ops, in any of their formats. Returns the format."""
     check_tensor("kv_cache", kv_cache)
-    if kv_cache.dtype not in HALF_DTYPES + (FP8,):
-        raise TypeError(f"kv_cache must be bfloat16, float16 or float8_e4m3fn, got {kv_cache.dtype}")
-    check_kv_cache_shape(kv_cache)
+    if kv_cache.dtype not in HALF_DTYPES + (FP8, torch.uint8):
+        raise TypeError(f"kv_cache must be bfloat16, float16, float8_e4m3fn or uint8 (ds_mla_fp8), got "
+                        f"{kv_cache.dtype}")
+    fmt = check_kv_format(kv_cache, kv_format)
+    check_kv_cache_shape(kv_cache, DS_ROW_BYTES if fmt == "ds_mla_fp8" else D_QK)
     if kv_cache.shape[1] < 1:
         raise ValueError("kv_cache page_size must be >= 1")
     check_device("kv_cache", kv_cache, like_name, like)
     check_layout("kv_cache", kv_cache)
     check_k_scale(kv_cache, k_scale)
+    return fmt
 
 
 def check_write_kv_cache(kv_c: Tensor, k_pe: Tensor, kv_cache: Tensor, slot_mapping: Tensor,
-                         k_scale: Optional[Tensor]) -> None:
+                         k_scale: Optional[Tensor], kv_format: Optional[str] = None) -> str:
+    """Static checks of write_kv_cache. Returns the cache format."""
     check_tensor("kv_c", kv_c)
     if kv_c.dtype not in HALF_DTYPES:
         raise TypeError(f"kv_c must be bfloat16 or float16, got {kv_c.dtype}")
@@ -456,25 +485,30 @@ def check_write_kv_cache(kv_c: Tensor, k_pe: Tensor, kv_cache: Tensor, slot_mapp
         raise ValueError(f"slot_mapping must have shape [T] = [{T}], got {tuple(slot_mapping.shape)}")
     for name, t in (("k_pe", k_pe), ("slot_mapping", slot_mapping)):
         check_device(name, t, "kv_c", kv_c)
-    _check_cache(kv_cache, k_scale, "kv_c", kv_c)
-    if kv_cache.dtype not in (kv_c.dtype, FP8):
-        raise TypeError(f"kv_cache dtype {kv_cache.dtype} must be kv_c's dtype {kv_c.dtype} or float8_e4m3fn")
+    fmt = _check_cache(kv_cache, k_scale, kv_format, "kv_c", kv_c)
+    if fmt == "model" and kv_cache.dtype != kv_c.dtype:
+        raise TypeError(f"kv_cache dtype {kv_cache.dtype} must be kv_c's dtype {kv_c.dtype}, float8_e4m3fn or "
+                        "uint8 (ds_mla_fp8)")
     check_layout("kv_c", kv_c)
     check_layout("k_pe", k_pe)
+    return fmt
 
 
 def check_gather_kv_cache(kv_cache: Tensor, block_table: Tensor, cu_seqlens: Tensor, num_tokens: int,
-                          k_scale: Optional[Tensor], out_dtype: Optional[torch.dtype]) -> None:
+                          k_scale: Optional[Tensor], out_dtype: Optional[torch.dtype],
+                          kv_format: Optional[str] = None) -> str:
+    """Static checks of gather_kv_cache. Returns the cache format."""
     check_int32("block_table", block_table, 2)
     check_int32("cu_seqlens", cu_seqlens, 1)
     if cu_seqlens.shape[0] != block_table.shape[0] + 1:
         raise ValueError(f"cu_seqlens must have B + 1 = {block_table.shape[0] + 1} entries (block_table has "
                          f"{block_table.shape[0]} rows), got {cu_seqlens.shape[0]}")
     check_device("cu_seqlens", cu_seqlens, "block_table", block_table)
-    _check_cache(kv_cache, k_scale, "block_table", block_table)
+    fmt = _check_cache(kv_cache, k_scale, kv_format, "block_table", block_table)
     check_int("num_tokens", num_tokens, 0)
     if out_dtype is not None and out_dtype not in _MERGE_DTYPES:
         raise TypeError(f"out_dtype must be None, bfloat16, float16 or float32, got {out_dtype}")
+    return fmt
 
 
 def check_write_values(kv_cache: Tensor, slot_mapping: Tensor) -> None:
