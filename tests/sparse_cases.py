@@ -33,8 +33,8 @@ def make_sparse_case(lead, h_q, topk, page_size, *, num_pages=None, dtype=torch.
     request when batched, per token otherwise) with 0 and topk among its values. sink: a SINKS key."""
     g = torch.Generator().manual_seed(seed)
     rows = math.prod(lead)
-    if num_pages is None:  # about half the slots are named, so the NaN slots and the valid ones interleave
-        num_pages = max(2, math.ceil(2 * rows * topk / page_size) // 2 + 1)
+    if num_pages is None:  # as many slots as indices (at most 2^15): about half are named, NaN and valid interleave
+        num_pages = math.ceil(min(rows * topk, 2**15) / page_size) + 1
     num_slots = num_pages * page_size
     idx = torch.randint(0, num_slots, (rows, topk), generator=g, dtype=torch.int32)
     if topk >= 4:  # repeats: every fourth position copies its left neighbour
