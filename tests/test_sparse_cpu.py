@@ -242,3 +242,47 @@ def test_meta_device_mismatch():
         run_sparse({**case, "attn_sink": case["attn_sink"].to("meta")})
     with pytest.raises(TypeError, match="indices is on meta but q is on cpu"):
         run_sparse({**case, "indices": case["indices"].to("meta")})
+
+
+# --------------------------------------------------------------------------------------------- layer
+def with_all_keys_indexer(layer, shuffle_seed=0):
+    """layer, its forward given indices= that name every key each token sees causally (its request's
+    slots of positions 0..pos, shuffled, then -1 and a slot past the cache): the sparse path must then
+    give the dense attention (shared by the GPU test)."""
+    forward = layer.forward
+    g = torch.Generator().manual_seed(shuffle_seed)
+
+    def sparse_forward(x, kv, batch, k_scale=None):
+        ps, num_slots = batch.page_size, kv.shape[0] * kv.shape[1]
+        positions = batch.positions.tolist()
+        rows = []
+        for table, cu, first in ((batch.decode_block_table, batch.decode_cu_seqlens_q, 0),
+                                 (batch.prefill_block_table, batch.prefill_cu_seqlens_q, batch.num_decode_tokens)):
+            cu, table = cu.tolist(), table.cpu().long()
+            for r in range(len(cu) - 1):
+                for t in range(cu[r], cu[r + 1]):
+                    p = torch.arange(positions[first + t] + 1)
+                    slots = table[r, p // ps] * ps + p % ps
+                    rows.append(slots[torch.randperm(len(p), generator=g)].tolist())
+        topk = max(len(r) for r in rows) + 2
+        idx = torch.full((len(rows), topk), -1, dtype=torch.int32)
+        for i, r in enumerate(rows):
+            idx[i, :len(r)] = torch.tensor(r, dtype=torch.int32)
+            idx[i, len(r)] = num_slots
+        return forward(x, kv, batch, k_scale=k_scale, indices=idx.to(x.device))
+
+    layer.forward = sparse_forward
+    return layer
+
+
+def test_layer_sparse_with_every_key_is_dense_attention():
+    from layer_oracle import init_weights, run_scenario
+    from test_layer import CONFIGS, STEPS_CPU, check_close
+    layer = mla_attn.MLAAttention(CONFIGS["q_lora"], dtype=torch.bfloat16)
+    init_weights(layer, seed=1)
+    with_all_keys_indexer(layer)
+
+    def check(i, batch, got, want, lowp):  # as the dense layer test (absorbed prefill: one rounding more)
+        check_close(i, batch, got, want, lowp, factor=1.5)
+
+    run_scenario(layer, STEPS_CPU, page_size=16, num_pages=64, device="cpu", decode_threshold=8, check=check)

@@ -201,3 +201,25 @@ def test_torch_compile_fullgraph():
     eager_out, eager_lse = f(*args)
     assert torch.equal(lse, eager_lse)
     torch.testing.assert_close(out, eager_out, rtol=1e-2, atol=1e-2)  # the sink's ops may fuse differently
+
+
+@pytest.mark.parametrize("heads,page_size", [(16, 64), (128, 16)])
+def test_layer_sparse_with_every_key_is_dense_attention(heads, page_size):
+    """MLAAttention(indices=) naming every causal key: the un-absorbed oracle's result (test_layer's
+    GPU scenario and bound)."""
+    import dataclasses
+
+    from layer_oracle import init_weights, run_scenario
+    from test_layer import CONFIGS, STEPS_GPU, check_close
+    from test_sparse_cpu import with_all_keys_indexer
+    cfg = dataclasses.replace(CONFIGS["q_lora"], num_heads=heads, hidden_size=1024)
+    layer = mla_attn.MLAAttention(cfg, dtype=torch.bfloat16)
+    init_weights(layer, seed=2)
+    layer.cuda()
+    with_all_keys_indexer(layer)
+
+    def check(i, batch, got, want, lowp):
+        check_close(i, batch, got, want, lowp, factor=2)
+
+    run_scenario(layer, STEPS_GPU, page_size=page_size, num_pages=4 * 8192 // page_size, device="cuda",
+                 decode_threshold=64, check=check, hidden_seed=heads)
