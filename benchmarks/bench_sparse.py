@@ -180,8 +180,9 @@ def main():
         try:
             results.append(run_config(c, timer, args.rep_ms, flashmla))
             r = results[-1]
+            ok = r["check_eager"]["ok"] and r["check_graph"]["ok"]
             log(f"{c['name']}: op {r['op']['cold_us']:.1f} us cold, attn {r['attn']['cold_us']:.1f} us, "
-                f"{r['tflops']:.1f} TFLOP/s, {r['gbps']:.0f} GB/s, ok={r['check_eager']['ok'] and r['check_graph']['ok']}")
+                f"{r['tflops']:.1f} TFLOP/s, {r['gbps']:.0f} GB/s, ok={ok}")
         except Exception as e:
             traceback.print_exc()
             results.append(dict(c, error=repr(e)[:300]))

@@ -258,7 +258,8 @@ GPU_CASES = [
     ("compact_sparse_indices", lambda a: dict(indices=a["indices"].long()), R, r"indices must be int32"),
     ("compact_sparse_indices", lambda a: dict(indices=strided_last(a["indices"])), R,
      r"indices must be contiguous in its last dim"),
-    ("compact_sparse_indices", lambda a: dict(indices=a["indices"][0]), R, r"indices must be \[R, topk\] with topk >= 1"),
+    ("compact_sparse_indices", lambda a: dict(indices=a["indices"][0]), R,
+     r"indices must be \[R, topk\] with topk >= 1"),
     ("compact_sparse_indices", lambda a: dict(indices=a["indices"][:, :0]), R,
      r"indices must be \[R, topk\] with topk >= 1, got \[3, 0\]"),
     ("compact_sparse_indices", lambda a: dict(topk_length=a["topk_length"].long()), R, r"topk_length must be int32"),
@@ -340,9 +341,11 @@ CPU_CASES = [
     ("mla_prefill_out", lambda a: dict(out=a["out"][:5]), V, r"out must be \[8, 4, 128\]"),
     ("compact_sparse_indices", lambda a: dict(indices=a["indices"].long()), T, r"indices must be int32"),
     ("compact_sparse_indices", lambda a: dict(indices=a["indices"][0]), V, r"indices must be 2-D"),
-    ("compact_sparse_indices", lambda a: dict(indices=a["indices"][:, :0]), V, r"indices must be \[R, topk\] with topk >= 1"),
+    ("compact_sparse_indices", lambda a: dict(indices=a["indices"][:, :0]), V,
+     r"indices must be \[R, topk\] with topk >= 1"),
     ("compact_sparse_indices", lambda a: dict(topk_length=a["topk_length"].long()), T, r"topk_length must be int32"),
-    ("compact_sparse_indices", lambda a: dict(topk_length=a["topk_length"][:1]), V, r"topk_length must be \[R\] = \[3\]"),
+    ("compact_sparse_indices", lambda a: dict(topk_length=a["topk_length"][:1]), V,
+     r"topk_length must be \[R\] = \[3\]"),
     ("compact_sparse_indices", lambda a: dict(num_slots=-1), V, r"num_slots must be in \[0, inf\], got -1"),
 ]
 

@@ -18,8 +18,8 @@ from .rotary import RotaryEmbedding, YarnScaling
 build_info = _C.build_info
 __version__ = "0.1.0"
 
-__all__ = ["mla_decode", "get_decode_metadata", "DecodeMetadata", "mla_sparse_decode",
-           "mla_sparse_prefill", "get_sparse_decode_metadata", "SparseDecodeMetadata", "mla_prefill", "merge_attn_states",
+__all__ = ["mla_decode", "get_decode_metadata", "DecodeMetadata", "mla_sparse_decode", "mla_sparse_prefill",
+           "get_sparse_decode_metadata", "SparseDecodeMetadata", "mla_prefill", "merge_attn_states",
            "merge_attn_states_n", "write_kv_cache", "gather_kv_cache", "MLAAttention", "MLAConfig", "MLABatch",
            "RotaryEmbedding", "YarnScaling", "cp_mla_decode", "cp_slice", "cp_token_slot", "CPSlice", "reference",
            "build_info", "__version__"]
