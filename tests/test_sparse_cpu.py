@@ -6,7 +6,7 @@ import math
 import pytest
 import torch
 from cases import make_decode_case
-from sparse_cases import FP8, check_sparse, make_sparse_case, run_sparse, sparse_reference, valid_mask
+from sparse_cases import FP8, check_sparse, make_sparse_case, run_sparse, valid_mask
 
 import mla_attn
 from mla_attn.reference import mla_decode_ref, mla_sparse_ref
