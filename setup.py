@@ -187,7 +187,7 @@ def rel(p: str) -> str:
     return os.path.relpath(p, ROOT)
 
 
-KERNEL_DIRS = ["common", "mla_decode", "mla_prefill", "merge", "kv_cache"]  # every .cu below these is compiled
+KERNEL_DIRS = ["common", "mla_decode", "mla_prefill", "merge", "kv_cache", "sparse"]  # every .cu below these is compiled
 cuda_sources = sorted(s for d in KERNEL_DIRS for s in glob.glob(str(ROOT / "csrc" / d / "**" / "*.cu"), recursive=True))
 for d in ("bf16", "fp16"):
     if d not in DTYPES:  # instantiation files are named after their dtype (instantiations/fp16.cu, fp16_fp8kv.cu)

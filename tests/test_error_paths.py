@@ -1,11 +1,12 @@
 """Every error path of every op, straight through torch.ops.mla_attn.* (bypassing the wrappers).
 
 GPU part: one case per TORCH_CHECK of csrc/bindings/{checks.h, decode_api.cpp, kv_cache_api.cpp,
-merge_api.cpp, prefill_api.cpp} that an input can reach, matched on its message (TORCH_CHECK raises
+merge_api.cpp, prefill_api.cpp, sparse_api.cpp} that an input can reach, matched on its message (TORCH_CHECK raises
 RuntimeError). The cases run one after another in one process, and test_gpu_errors_back_to_back
 raises them all again in a row: a build once crashed (SIGSEGV) on the second error raised in a
 process. Not reachable from inputs, so not here: check_sm90 on an sm_90 GPU, the dtype-dispatch and
-"built without" errors behind earlier dtype checks, TMA descriptor failures.
+"built without" errors behind earlier dtype checks, TMA descriptor failures, compact_sparse_indices' limit
+of 2^31 - 1 rows and columns (gigabytes of indices).
 CPU part: the CPU kernels run the wrappers' checks (_validation.py): the same cases raise TypeError
 (kind: dtype, device, Python type) or ValueError (shape, layout, value), with the wrappers' messages;
 then the wrappers' checks that only they make.
@@ -93,7 +94,11 @@ def inputs(device):
                    max_seqlen_q=5, max_seqlen_k=7, softmax_scale=0.1, causal=True, k_pe=p["k_pe"])
     prefill_out = dict(prefill, out=torch.empty(8, 4, 128, dtype=torch.bfloat16, device=device),
                        lse=torch.empty(8, 4, device=device))
-    return dict(mla_decode=decode, mla_decode_varlen=decode_varlen, mla_decode_out=decode_out,
+    g = torch.Generator().manual_seed(0)
+    compact = dict(indices=torch.randint(-1, 60, (3, 40), generator=g, dtype=torch.int32).to(device),
+                   topk_length=torch.tensor([40, 0, 7], dtype=torch.int32, device=device), num_slots=48)
+    return dict(compact_sparse_indices=compact,
+                mla_decode=decode, mla_decode_varlen=decode_varlen, mla_decode_out=decode_out,
                 mla_decode_fp8=decode_fp8, get_decode_metadata=metadata, write_kv_cache=write,
                 gather_kv_cache=gather, write_kv_cache_ds=write_ds, gather_kv_cache_ds=gather_ds, merge_attn_states=merge, merge_attn_states_out=merge_out,
                 merge_attn_states_n=merge_n, mla_prefill=prefill, mla_prefill_out=prefill_out)
@@ -261,6 +266,19 @@ GPU_CASES = [
     ("mla_prefill", lambda a: dict(cu_seqlens_q=torch.zeros(65537, dtype=torch.int32, device="cuda"),
                                    cu_seqlens_k=torch.zeros(65537, dtype=torch.int32, device="cuda")), R,
      r"at most 65535 requests and heads"),
+    # sparse_api.cpp
+    ("compact_sparse_indices", lambda a: dict(indices=a["indices"].long()), R, r"indices must be int32"),
+    ("compact_sparse_indices", lambda a: dict(indices=strided_last(a["indices"])), R,
+     r"indices must be contiguous in its last dim"),
+    ("compact_sparse_indices", lambda a: dict(indices=a["indices"][0]), R,
+     r"indices must be \[R, topk\] with topk >= 1"),
+    ("compact_sparse_indices", lambda a: dict(indices=a["indices"][:, :0]), R,
+     r"indices must be \[R, topk\] with topk >= 1, got \[3, 0\]"),
+    ("compact_sparse_indices", lambda a: dict(topk_length=a["topk_length"].long()), R, r"topk_length must be int32"),
+    ("compact_sparse_indices", lambda a: dict(topk_length=a["topk_length"].cpu()), R, r"topk_length must be on cuda"),
+    ("compact_sparse_indices", lambda a: dict(topk_length=a["topk_length"][:1]), R,
+     r"topk_length must be \[R\] = \[3\], got \[1\]"),
+    ("compact_sparse_indices", lambda a: dict(num_slots=-1), R, r"num_slots must be >= 0, got -1"),
 ]
 
 
@@ -341,6 +359,14 @@ CPU_CASES = [
     ("mla_prefill", lambda a: dict(k=a["k"][:, :3], v=a["v"][:, :3]), V, r"h_q = 4 must be a multiple of h_k = 3"),
     ("mla_prefill", lambda a: dict(max_seqlen_q=-1), V, r"max_seqlen_q must be in \[0, inf\], got -1"),
     ("mla_prefill_out", lambda a: dict(out=a["out"][:5]), V, r"out must be \[8, 4, 128\]"),
+    ("compact_sparse_indices", lambda a: dict(indices=a["indices"].long()), T, r"indices must be int32"),
+    ("compact_sparse_indices", lambda a: dict(indices=a["indices"][0]), V, r"indices must be 2-D"),
+    ("compact_sparse_indices", lambda a: dict(indices=a["indices"][:, :0]), V,
+     r"indices must be \[R, topk\] with topk >= 1"),
+    ("compact_sparse_indices", lambda a: dict(topk_length=a["topk_length"].long()), T, r"topk_length must be int32"),
+    ("compact_sparse_indices", lambda a: dict(topk_length=a["topk_length"][:1]), V,
+     r"topk_length must be \[R\] = \[3\]"),
+    ("compact_sparse_indices", lambda a: dict(num_slots=-1), V, r"num_slots must be in \[0, inf\], got -1"),
 ]
 
 

@@ -240,3 +240,25 @@ def _gather_cpu(kv_cache, block_table, cu_seqlens, num_tokens, *, k_scale=None, 
 
 _register("write_kv_cache", fake=_write_fake, cpu=_write_cpu)
 _register("gather_kv_cache", fake=_gather_fake, cpu=_gather_cpu)
+
+
+# -------------------------------------------------------------------------------------------- sparse
+def _compact_fake(indices, topk_length, num_slots):
+    return indices.new_empty(indices.shape), indices.new_empty(indices.shape[:1])
+
+
+def _compact_cpu(indices, topk_length, num_slots):
+    """The CUDA kernel's rule: position < topk_length (clamped to [0, topk]) and 0 <= index < num_slots;
+    the valid indices keep their order (a stable sort of the invalid ones to the back), -1 fills the rest."""
+    check.check_compact_sparse_indices(indices, topk_length, num_slots)
+    rows, topk = indices.shape
+    pos = torch.arange(topk)
+    length = torch.full((rows,), topk) if topk_length is None else topk_length.long().clamp(0, topk)
+    valid = (pos[None, :] < length[:, None]) & (indices >= 0) & (indices < num_slots)
+    order = torch.sort((~valid).to(torch.int8), dim=1, stable=True).indices
+    counts = valid.sum(dim=1, dtype=torch.int32)
+    slots = indices.gather(1, order).masked_fill(pos[None, :] >= counts[:, None], -1)
+    return slots, counts
+
+
+_register("compact_sparse_indices", fake=_compact_fake, cpu=_compact_cpu)

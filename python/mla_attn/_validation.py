@@ -28,7 +28,7 @@ from torch import Tensor
 from ._constants import (ALIGN_BYTES, D_PE, D_QK, D_V, DS_ROW_BYTES, FP8, HALF_DTYPES, KV_FORMATS, MAX_HEADS_Q,
                          MAX_SEQLEN_Q, MERGE_D_ALIGN, PAGE_SIZE_MAX, PAGE_SIZE_MIN, PREFILL_D_NOPE, PREFILL_D_PE,
                          PREFILL_D_QK, PREFILL_D_V)
-from .metadata import DECODE_KERNELS, DecodeMetadata
+from .metadata import DECODE_KERNELS, DecodeMetadata, SparseDecodeMetadata
 
 _MERGE_DTYPES = HALF_DTYPES + (torch.float32,)
 # decode kernels that run one cache kind only, and the query rows (max_seqlen_q * h_q) the narrow ones take
@@ -586,3 +586,153 @@ def check_cp_query(q: Tensor) -> None:
         raise ValueError("cp_mla_decode needs q [B, 1, h_q, D] (one new token per request): a rank's keys are "
                          "not a prefix of the request, so causal masking for s_q > 1 would need each key's "
                          f"global position (an offset the kernel does not take); got q shape {tuple(q.shape)}")
+
+
+# -------------------------------------------------------------------------------------------- sparse
+_V32_FP8_BYTES = 656  # DeepSeek-V3.2's FP8 cache row: 512 e4m3 + 4 fp32 tile scales + 64 bf16 rope
+
+
+def check_compact_sparse_indices(indices: Tensor, topk_length: Optional[Tensor], num_slots: int) -> None:
+    """compact_sparse_indices: indices int32 [R, topk >= 1], topk_length None or int32 [R]."""
+    check_int32("indices", indices, 2)
+    if indices.shape[1] < 1:
+        raise ValueError(f"indices must be [R, topk] with topk >= 1, got shape {tuple(indices.shape)}")
+    if topk_length is not None:
+        check_int32("topk_length", topk_length, 1)
+        if topk_length.shape[0] != indices.shape[0]:
+            raise ValueError(f"topk_length must be [R] = [{indices.shape[0]}], got shape {tuple(topk_length.shape)}")
+        check_device("topk_length", topk_length, "indices", indices)
+    check_int("num_slots", num_slots, 0)
+
+
+def check_sparse_cache(kv_cache: Tensor, q_dtype: Optional[torch.dtype]) -> None:
+    """The cache of mla_sparse_decode: q's dtype (None: either 16-bit dtype) or float8_e4m3fn, either
+    decode layout, a page size the kernels take."""
+    check_tensor("kv_cache", kv_cache)
+    if kv_cache.dtype == torch.uint8:
+        raise TypeError(f"a uint8 kv_cache (DeepSeek-V3.2's {_V32_FP8_BYTES}-byte FP8 layout with per-tile scales) "
+                        "is not supported yet; use a float8_e4m3fn cache with a per-tensor k_scale, or bf16/fp16")
+    allowed = HALF_DTYPES if q_dtype is None else (q_dtype,)
+    if kv_cache.dtype not in allowed + (FP8,):
+        raise TypeError(f"kv_cache dtype {kv_cache.dtype} must match q dtype {q_dtype} or be float8_e4m3fn")
+    check_kv_cache_shape(kv_cache)
+    if not PAGE_SIZE_MIN <= kv_cache.shape[1] <= PAGE_SIZE_MAX:
+        raise ValueError(f"page_size must be in [{PAGE_SIZE_MIN}, {PAGE_SIZE_MAX}], got {kv_cache.shape[1]}")
+    check_layout("kv_cache", kv_cache)
+
+
+def check_sparse_indices(indices: Tensor, topk_length: Optional[Tensor], lead: Sequence[int], like: Tensor) -> None:
+    """indices int32 [*lead, topk >= 1]; topk_length None or int32 [lead[0]] (per request of a batched
+    call, per token of a token-major one)."""
+    check_tensor("indices", indices)
+    if indices.dtype != torch.int32:
+        raise TypeError(f"indices must be int32, got {indices.dtype}")
+    want = "[B, s_q, topk]" if len(lead) == 2 else "[T, topk]"
+    if tuple(indices.shape[:-1]) != tuple(lead) or indices.dim() != len(lead) + 1 or indices.shape[-1] < 1:
+        raise ValueError(f"indices must be {want} = [{', '.join(map(str, lead))}, topk >= 1] like q, "
+                         f"got shape {tuple(indices.shape)}")
+    if indices.shape[-1] > 1 and indices.stride(-1) != 1:
+        raise ValueError(f"indices: last dim must be contiguous, got strides {indices.stride()}")
+    check_device("indices", indices, "q", like)
+    if topk_length is not None:
+        check_tensor("topk_length", topk_length)
+        if topk_length.dtype != torch.int32:
+            raise TypeError(f"topk_length must be int32, got {topk_length.dtype}")
+        if tuple(topk_length.shape) != (lead[0],):
+            per = "request" if len(lead) == 2 else "token"
+            raise ValueError(f"topk_length must be [{lead[0]}] (one length per {per}), got shape "
+                             f"{tuple(topk_length.shape)}")
+        check_device("topk_length", topk_length, "q", like)
+
+
+def check_attn_sink(attn_sink: Optional[Tensor], h_q: int, like: Tensor) -> None:
+    if attn_sink is None:
+        return
+    check_tensor("attn_sink", attn_sink)
+    if attn_sink.dtype != torch.float32:
+        raise TypeError(f"attn_sink must be float32, got {attn_sink.dtype}")
+    if tuple(attn_sink.shape) != (h_q,):
+        raise ValueError(f"attn_sink must be [h_q] = [{h_q}], got shape {tuple(attn_sink.shape)}")
+    check_device("attn_sink", attn_sink, "q", like)
+
+
+def check_sparse_decode(q: Tensor, q_pe: Optional[Tensor], kv_cache: Tensor, indices: Tensor,
+                        topk_length: Optional[Tensor], attn_sink: Optional[Tensor], out: Optional[Tensor]) -> int:
+    """Static checks of mla_sparse_decode's tensors. Returns the number of query tokens R."""
+    check_tensor("q", q)
+    if q.dtype not in HALF_DTYPES:
+        raise TypeError(f"q must be bfloat16 or float16, got {q.dtype}")
+    want_q = D_QK if q_pe is None else D_V
+    if q.dim() not in (3, 4) or q.shape[-1] != want_q:
+        raise ValueError(f"q must be [B, s_q, h_q, {want_q}] or token-major [T, h_q, {want_q}]"
+                         f"{'' if q_pe is None else ' (with q_pe)'}, got shape {tuple(q.shape)}")
+    h_q = q.shape[-2]
+    if not 1 <= h_q <= MAX_HEADS_Q:
+        raise ValueError(f"num_heads_q must be in [1, {MAX_HEADS_Q}], got {h_q}")
+    check_layout("q", q)
+    if q_pe is not None:
+        check_tensor("q_pe", q_pe)
+        if q_pe.dtype != q.dtype:
+            raise TypeError(f"q_pe dtype {q_pe.dtype} must match q dtype {q.dtype}")
+        if q_pe.shape != q.shape[:-1] + (D_PE,):
+            raise ValueError(f"q_pe must have shape {tuple(q.shape[:-1]) + (D_PE,)}, got {tuple(q_pe.shape)}")
+        check_device("q_pe", q_pe, "q", q)
+        check_layout("q_pe", q_pe)
+    check_sparse_cache(kv_cache, q.dtype)
+    check_device("kv_cache", kv_cache, "q", q)
+    lead = tuple(q.shape[:-2])
+    check_sparse_indices(indices, topk_length, lead, q)
+    check_attn_sink(attn_sink, h_q, q)
+    rows = math.prod(lead)
+    if out is not None:
+        check_tensor("out", out)
+        if out.dtype != q.dtype:
+            raise TypeError(f"out dtype {out.dtype} must match q dtype {q.dtype}")
+        if out.shape != q.shape[:-1] + (D_V,):
+            raise ValueError(f"out must have shape {tuple(q.shape[:-1]) + (D_V,)}, got {tuple(out.shape)}")
+        check_device("out", out, "q", q)
+        check_layout("out", out)
+        if q.dim() == 4 and out.shape[0] > 1 and out.shape[1] > 1 and out.stride(0) != out.shape[1] * out.stride(1):
+            raise ValueError(f"out: the kernel writes it as [B * s_q, h_q, 512] rows, so stride(0) must be "
+                             f"s_q * stride(1); got strides {out.stride()}")
+    return rows
+
+
+def check_sparse_prefill(q: Tensor, kv: Tensor) -> None:
+    """mla_sparse_prefill's q and kv (the rest is mla_sparse_decode's)."""
+    check_tensor("q", q)
+    check_tensor("kv", kv)
+    if q.dim() != 3 or q.shape[-1] != D_QK:
+        raise ValueError(f"q must be [T, h_q, {D_QK}], got shape {tuple(q.shape)}")
+    if kv.dtype not in HALF_DTYPES:
+        raise TypeError(f"kv must be bfloat16 or float16 (the gathered latent rows), got {kv.dtype}")
+    if kv.dtype != q.dtype:
+        raise TypeError(f"kv dtype {kv.dtype} must match q dtype {q.dtype}")
+    if not (kv.dim() == 2 or (kv.dim() == 3 and kv.shape[1] == 1)) or kv.shape[-1] != D_QK:
+        raise ValueError(f"kv must be [S, {D_QK}] or [S, 1, {D_QK}], got shape {tuple(kv.shape)}")
+
+
+def check_sparse_metadata(md: object, indices: Tensor, kv_cache: Tensor, like: Tensor) -> None:
+    """A SparseDecodeMetadata against the call it is reused in."""
+    if not isinstance(md, SparseDecodeMetadata):
+        raise TypeError(f"metadata must be a SparseDecodeMetadata from get_sparse_decode_metadata, got "
+                        f"{type(md).__name__}")
+    rows, topk = math.prod(indices.shape[:-1]), indices.shape[-1]
+    if tuple(md.slots.shape) != (rows, topk):
+        raise ValueError(f"metadata was computed for {md.slots.shape[0]} query tokens of top-k "
+                         f"{md.slots.shape[1]} but this call has {rows} of top-k {topk}")
+    num_slots = kv_cache.shape[0] * kv_cache.shape[1]
+    if md.num_slots != num_slots:
+        raise ValueError(f"metadata was computed for a cache of {md.num_slots} slots but kv_cache has {num_slots}")
+    check_device("metadata.slots", md.slots, "q", like)
+    check_metadata(md.decode, rows, 1, False, False, like)  # num_heads_q against q's h_q among the rest
+
+
+def check_topk_length_values(topk_length: Optional[Tensor], topk: int) -> None:
+    """Value check (host sync on GPU): every length in [0, topk]."""
+    if topk_length is None:
+        return
+    bad = (topk_length < 0) | (topk_length > topk)
+    if bool(bad.any()):
+        i = int(bad.nonzero()[0])
+        raise ValueError(f"topk_length[{i}] = {int(topk_length[i])} is not in [0, topk={topk}]")

@@ -7,6 +7,8 @@ the cache row is [norm(latent) | rope(k_pe)] (576 dims, shared by all heads); kv
 h x [k_nope 128 | v 128], i.e. W_UK [h, 128, 512] and W_UV [h, 512, 128].
 Decode requests run absorbed (q_nope @ W_UK against the latent cache, then @ W_UV); prefills run
 MHA-style on up-projected K/V, plus their cached context for later chunks of a chunked prefill.
+With indices= (DeepSeek-V3.2: top-k cache slots per token from the model's indexer), every token,
+decode or prefill, runs absorbed sparse attention over the slots it names (mla_sparse_decode).
 """
 from dataclasses import dataclass
 from typing import Optional
@@ -100,10 +102,17 @@ class MLAAttention(nn.Module):
         return kv.split([c.qk_nope_head_dim, c.v_head_dim], dim=-1)
 
     def forward(self, hidden_states: Tensor, kv_cache: Tensor, batch: MLABatch, *,
-                k_scale: Optional[Tensor] = None) -> Tensor:
+                k_scale: Optional[Tensor] = None, indices: Optional[Tensor] = None,
+                topk_length: Optional[Tensor] = None,
+                sparse_metadata: Optional[ops.SparseDecodeMetadata] = None) -> Tensor:
         """hidden_states [T, hidden] in batch order (decode tokens first); kv_cache [num_pages,
         page_size, 576] in the layer's dtype, or float8_e4m3fn with k_scale (fp32 [1]), written in
-        place; batch: this step's MLABatch. Returns [T, hidden]."""
+        place; batch: this step's MLABatch. Returns [T, hidden].
+        indices int32 [T, topk] (sparse attention): the cache slots (page * page_size + row) each token
+        attends to, this step's own tokens included (they are written to the cache first); -1 and
+        slots outside the cache are skipped; topk_length int32 [T] (optional) counts the first ones of
+        each row; sparse_metadata: get_sparse_decode_metadata(indices, kv_cache, num_heads,
+        topk_length=...), made once per step for all layers (computed per call when omitted)."""
         c = self.config
         T, h = hidden_states.shape[0], c.num_heads
         if c.q_lora_rank is None:
@@ -117,6 +126,9 @@ class MLAAttention(nn.Module):
         k_pe = self.rotary_emb(batch.positions, k_pe.unsqueeze(1))    # [T, 1, 64]
         ops.write_kv_cache(latent, k_pe.squeeze(1), kv_cache, batch.slot_mapping, k_scale=k_scale)
 
+        if indices is not None:
+            attn = self._sparse(q_nope, q_pe, kv_cache, indices, topk_length, sparse_metadata, k_scale)
+            return self.o_proj(attn.reshape(T, h * c.v_head_dim))
         n_d = batch.num_decode_tokens
         parts = []
         if n_d:
@@ -136,6 +148,15 @@ class MLAAttention(nn.Module):
                              cu_seqlens_q=batch.decode_cu_seqlens_q, max_seqlen_q=batch.max_decode_query_len,
                              q_pe=q_pe, softmax_scale=self.softmax_scale, causal=True,
                              metadata=batch.decode_metadata, deterministic=batch.deterministic, k_scale=k_scale)
+        return torch.einsum("thc,hcv->thv", out, self.w_uv)
+
+    def _sparse(self, q_nope: Tensor, q_pe: Tensor, kv_cache: Tensor, indices: Tensor, topk_length: Optional[Tensor],
+                metadata: Optional[ops.SparseDecodeMetadata], k_scale: Optional[Tensor]) -> Tensor:
+        """Absorbed like _decode, for every token: with top-k keys per token, attending in the latent
+        space reads at most topk cache rows, where up-projecting them per token would cost more."""
+        q_latent = torch.einsum("thd,hdc->thc", q_nope, self.w_uk)
+        out = ops.mla_sparse_decode(q_latent, kv_cache, indices, q_pe=q_pe, softmax_scale=self.softmax_scale,
+                                    topk_length=topk_length, k_scale=k_scale, metadata=metadata)
         return torch.einsum("thc,hcv->thv", out, self.w_uv)
 
     def _prefill(self, q_nope: Tensor, q_pe: Tensor, latent: Tensor, k_pe: Tensor, kv_cache: Tensor, batch: MLABatch,

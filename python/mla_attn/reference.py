@@ -106,3 +106,55 @@ def merge_attn_states_ref(outs: Tensor, lses: Tensor) -> tuple[Tensor, Tensor]:
     # empty parts may hold garbage (even NaN) in out: never multiply it in
     out = (w[..., None] * outs.masked_fill(empty[..., None], 0.0)).sum(0)
     return out, lse.masked_fill(none, float("inf"))
+
+
+def mla_sparse_ref(q: Tensor, kv_cache: Tensor, indices: Tensor, *, softmax_scale: float, q_pe: Optional[Tensor] = None,
+                   topk_length: Optional[Tensor] = None, attn_sink: Optional[Tensor] = None,
+                   k_scale: Optional[Tensor] = None, dtype: torch.dtype = torch.float64) -> tuple[Tensor, Tensor]:
+    """Sparse (top-k) MLA attention, DeepSeek-V3.2: each query token attends to its own list of cache slots.
+
+    q [B, s_q, h, 576] with indices [B, s_q, topk] and topk_length [B] (per request), or token-major
+    q [T, h, 576] with indices [T, topk] and topk_length [T]; q may hold 512 dims plus q_pe [.., 64].
+    kv_cache [num_pages, page_size(, 1), 576] (float8_e4m3fn: value = stored * k_scale). Index i of a
+    row counts iff its position is below the row's topk_length and 0 <= i < num_pages * page_size
+    (slot = page * page_size + row in page); repeated indices count once per occurrence.
+    attn_sink [h] (optional) scales out by exp(lse) / (exp(lse) + exp(sink)); lse is returned
+    without it. A row with no valid index: out 0, lse +inf.
+    Returns out [.., h, 512], lse [.., h] in `dtype`. Loops over rows: an oracle, not a fast path.
+    """
+    if q_pe is not None:
+        q = torch.cat([q, q_pe], dim=-1)
+    h, d = q.shape[-2], q.shape[-1]
+    batched = q.dim() == 4
+    num_slots = kv_cache.shape[0] * kv_cache.shape[1]
+    kv = kv_cache.reshape(num_slots, kv_cache.shape[-1]).to(dtype)
+    if k_scale is not None:
+        kv = kv * float(k_scale)
+    q_rows = q.reshape(-1, h, d)
+    idx_rows = indices.reshape(-1, indices.shape[-1]).tolist()
+    topk = indices.shape[-1]
+    if topk_length is None:
+        lengths = [topk] * len(idx_rows)
+    else:
+        per = topk_length.tolist()
+        s_q = q.shape[1] if batched else 1  # batched: one length per request, for each of its tokens
+        lengths = [per[r // s_q] for r in range(len(idx_rows))]
+    sink = None if attn_sink is None else attn_sink.to(device=q.device, dtype=dtype)
+    out = torch.zeros(len(idx_rows), h, D_V, dtype=dtype, device=q.device)
+    lse = torch.full((len(idx_rows), h), float("inf"), dtype=dtype, device=q.device)
+    for r, row in enumerate(idx_rows):
+        keys = [i for i in row[:max(lengths[r], 0)] if 0 <= i < num_slots]
+        if not keys:
+            continue  # no key: out 0, lse +inf (with or without a sink)
+        k = kv[torch.tensor(keys, device=kv.device)]  # [n, 576]
+        scores = (q_rows[r].to(dtype) @ k.T) * softmax_scale  # [h, n]
+        m = scores.max(dim=-1, keepdim=True).values
+        p = torch.exp(scores - m)
+        denom = p.sum(dim=-1, keepdim=True)
+        out[r] = (p / denom) @ k[:, :D_V]
+        lse[r] = (m + torch.log(denom)).squeeze(-1)
+        if sink is not None:
+            # exp(lse) / (exp(lse) + exp(sink)) = 1 / (1 + exp(sink - lse)): a sink of -inf gives 1,
+            # +inf gives 0 (lse is finite here, so sink - lse is never inf - inf)
+            out[r] *= (1.0 / (1.0 + torch.exp(sink - lse[r])))[:, None]
+    return out.reshape(q.shape[:-1] + (D_V,)), lse.reshape(q.shape[:-1])

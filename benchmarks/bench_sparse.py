@@ -1,0 +1,202 @@
+#!/usr/bin/env python3
+"""Benchmark mla_attn.mla_sparse_decode (DeepSeek-V3.2 top-k attention) on one Hopper GPU.
+
+For every config (h_q, s_q, batch; top-k 2048, bf16 cache [pages, 64, 576]):
+  1. build the problem: each request owns a context of CONTEXT tokens on randomly permuted pages, and
+     each of its s_q query tokens attends to TOPK distinct random positions of it (all valid), given as
+     global cache slots page * 64 + row; q [b, s_q, h_q, 576] bf16, scale 1/sqrt(192);
+  2. check out / LSE of a few query tokens against the float64 reference (mla_sparse_ref): eager call
+     into a NaN-poisoned out, then a CUDA-graph replay into a NaN-poisoned out; "ok" = finite,
+     rel-L2 < 2e-2, LSE max-abs < 1e-2;
+  3. time as CUDA graphs, replays interleaved (benchmarks/_timing.py, as bench_decode.py):
+       op   = the whole call: index compaction + split-KV schedule + attention,
+       attn = the attention alone (get_sparse_decode_metadata made once outside the graph);
+     cold = median over replays each preceded by a 512 MB read (L2 evicted), warm = each preceded by a
+     ~20 us spin kernel.
+Formulas (R = b * s_q query tokens, V = the valid indices of all tokens = R * TOPK here, t = op cold):
+  TFLOP/s = 2 * h_q * V * (576 + 512) / t        (QK^T over 576 dims, PV over 512)
+  GB/s    = (V * 576 * 2 + R * h_q * (576 + 512) * 2) / t   (gathered rows + q + out, bf16)
+
+--flashmla-module MOD: also time MOD.flash_mla_sparse_fwd(q [R, h_q, 576], kv [slots, 1, 576],
+indices [R, 1, topk], scale) (FlashMLA's sparse prefill kernel, bf16) on the same data, where it
+imports and runs (h_q it supports); its result is checked like ours. A build you made yourself: no
+peer code or binary belongs in this repository.
+
+Outputs: <out>/bench_sparse.json and <out>/bench_sparse.md (the markdown table, printed last).
+usage: python benchmarks/bench_sparse.py [--quick] [--only h128_s1,...] [--out DIR] [--rep-ms 100]
+                                         [--flashmla-module flash_mla]
+"""
+import argparse
+import importlib
+import json
+import math
+import os
+import time
+import traceback
+
+import torch
+
+from _timing import GraphTimer, capture, nvml_sample, smi
+
+D_QK, D_V = 576, 512
+PAGE = 64
+TOPK = 2048
+CONTEXT = 8192  # tokens of context per request, the top-k are drawn from
+SCALE = 1.0 / math.sqrt(192.0)
+REL_L2_TOL, LSE_TOL = 2e-2, 1e-2
+CHECK_ROWS = 8  # query tokens checked against the float64 reference
+
+
+def log(*a):
+    print(*a, flush=True)
+
+
+def configs(quick, only):
+    cs = [dict(name=f"h{h}_s{s}_b{b}", h_q=h, s_q=s, b=b)
+          for h in (16, 32, 64, 128) for s in (1, 2) for b in (1, 32, 128)]
+    if quick:
+        cs = [c for c in cs if c["h_q"] in (16, 128) and c["s_q"] == 1 and c["b"] in (1, 128)]
+    if only:
+        keys = only.split(",")
+        cs = [c for c in cs if any(k in c["name"] for k in keys)]
+    return cs
+
+
+def make_problem(c, seed, dev="cuda"):
+    """Made on the device: a batch of 128 owns 1.2 GB of cache."""
+    g = torch.Generator(device=dev).manual_seed(seed)
+    b, s_q, h_q = c["b"], c["s_q"], c["h_q"]
+    pages_per_req = CONTEXT // PAGE
+    num_pages = b * pages_per_req
+    perm = torch.randperm(num_pages, generator=g, device=dev).reshape(b, pages_per_req)
+    kv = torch.randn(num_pages, PAGE, D_QK, generator=g, device=dev).to(torch.bfloat16)
+    # TOPK distinct positions per query token: the first TOPK of a random order of the context
+    pos = torch.rand(b * s_q, CONTEXT, generator=g, device=dev).argsort(dim=1)[:, :TOPK].reshape(b, s_q, TOPK)
+    slots = perm[torch.arange(b, device=dev)[:, None, None], pos // PAGE] * PAGE + pos % PAGE
+    q = torch.randn(b, s_q, h_q, D_QK, generator=g, device=dev).to(torch.bfloat16)
+    return dict(q=q, kv=kv, indices=slots.int())
+
+
+def check(p, out, lse):
+    from mla_attn.reference import mla_sparse_ref
+    h_q = p["q"].shape[-2]
+    q = p["q"].reshape(-1, h_q, D_QK)[:CHECK_ROWS]
+    idx = p["indices"].reshape(-1, TOPK)[:CHECK_ROWS]
+    ref_out, ref_lse = mla_sparse_ref(q, p["kv"], idx, softmax_scale=SCALE)
+    o = out.reshape(-1, h_q, D_V)[:CHECK_ROWS].double()
+    l = lse.reshape(-1, h_q)[:CHECK_ROWS].double()
+    rel = ((o - ref_out).norm() / ref_out.norm()).item()
+    lse_err = (l - ref_lse).abs().max().item()
+    ok = bool(torch.isfinite(o).all()) and rel < REL_L2_TOL and lse_err < LSE_TOL
+    return dict(ok=ok, rel_l2=rel, lse_err=lse_err)
+
+
+def run_config(c, timer, rep_ms, flashmla):
+    import mla_attn
+    p = make_problem(c, seed=c["h_q"] * 100 + c["s_q"] * 10 + c["b"])
+    q, kv, idx = p["q"], p["kv"], p["indices"]
+    res = dict(c)
+    out = torch.full(q.shape[:-1] + (D_V,), float("nan"), dtype=q.dtype, device=q.device)
+
+    def op():
+        return mla_attn.mla_sparse_decode(q, kv, idx, softmax_scale=SCALE, out=out, return_lse=True)
+
+    _, lse = op()
+    res["check_eager"] = check(p, out, lse)
+    g_op, (_, lse_g) = capture(op)
+    out.fill_(float("nan"))
+    g_op.replay()
+    torch.cuda.synchronize()
+    res["check_graph"] = check(p, out, lse_g)
+
+    md = mla_attn.get_sparse_decode_metadata(idx, kv, c["h_q"])
+    g_attn, _ = capture(lambda: mla_attn.mla_sparse_decode(q, kv, idx, softmax_scale=SCALE, out=out, metadata=md))
+    graphs, names = [g_op, g_attn], ["op", "attn"]
+
+    if flashmla is not None:
+        try:
+            rows = q.shape[0] * q.shape[1]
+            q_tok, kv_rows = q.reshape(rows, c["h_q"], D_QK), kv.view(-1, 1, D_QK)
+            idx_tok = idx.reshape(rows, 1, TOPK)
+            fm = lambda: flashmla.flash_mla_sparse_fwd(q_tok, kv_rows, idx_tok, SCALE)  # noqa: E731
+            fm_out = fm()
+            o, l = fm_out[0], fm_out[2]  # (out, max_logits, lse)
+            res["flashmla_check"] = check(p, o.reshape(out.shape), l.reshape(lse.shape))
+            g_fm, _ = capture(fm)
+            graphs.append(g_fm)
+            names.append("flashmla")
+        except Exception as e:  # a peer that cannot run the config is reported, not fatal
+            res["flashmla_error"] = repr(e)[:300]
+
+    for name, t in zip(names, timer.time_interleaved(graphs, rep_ms)):
+        res[name] = t
+    rows = c["b"] * c["s_q"]
+    valid = rows * TOPK
+    t_s = res["op"]["cold_us"] * 1e-6
+    res["tflops"] = 2 * c["h_q"] * valid * (D_QK + D_V) / t_s / 1e12
+    res["gbps"] = (valid * D_QK * 2 + rows * c["h_q"] * (D_QK + D_V) * 2) / t_s / 1e9
+    res["nvml"] = nvml_sample()
+    return res
+
+
+def table(results, with_fm):
+    head = ["config", "ok", "op cold us", "op warm us", "attn cold us", "TFLOP/s", "GB/s"]
+    if with_fm:
+        head += ["FMLA cold us", "x FMLA"]
+    lines = ["| " + " | ".join(head) + " |", "|" + "---|" * len(head)]
+    for r in results:
+        if "error" in r:
+            lines.append(f"| {r['name']} | error: {r['error'][:60]} |" + " |" * (len(head) - 2))
+            continue
+        ok = r["check_eager"]["ok"] and r["check_graph"]["ok"]
+        row = [r["name"], "ok" if ok else "FAIL", f"{r['op']['cold_us']:.1f}", f"{r['op']['warm_us']:.1f}",
+               f"{r['attn']['cold_us']:.1f}", f"{r['tflops']:.1f}", f"{r['gbps']:.0f}"]
+        if with_fm:
+            fm = r.get("flashmla")
+            row += [f"{fm['cold_us']:.1f}", f"{fm['cold_us'] / r['op']['cold_us']:.2f}"] if fm else ["-", "-"]
+        lines.append("| " + " | ".join(row) + " |")
+    return "\n".join(lines)
+
+
+def main():
+    ap = argparse.ArgumentParser(description=__doc__.split("\n")[0])
+    ap.add_argument("--quick", action="store_true")
+    ap.add_argument("--only", default="")
+    ap.add_argument("--out", default=os.path.join(os.path.dirname(os.path.abspath(__file__)), "results"))
+    ap.add_argument("--rep-ms", type=float, default=100.0)
+    ap.add_argument("--flashmla-module", default=None, help="import path of a FlashMLA build (flash_mla)")
+    args = ap.parse_args()
+
+    flashmla = None
+    if args.flashmla_module:
+        try:
+            flashmla = importlib.import_module(args.flashmla_module)
+        except Exception as e:
+            log(f"--flashmla-module {args.flashmla_module}: import failed ({e!r}); running without it")
+    timer = GraphTimer()
+    results = []
+    t0 = time.time()
+    for c in configs(args.quick, args.only):
+        try:
+            results.append(run_config(c, timer, args.rep_ms, flashmla))
+            r = results[-1]
+            ok = r["check_eager"]["ok"] and r["check_graph"]["ok"]
+            log(f"{c['name']}: op {r['op']['cold_us']:.1f} us cold, attn {r['attn']['cold_us']:.1f} us, "
+                f"{r['tflops']:.1f} TFLOP/s, {r['gbps']:.0f} GB/s, ok={ok}")
+        except Exception as e:
+            traceback.print_exc()
+            results.append(dict(c, error=repr(e)[:300]))
+        torch.cuda.empty_cache()
+    md = table(results, flashmla is not None)
+    meta = dict(gpu=torch.cuda.get_device_name(), smi=smi(), torch=torch.__version__, topk=TOPK, page=PAGE,
+                context=CONTEXT, seconds=round(time.time() - t0, 1))
+    os.makedirs(args.out, exist_ok=True)
+    with open(os.path.join(args.out, "bench_sparse.json"), "w") as f:
+        json.dump(dict(meta=meta, results=results), f, indent=1)
+    with open(os.path.join(args.out, "bench_sparse.md"), "w") as f:
+        f.write(f"# mla_sparse_decode, top-k {TOPK}, bf16 cache, page {PAGE} ({meta['gpu']})\n\n{md}\n")
+    print(md)
+
+
+if __name__ == "__main__":
+    main()

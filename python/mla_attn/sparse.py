@@ -1,0 +1,150 @@
+"""Public sparse-attention API (DeepSeek-V3.2 top-k attention): mla_sparse_decode, mla_sparse_prefill and
+get_sparse_decode_metadata, built on mla_decode's kv_slots form.
+
+Each query token has its own list of top-k cache slots (from the caller's indexer), so each token is a
+"request" of one query token for the dense decode kernel:
+  1. compact_sparse_indices writes each row's valid indices (position < topk_length, 0 <= index <
+     num_slots) in order to the front of a [R, topk] slot list, and their count;
+  2. get_decode_metadata schedules R one-token requests of those counts (causal=False);
+  3. mla_decode(kv_slots=True) gathers the listed cache rows;
+  4. an attention sink, if given, rescales out with a few elementwise ops.
+Every step runs on the device without a host sync, so the whole call is CUDA-graph capturable and
+traceable by torch.compile. Arguments are checked by _validation (static checks always; value checks on
+CPU tensors, or with validate=True / MLA_ATTN_VALIDATE=1).
+"""
+import math
+from typing import Optional, Union
+
+import torch
+from torch import Tensor
+
+from . import _validation as check
+from ._constants import D_V
+from .decode import get_decode_metadata
+from .metadata import SparseDecodeMetadata
+
+
+def _row_lengths(topk_length: Optional[Tensor], indices: Tensor) -> Optional[Tensor]:
+    """topk_length per row of the [R, topk] view of indices: a batched call's per-request lengths are
+    repeated over the request's s_q tokens."""
+    if topk_length is None:
+        return None
+    if indices.dim() == 3:
+        batch, s_q = indices.shape[:2]
+        topk_length = topk_length[:, None].expand(batch, s_q).reshape(batch * s_q)
+    return topk_length.contiguous()
+
+
+def _sparse_metadata(indices: Tensor, topk_length: Optional[Tensor], num_slots: int,
+                     num_heads_q: int) -> SparseDecodeMetadata:
+    rows = math.prod(indices.shape[:-1])
+    slots, counts = torch.ops.mla_attn.compact_sparse_indices(indices.reshape(rows, indices.shape[-1]),
+                                                              _row_lengths(topk_length, indices), num_slots)
+    decode = get_decode_metadata(counts, num_heads_q, s_q=1, causal=False)
+    return SparseDecodeMetadata(slots, counts, decode, num_slots)
+
+
+def get_sparse_decode_metadata(indices: Tensor, kv_cache: Tensor, num_heads_q: int, *,
+                               topk_length: Optional[Tensor] = None,
+                               validate: Optional[bool] = None) -> SparseDecodeMetadata:
+    """The index compaction and split-KV schedule of mla_sparse_decode, computed on the device without
+    a host sync; pass the result as metadata= to every call (layer) that shares indices, topk_length,
+    the cache's size and h_q. It holds values computed from indices: recompute it (inside the CUDA
+    graph, if captured) whenever they change.
+
+    indices int32 [B, s_q, topk] with topk_length int32 [B], or [T, topk] with topk_length [T];
+    kv_cache as for mla_sparse_decode (only its shape is read).
+    """
+    check.check_sparse_cache(kv_cache, None)
+    check.check_int("num_heads_q", num_heads_q, 1, check.MAX_HEADS_Q)
+    check.check_tensor("indices", indices)
+    if indices.dim() not in (2, 3):
+        raise ValueError(f"indices must be [B, s_q, topk] or [T, topk], got shape {tuple(indices.shape)}")
+    check.check_sparse_indices(indices, topk_length, tuple(indices.shape[:-1]), indices)
+    check.check_device("kv_cache", kv_cache, "indices", indices)
+    if check.want_value_checks(validate, indices.device):
+        check.check_topk_length_values(topk_length, indices.shape[-1])
+    return _sparse_metadata(indices, topk_length, kv_cache.shape[0] * kv_cache.shape[1], num_heads_q)
+
+
+def _apply_sink(out: Tensor, lse: Tensor, attn_sink: Tensor) -> None:
+    """out *= exp(lse) / (exp(lse) + exp(sink)) = sigmoid(lse - sink), in place. An empty row (lse
+    +inf) has out 0 and keeps it: its factor is set to 0 rather than sigmoid(inf - inf) = NaN."""
+    factor = torch.sigmoid(lse - attn_sink).masked_fill(lse == math.inf, 0.0)
+    out.mul_(factor.unsqueeze(-1))
+
+
+def mla_sparse_decode(q: Tensor, kv_cache: Tensor, indices: Tensor, *, softmax_scale: float,
+                      q_pe: Optional[Tensor] = None, topk_length: Optional[Tensor] = None,
+                      attn_sink: Optional[Tensor] = None, k_scale: Optional[Tensor] = None, return_lse: bool = False,
+                      out: Optional[Tensor] = None, metadata: Optional[SparseDecodeMetadata] = None,
+                      validate: Optional[bool] = None,
+                      _kernel: Optional[str] = None) -> Union[Tensor, tuple[Tensor, Tensor]]:
+    """Sparse (top-k) absorbed MLA attention over a paged latent cache (DeepSeek-V3.2).
+
+    q [B, s_q, h_q, 576] or token-major [T, h_q, 576], bf16/fp16 (or 512 dims + q_pe [.., 64]); h_q 1..128.
+    kv_cache [num_pages, page_size(, 1), 576], page_size 1..256, in q's dtype or float8_e4m3fn with
+    k_scale (float32 [1]: value = stored * k_scale). The 656-byte V3.2 FP8 layout (uint8) is not
+    supported yet.
+    indices int32 [B, s_q, topk] (or [T, topk]), topk >= 1: the cache slots (page * page_size + row in
+    page) each query token attends to. An index of -1, or any slot outside the cache, is skipped; a
+    repeated index counts once per occurrence. topk_length int32 [B] (one per request, for each of its
+    tokens) or [T] (token-major: one per token): only the first topk_length indices of a row count
+    (values in [0, topk]).
+    attn_sink float32 [h_q] (optional): out is scaled by exp(lse) / (exp(lse) + exp(sink)) (+inf: out 0,
+    -inf: no effect); the returned lse is the attention's own.
+    Returns out [.., h_q, 512] in q's dtype, plus lse float32 [.., h_q] (natural log) if return_lse.
+    A token with no valid index gets out 0 and lse +inf, with or without a sink.
+    metadata: from get_sparse_decode_metadata on the same indices / topk_length (then they are only
+    checked for shape here). _kernel (private, for tests and benchmarks): the split kernel to run
+    (metadata.DECODE_KERNELS); the call is a decode of max_seqlen_q 1, so rows = h_q.
+    """
+    check.check_softmax_scale(softmax_scale)
+    rows = check.check_sparse_decode(q, q_pe, kv_cache, indices, topk_length, attn_sink, out)
+    check.check_decode_options(q, kv_cache, k_scale, False, _kernel, 1)
+    h_q = q.shape[-2]
+    if metadata is None:
+        if check.want_value_checks(validate, q.device):
+            check.check_topk_length_values(topk_length, indices.shape[-1])
+        metadata = _sparse_metadata(indices, topk_length, kv_cache.shape[0] * kv_cache.shape[1], h_q)
+    else:
+        check.check_sparse_metadata(metadata, indices, kv_cache, q)
+    if check.want_value_checks(validate, q.device):
+        check.check_k_scale_value(k_scale)
+
+    # Each query token is a request of one token: [R, 1, h_q, D] views (reshape copies a batched q only
+    # when its batch and token strides do not merge).
+    q_rows = q.reshape(rows, 1, h_q, q.shape[-1])
+    q_pe_rows = None if q_pe is None else q_pe.reshape(rows, 1, h_q, q_pe.shape[-1])
+    md = metadata.decode
+    args = (q_rows, q_pe_rows, kv_cache, metadata.slots, metadata.counts, None, 1, float(softmax_scale), False,
+            md.tile_sched, md.req_splits, md.num_sm_parts)
+    kw = dict(k_scale=k_scale, kernel=_kernel, kv_slots=True)
+    if out is None:
+        out, lse = torch.ops.mla_attn.mla_decode(*args, **kw)
+        out = out.view(q.shape[:-1] + (D_V,))
+    else:
+        lse = torch.empty(rows, 1, h_q, dtype=torch.float32, device=q.device)
+        torch.ops.mla_attn.mla_decode_out(*args, out.view(rows, 1, h_q, D_V), lse, **kw)
+    lse = lse.view(q.shape[:-1])
+    if attn_sink is not None:
+        _apply_sink(out, lse, attn_sink)
+    return (out, lse) if return_lse else out
+
+
+def mla_sparse_prefill(q: Tensor, kv: Tensor, indices: Tensor, *, softmax_scale: float,
+                       topk_length: Optional[Tensor] = None, attn_sink: Optional[Tensor] = None,
+                       return_lse: bool = False, out: Optional[Tensor] = None, validate: Optional[bool] = None,
+                       _kernel: Optional[str] = None) -> Union[Tensor, tuple[Tensor, Tensor]]:
+    """Sparse (top-k) absorbed MLA attention over gathered latent rows (DeepSeek-V3.2 prefill).
+
+    q [T, h_q, 576] bf16/fp16; kv [S, 576] or [S, 1, 576] in q's dtype: the latent rows an engine
+    gathers from its cache (e.g. with gather_kv_cache); indices int32 [T, topk]: rows of kv, -1 or
+    >= S skipped; topk_length int32 [T] (optional); attn_sink float32 [h_q] (optional), as in
+    mla_sparse_decode. Returns out [T, h_q, 512], plus lse float32 [T, h_q] if return_lse.
+    Runs mla_sparse_decode with kv as a cache of S pages of one row.
+    """
+    check.check_sparse_prefill(q, kv)
+    kv_cache = kv[:, None] if kv.dim() == 2 else kv  # [S, 1, 576]: slot = row of kv
+    return mla_sparse_decode(q, kv_cache, indices, softmax_scale=softmax_scale, topk_length=topk_length,
+                             attn_sink=attn_sink, return_lse=return_lse, out=out, validate=validate, _kernel=_kernel)

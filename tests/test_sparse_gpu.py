@@ -1,0 +1,225 @@
+"""Sparse (top-k) attention on the GPU against the float64 reference, on adversarial cases
+(tests/sparse_cases.py: NaN in every cache slot no valid index names, -1 / out-of-range / repeated
+indices, topk_length 0..topk, sinks finite and infinite), every eligible decode kernel, outputs poisoned
+before each run; the compaction kernel against the CPU op; CUDA graphs, torch.compile, opcheck."""
+import functools
+
+import pytest
+import torch
+from conftest import FP8MMA_LSE_ABS, FP8MMA_REL_L2, FP8MMA_ROW_REL, decode_kernels_for
+from sparse_cases import FP8, check_sparse, make_sparse_case, run_sparse, sparse_reference, to_device
+
+import mla_attn
+
+pytestmark = pytest.mark.gpu
+
+
+@functools.lru_cache(maxsize=2)
+def _shared_case(*key):
+    lead, h_q, topk, page_size, dtype, lengths, sink, split_pe, kv_4d, fp8 = key
+    case = make_sparse_case(lead, h_q, topk, page_size, dtype=dtype, lengths=lengths, sink=sink, split_pe=split_pe,
+                            kv_4d=kv_4d, fp8=fp8, seed=sum(lead) * 7 + h_q + topk)
+    return to_device(case, "cuda")
+
+
+def sparse_case(*key):
+    """make_sparse_case on the GPU; consecutive tests of one case share its tensors (never modified)."""
+    return dict(_shared_case(*key))
+
+
+def poisoned_out(case):
+    q = case["q"]
+    return torch.full(q.shape[:-1] + (512,), float("nan"), dtype=q.dtype, device=q.device)
+
+
+def check_fp8_mma(case, out, lse):
+    """The fp8mma kernel rounds Q and P to e4m3: the decode FP8-MMA tests' bounds (conftest)."""
+    ref_out, ref_lse = sparse_reference(case)
+    assert torch.isfinite(out).all()
+    empty = torch.isinf(ref_lse)
+    assert torch.equal(torch.isinf(lse), empty) and not out[empty].any()
+    diff = out.double() - ref_out
+    assert (diff.norm() / ref_out.norm()).item() <= FP8MMA_REL_L2
+    seen = ~empty & (ref_out.norm(dim=-1) > 0)
+    assert (diff[seen].norm(dim=-1) / ref_out[seen].norm(dim=-1)).max().item() <= FP8MMA_ROW_REL
+    assert (lse.double()[~empty] - ref_lse[~empty]).abs().max().item() <= FP8MMA_LSE_ABS
+
+
+# ----------------------------------------------------------------------------------------- compaction
+@pytest.mark.parametrize("rows,topk", [(1, 1), (37, 7), (300, 2048), (5, 2049), (3, 6000), (0, 16)])
+@pytest.mark.parametrize("with_lengths", [False, True])
+def test_compact_matches_cpu(rows, topk, with_lengths):
+    """Exact equality with the CPU op, over 1 to 3 tiles of the kernel (2048 indices each), with
+    indices rows of a wider buffer (row stride > topk) and lengths outside [0, topk] (clamped)."""
+    g = torch.Generator().manual_seed(rows + topk)
+    wide = torch.randint(-2, 5000, (rows, topk + 5), generator=g, dtype=torch.int32)
+    wide[:, ::3] = 2**31 - 1
+    idx = wide[:, :topk]
+    lengths = torch.randint(-3, topk + 4, (rows,), generator=g, dtype=torch.int32) if with_lengths else None
+    want = torch.ops.mla_attn.compact_sparse_indices(idx, lengths, 4000)
+    got = torch.ops.mla_attn.compact_sparse_indices(idx.cuda(), None if lengths is None else lengths.cuda(), 4000)
+    assert torch.equal(got[0].cpu(), want[0]) and torch.equal(got[1].cpu(), want[1])
+
+
+def test_compact_opcheck():
+    g = torch.Generator().manual_seed(1)
+    idx = torch.randint(-1, 3000, (9, 2100), generator=g, dtype=torch.int32).cuda()
+    lengths = torch.tensor([0, 2100, 5, 2049, 1, 700, 2048, 3, 2099], dtype=torch.int32, device="cuda")
+    for ln in (None, lengths):
+        torch.library.opcheck(torch.ops.mla_attn.compact_sparse_indices.default, (idx, ln, 2500))
+
+
+# ------------------------------------------------------------------------------------------ attention
+CASES = [  # (lead, h_q, topk, page_size, dtype, lengths, sink, split_pe, kv_4d, fp8=False)
+    ((4, 2), 16, 2048, 64, torch.bfloat16, True, "finite", False, False),
+    ((37,), 1, 300, 1, torch.float16, True, None, False, False),
+    ((2, 1), 128, 2048, 16, torch.bfloat16, False, "mixed", True, True),
+    ((9,), 64, 1000, 16, torch.float16, True, "+inf", False, False),
+    ((3, 2), 32, 777, 64, torch.bfloat16, True, "-inf", False, False),
+    ((64,), 128, 2048, 64, torch.bfloat16, True, None, False, False),
+    ((5,), 3, 33, 1, torch.bfloat16, False, "finite", True, False),
+    ((2, 3), 16, 1, 16, torch.float16, False, None, False, False),
+    ((6,), 128, 4100, 1, torch.float16, True, "finite", False, True),
+]
+PARAMS = [pytest.param(*c, kernel) for c in CASES for kernel in [None] + decode_kernels_for(torch.bfloat16, c[1])]
+
+
+@pytest.mark.parametrize("lead,h_q,topk,page_size,dtype,lengths,sink,split_pe,kv_4d,kernel", PARAMS)
+def test_sparse_decode_matches_reference(lead, h_q, topk, page_size, dtype, lengths, sink, split_pe, kv_4d, kernel):
+    case = sparse_case(lead, h_q, topk, page_size, dtype, lengths, sink, split_pe, kv_4d, False)
+    out = poisoned_out(case)
+    got, lse = run_sparse(case, out=out, _kernel=kernel)
+    assert got.data_ptr() == out.data_ptr()
+    check_sparse(case, out, lse)
+
+
+FP8_CASES = [((4, 2), 16, 2048, 64, True, "finite"), ((7,), 64, 1500, 1, True, None),
+             ((2, 2), 128, 2048, 16, False, "mixed")]
+FP8_PARAMS = [pytest.param(*c, kernel) for c in FP8_CASES for kernel in [None] + decode_kernels_for(FP8, c[1])]
+
+
+@pytest.mark.parametrize("lead,h_q,topk,page_size,lengths,sink,kernel", FP8_PARAMS)
+def test_sparse_decode_fp8_cache(lead, h_q, topk, page_size, lengths, sink, kernel):
+    """float8_e4m3fn cache with k_scale: the reference runs on the dequantized cache."""
+    case = sparse_case(lead, h_q, topk, page_size, torch.bfloat16, lengths, sink, False, False, True)
+    assert case["kv_cache"].dtype == FP8
+    out = poisoned_out(case)
+    _, lse = run_sparse(case, out=out, _kernel=kernel)
+    # the e4m3-MMA kernel has its own bounds; the dispatch keeps 16-bit MMAs (fp8_mma is not offered here)
+    (check_fp8_mma if kernel == "fp8mma" else check_sparse)(case, out, lse)
+
+
+def test_functional_form_and_no_lse():
+    case = sparse_case((4, 2), 16, 2048, 64, torch.bfloat16, True, "finite", False, False, False)
+    out, lse = run_sparse(case)
+    check_sparse(case, out, lse)
+    only = mla_attn.mla_sparse_decode(case["q"], case["kv_cache"], case["indices"],
+                                      softmax_scale=case["softmax_scale"], topk_length=case["topk_length"],
+                                      attn_sink=case["attn_sink"])
+    assert torch.equal(only, out)
+
+
+def test_all_rows_empty():
+    case = sparse_case((37,), 1, 300, 1, torch.float16, True, None, False, False, False)
+    case["indices"] = torch.where(case["indices"] >= 0, -1, case["indices"])  # nothing valid anywhere
+    case["attn_sink"] = torch.full((1,), float("inf"), device="cuda")
+    out = poisoned_out(case)
+    _, lse = run_sparse(case, out=out)
+    assert not out.any() and torch.isinf(lse).all() and (lse > 0).all()
+
+
+@pytest.mark.parametrize("kernel", [None] + decode_kernels_for(torch.bfloat16, 64))
+def test_sparse_prefill_matches_reference(kernel):
+    """Prefill: indices into gathered rows kv [S, 576]; the case's page-size-1 cache is that kv."""
+    case = sparse_case((50,), 64, 2048, 1, torch.bfloat16, True, "finite", False, False, False)
+    kv = case["kv_cache"][:, 0]
+    out = poisoned_out(case)
+    _, lse = mla_attn.mla_sparse_prefill(case["q"], kv, case["indices"], softmax_scale=case["softmax_scale"],
+                                         topk_length=case["topk_length"], attn_sink=case["attn_sink"],
+                                         return_lse=True, out=out, _kernel=kernel)
+    check_sparse(case, out, lse)
+
+
+def test_value_checks_on_request():
+    case = sparse_case((4, 2), 16, 2048, 64, torch.bfloat16, True, "finite", False, False, False)
+    bad = case["topk_length"].clone()
+    bad[0] = 2049
+    with pytest.raises(ValueError, match=r"topk_length\[0\] = 2049 is not in \[0, topk=2048\]"):
+        run_sparse({**case, "topk_length": bad}, validate=True)
+    run_sparse({**case, "topk_length": bad})  # unchecked by default on the GPU (no host sync): clamped
+
+
+def _replacement_indices(case, seed):
+    """New indices and lengths of the case's shapes that name only slots holding data (not NaN)."""
+    g = torch.Generator().manual_seed(seed)
+    cache = case["kv_cache"].reshape(-1, 576)
+    good = (~torch.isnan(cache[:, 0].float())).nonzero()[:, 0].int().cpu()
+    idx = good[torch.randint(0, good.numel(), case["indices"].shape, generator=g)]
+    idx[torch.rand(idx.shape, generator=g) < 0.2] = -1
+    idx.view(-1, idx.shape[-1])[0] = -1  # row 0 stays empty
+    lengths = torch.randint(0, idx.shape[-1] + 1, case["topk_length"].shape, generator=g, dtype=torch.int32)
+    return idx.cuda(), lengths.cuda()
+
+
+def test_cuda_graph_replay_with_new_indices():
+    case = sparse_case((4, 2), 16, 2048, 64, torch.bfloat16, True, "finite", False, False, False)
+    static = dict(case, indices=case["indices"].clone(), topk_length=case["topk_length"].clone())
+    out = poisoned_out(case)
+
+    def step():
+        md = mla_attn.get_sparse_decode_metadata(static["indices"], static["kv_cache"], 16,
+                                                 topk_length=static["topk_length"])
+        return run_sparse(static, out=out, metadata=md)
+
+    step()
+    torch.cuda.synchronize()
+    graph = torch.cuda.CUDAGraph()
+    with torch.cuda.graph(graph):
+        _, lse = step()
+    for seed in (1, 2, None):  # two new index sets, then the original again
+        idx, lengths = (case["indices"], case["topk_length"]) if seed is None else _replacement_indices(case, seed)
+        static["indices"].copy_(idx)
+        static["topk_length"].copy_(lengths)
+        out.fill_(float("nan"))
+        graph.replay()
+        torch.cuda.synchronize()
+        check_sparse({**case, "indices": idx, "topk_length": lengths}, out, lse)
+
+
+def test_torch_compile_fullgraph():
+    case = sparse_case((3, 2), 32, 777, 64, torch.bfloat16, True, "-inf", False, False, False)
+    case["attn_sink"] = torch.linspace(-3, 12, 32, device="cuda")
+
+    def f(q, kv, idx, lengths, sink):
+        return mla_attn.mla_sparse_decode(q, kv, idx, softmax_scale=case["softmax_scale"], topk_length=lengths,
+                                          attn_sink=sink, return_lse=True)
+
+    args = (case["q"], case["kv_cache"], case["indices"], case["topk_length"], case["attn_sink"])
+    torch._dynamo.reset()
+    out, lse = torch.compile(f, fullgraph=True)(*args)
+    check_sparse(case, out, lse)
+    eager_out, eager_lse = f(*args)
+    assert torch.equal(lse, eager_lse)
+    torch.testing.assert_close(out, eager_out, rtol=1e-2, atol=1e-2)  # the sink's ops may fuse differently
+
+
+@pytest.mark.parametrize("heads,page_size", [(16, 64), (128, 16)])
+def test_layer_sparse_with_every_key_is_dense_attention(heads, page_size):
+    """MLAAttention(indices=) naming every causal key: the un-absorbed oracle's result (test_layer's
+    GPU scenario and bound)."""
+    import dataclasses
+
+    from layer_oracle import init_weights, run_scenario
+    from test_layer import CONFIGS, STEPS_GPU, check_close
+    from test_sparse_cpu import with_all_keys_indexer
+    cfg = dataclasses.replace(CONFIGS["q_lora"], num_heads=heads, hidden_size=1024)
+    layer = mla_attn.MLAAttention(cfg, dtype=torch.bfloat16)
+    init_weights(layer, seed=2)
+    layer.cuda()
+    with_all_keys_indexer(layer)
+
+    def check(i, batch, got, want, lowp):
+        check_close(i, batch, got, want, lowp, factor=2)
+
+    run_scenario(layer, STEPS_GPU, page_size=page_size, num_pages=4 * 8192 // page_size, device="cuda",
+                 decode_threshold=64, check=check, hidden_seed=heads)
