@@ -369,7 +369,19 @@ def time_metadata(ours, p, c, iters=20):
         e.synchronize()
         walls.append((time.perf_counter() - t0) * 1e6)
         evs.append(s.elapsed_time(e) * 1e3)
-    return dict(md_us=statistics.median(evs), md_wall_us=statistics.median(walls))
+    # GPU time of the scheduler alone, as a captured step runs it: `iters` calls in one graph.
+    graph = torch.cuda.CUDAGraph()
+    with torch.cuda.graph(graph):
+        for _ in range(iters):
+            ours.metadata(p, c)
+    graph.replay()
+    s, e = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
+    s.record()
+    graph.replay()
+    e.record()
+    e.synchronize()
+    return dict(md_us=statistics.median(evs), md_wall_us=statistics.median(walls),
+                md_graph_us=s.elapsed_time(e) * 1e3 / iters)
 
 
 # ----------------------------------------------------------------------------------------------
@@ -467,17 +479,18 @@ def write_outputs(results, out_dir):
     lines.append("cold/warm: median us of a CUDA-graph replay of the whole op (cold: L2 flushed by a 512 MB "
                  "read first). TB/s and TFLOP/s from cold. FI = FlashInfer fa3 (live, this run). "
                  "x FI = FI cold / ours cold; x static = best peer time of the static table in bench_decode.py (another H200, another run) / ours "
-                 "(> 1: ours faster). md us = get_decode_metadata, eager, CUDA events.")
+                 "(> 1: ours faster). md us = get_decode_metadata, eager, CUDA events around the host call; "
+                 "md graph us = its GPU time per call in a CUDA graph of 20 calls.")
     lines.append("")
     fmla = any(row.get("flashmla") for row in results["rows"])
     if fmla:
         lines.append("FMLA = FlashMLA SM90 dense decode (live, this run; --flashmla); x live best = the faster "
                      "correct one of FI and FMLA / ours.")
         lines.append("")
-    lines.append("| config | ok | rel L2 | max abs | lse err | cold us | warm us | TB/s | TFLOP/s | md us "
+    lines.append("| config | ok | rel L2 | max abs | lse err | cold us | warm us | TB/s | TFLOP/s | md us | md graph us "
                  "| FI cold us | FI ok | x FI | " + ("FMLA cold us | x FMLA | x live best | " if fmla else "")
                  + "static best (us) | x static |")
-    lines.append("|---" * (18 if fmla else 15) + "|")
+    lines.append("|---" * (19 if fmla else 16) + "|")
     for row in results["rows"]:
         o = row.get("ours", {})
         fi = row.get("flashinfer_fa3")
@@ -486,6 +499,7 @@ def write_outputs(results, out_dir):
         if "error" in o and cold is None:
             err = o["error"].strip().splitlines()[-1][:80].replace("|", "/")
             lines.append(f"| {row['cfg']} | ERROR | {err} | | | | | | | {fmt(row.get('md_us'))} | "
+                         f"{fmt(row.get('md_graph_us'))} | "
                          f"{fmt(fi.get('cold_us') if fi else None)} | | | | |")
             continue
         ok = "ok" if o.get("ok") else "FAIL"
@@ -498,6 +512,7 @@ def write_outputs(results, out_dir):
             f"{fmt(o.get('lse_max_abs'), '{:.1e}')} | {fmt(cold)} | {fmt(o.get('warm_us'))} | "
             f"{fmt(row['bytes'] / cold / 1e6 if cold else None, '{:.2f}')} | "
             f"{fmt(row['flops'] / cold / 1e6 if cold else None, '{:.0f}')} | {fmt(row.get('md_us'))} | "
+            f"{fmt(row.get('md_graph_us'))} | "
             f"{fmt(fi_cold)} | {fi_ok} | {fmt(x_fi, '{:.2f}')} | " + (live_cells(row, cold) if fmla else "") +
             f"{(st[0] + ' ' + format(st[1], '.1f')) if st else '-'} | {fmt(x_st, '{:.2f}')} |")
     rat_fi = [r["flashinfer_fa3"]["cold_us"] / r["ours"]["cold_us"] for r in results["rows"]
@@ -654,7 +669,8 @@ def run(args, extra_kernels=()):
                 log(f"   {k.name:15s} ERROR {r['error'].strip().splitlines()[-1][:300]}")
         torch.cuda.empty_cache()
         if "md_us" in row:
-            log(f"   get_decode_metadata {row['md_us']:.1f} us (events), {row['md_wall_us']:.1f} us host")
+            log(f"   get_decode_metadata {row['md_us']:.1f} us (events), {row['md_wall_us']:.1f} us host, "
+                f"{row['md_graph_us']:.1f} us in a graph")
         results["rows"].append(row)
         del p, ref
         torch.cuda.empty_cache()
