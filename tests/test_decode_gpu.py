@@ -245,4 +245,4 @@ def test_kernel_that_cannot_run_the_call_raises(cache_dtype, s_q, h_q, kernel):
     with pytest.raises(ValueError):
         torch.ops.mla_attn.mla_decode(case["q"], None, case["kv_cache"], case["block_table"], case["cache_seqlens"],
                                       None, s_q, case["softmax_scale"], True, md.tile_sched, md.req_splits,
-                                      md.num_sm_parts, k_scale=case.get("k_scale"), kernel=kernel)
+                                      md.num_sm_parts, k_scale=case.get("k_scale"), split_kernel=kernel)

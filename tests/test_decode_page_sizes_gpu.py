@@ -59,7 +59,7 @@ def test_cuda_graph_replay_with_new_tables(page_size):
     with torch.cuda.graph(graph):
         _, lse = step()
     g = torch.Generator().manual_seed(page_size)
-    for lens in ([300, 2000, 5], [1999, 0, 1]):  # never longer than the pages allocated
+    for lens in ([300, 2000, 5], [299, 0, 1]):  # never past a request's written slots (NaN there)
         num_pages = case["kv_cache"].shape[0]
         perm = torch.randperm(num_pages, generator=g).to("cuda")
         moved = torch.empty_like(case["kv_cache"])

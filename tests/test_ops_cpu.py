@@ -79,7 +79,7 @@ def test_opcheck(varlen):
 
 
 def test_decode_kernel_option_cpu():
-    # The private kernel= of the ops: None or a kernel that can run the case runs (the CPU reference
+    # The private split_kernel= of the ops: None or a kernel that can run the case runs (the CPU reference
     # stands in for every kernel); any other name is a ValueError, as from the CUDA op.
     c = make_decode_case([20, 0, 33], 2, 3, 16)
     args = _op_args(c)
@@ -88,18 +88,18 @@ def test_decode_kernel_option_cpu():
     for name in (None,) + DECODE_KERNELS:
         if name is not None and name not in runs:
             with pytest.raises(ValueError, match=f"decode kernel '{name}' needs"):
-                OPS.mla_decode(*args, kernel=name)
+                OPS.mla_decode(*args, split_kernel=name)
             continue
-        got = OPS.mla_decode(*args, kernel=name)
+        got = OPS.mla_decode(*args, split_kernel=name)
         assert torch.equal(got[0], want[0]) and torch.equal(got[1], want[1]), name
     out = torch.empty_like(want[0])
     lse = torch.empty_like(want[1])
-    OPS.mla_decode_out(*args, out, lse, kernel="rows64")
+    OPS.mla_decode_out(*args, out, lse, split_kernel="rows64")
     assert torch.equal(out, want[0]) and torch.equal(lse, want[1])
     with pytest.raises(ValueError, match="unknown decode kernel 'rows32'"):
-        OPS.mla_decode(*args, kernel="rows32")
+        OPS.mla_decode(*args, split_kernel="rows32")
     with pytest.raises(ValueError, match="unknown decode kernel"):
-        OPS.mla_decode_out(*args, out, lse, kernel="")
+        OPS.mla_decode_out(*args, out, lse, split_kernel="")
     torch.library.opcheck(OPS.mla_decode.default, args, {"kernel": "seesaw"})
 
 

@@ -30,8 +30,8 @@ TORCH_LIBRARY(mla_attn, m) {
   //   deterministic: the kernel is chosen by h_q alone (metadata computed with deterministic=True)
   //   fp8_mma: with a float8_e4m3fn cache and > 16 query rows per request (any when deterministic),
   //            the MMAs run in e4m3 (Q and P rounded to e4m3)
-  //   kernel:  private (tests, benchmarks): forces the split kernel by name instead of the default
-  //            choice (csrc/mla_decode/dispatch.h); an unknown name, or a kernel that cannot run the
+  //   split_kernel: private (tests, benchmarks): forces the split kernel by name instead of the
+  //            default choice (csrc/mla_decode/dispatch.h); an unknown name, or a kernel that cannot run the
   //            case, raises ValueError
   //   kv_slots: block_table [B, max_keys] lists one cache slot (page * page_size + row in page) per
   //            key instead of one page per page_size keys: the first cache_seqlens[b] entries of
@@ -41,12 +41,12 @@ TORCH_LIBRARY(mla_attn, m) {
       "mla_decode(Tensor q, Tensor? q_pe, Tensor kv_cache, Tensor block_table, Tensor cache_seqlens, "
       "Tensor? cu_seqlens_q, int max_seqlen_q, float softmax_scale, bool causal, "
       "Tensor tile_sched, Tensor req_splits, int num_sm_parts, *, Tensor? k_scale=None, bool deterministic=False, "
-      "bool fp8_mma=False, str? kernel=None, bool kv_slots=False) "
+      "bool fp8_mma=False, str? split_kernel=None, bool kv_slots=False) "
       "-> (Tensor, Tensor)");
   m.def(
       "mla_decode_out(Tensor q, Tensor? q_pe, Tensor kv_cache, Tensor block_table, "
       "Tensor cache_seqlens, Tensor? cu_seqlens_q, int max_seqlen_q, float softmax_scale, "
       "bool causal, Tensor tile_sched, Tensor req_splits, int num_sm_parts, Tensor(a!) out, "
       "Tensor(b!) lse, *, Tensor? k_scale=None, bool deterministic=False, bool fp8_mma=False, "
-      "str? kernel=None, bool kv_slots=False) -> ()");
+      "str? split_kernel=None, bool kv_slots=False) -> ()");
 }

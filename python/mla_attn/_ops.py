@@ -42,13 +42,13 @@ def _metadata_cpu(cache_seqlens, cu_seqlens_q, max_seqlen_q, num_heads_q, causal
 
 def _decode_fake(q, q_pe, kv_cache, block_table, cache_seqlens, cu_seqlens_q, max_seqlen_q, softmax_scale, causal,
                  tile_sched, req_splits, num_sm_parts, *, k_scale=None, deterministic=False, fp8_mma=False,
-                 kernel=None, kv_slots=False):
+                 split_kernel=None, kv_slots=False):
     return q.new_empty(q.shape[:-1] + (D_V,)), q.new_empty(q.shape[:-1], dtype=torch.float32)
 
 
 def _decode_out_fake(q, q_pe, kv_cache, block_table, cache_seqlens, cu_seqlens_q, max_seqlen_q, softmax_scale,
                      causal, tile_sched, req_splits, num_sm_parts, out, lse, *, k_scale=None, deterministic=False,
-                     fp8_mma=False, kernel=None, kv_slots=False):
+                     fp8_mma=False, split_kernel=None, kv_slots=False):
     return None
 
 
@@ -75,17 +75,17 @@ def _decode(q: Tensor, q_pe: Optional[Tensor], kv_cache: Tensor, block_table: Te
 
 def _decode_cpu(q, q_pe, kv_cache, block_table, cache_seqlens, cu_seqlens_q, max_seqlen_q, softmax_scale, causal,
                 tile_sched, req_splits, num_sm_parts, *, k_scale=None, deterministic=False, fp8_mma=False,
-                kernel=None, kv_slots=False):
+                split_kernel=None, kv_slots=False):
     out, lse = _decode(q, q_pe, kv_cache, block_table, cache_seqlens, cu_seqlens_q, max_seqlen_q, softmax_scale,
-                       causal, tile_sched, req_splits, num_sm_parts, None, k_scale, fp8_mma, kernel, kv_slots)
+                       causal, tile_sched, req_splits, num_sm_parts, None, k_scale, fp8_mma, split_kernel, kv_slots)
     return out.to(q.dtype), lse
 
 
 def _decode_out_cpu(q, q_pe, kv_cache, block_table, cache_seqlens, cu_seqlens_q, max_seqlen_q, softmax_scale, causal,
                     tile_sched, req_splits, num_sm_parts, out, lse, *, k_scale=None, deterministic=False,
-                    fp8_mma=False, kernel=None, kv_slots=False):
+                    fp8_mma=False, split_kernel=None, kv_slots=False):
     o, l = _decode(q, q_pe, kv_cache, block_table, cache_seqlens, cu_seqlens_q, max_seqlen_q, softmax_scale,
-                   causal, tile_sched, req_splits, num_sm_parts, out, k_scale, fp8_mma, kernel, kv_slots)
+                   causal, tile_sched, req_splits, num_sm_parts, out, k_scale, fp8_mma, split_kernel, kv_slots)
     check.check_lse("lse", lse, q.shape[:-1], "q", q)
     out.copy_(o)
     lse.copy_(l)

@@ -71,7 +71,7 @@ def mla_decode(q: Tensor, kv_cache: Tensor, block_table: Tensor, cache_seqlens: 
 
     args = (q, q_pe, kv_cache, block_table, cache_seqlens, cu_seqlens_q, max_seqlen_q, float(softmax_scale),
             causal, metadata.tile_sched, metadata.req_splits, metadata.num_sm_parts)
-    kw = dict(k_scale=k_scale, deterministic=deterministic, fp8_mma=fp8_mma, kernel=_kernel)
+    kw = dict(k_scale=k_scale, deterministic=deterministic, fp8_mma=fp8_mma, split_kernel=_kernel)
     if out is None:
         out, lse = torch.ops.mla_attn.mla_decode(*args, **kw)
     else:

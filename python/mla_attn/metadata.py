@@ -21,7 +21,7 @@ NO_SPLIT_SLACK = 2
 # keys: 64 one-block pieces took 25.5 us, 32 two-block pieces 23.8, measured).
 MIN_SEARCHED_PIECE = 2
 CPU_NUM_SMS = 132  # H200: CPU schedules mirror what the GPU would do
-# The split kernels the private `kernel=` option of the decode ops can force; mirrors
+# The split kernels the private `split_kernel=` option of the decode ops can force; mirrors
 # kDecodeKernelNames in csrc/mla_decode/dispatch.h.
 DECODE_KERNELS = ("narrow16", "narrow16_3wg", "narrow32", "rows64", "seesaw", "seesaw_steady", "fp8mma")
 

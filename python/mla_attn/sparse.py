@@ -119,7 +119,7 @@ def mla_sparse_decode(q: Tensor, kv_cache: Tensor, indices: Tensor, *, softmax_s
     md = metadata.decode
     args = (q_rows, q_pe_rows, kv_cache, metadata.slots, metadata.counts, None, 1, float(softmax_scale), False,
             md.tile_sched, md.req_splits, md.num_sm_parts)
-    kw = dict(k_scale=k_scale, kernel=_kernel, kv_slots=True)
+    kw = dict(k_scale=k_scale, split_kernel=_kernel, kv_slots=True)
     if out is None:
         out, lse = torch.ops.mla_attn.mla_decode(*args, **kw)
         out = out.view(q.shape[:-1] + (D_V,))
