@@ -100,7 +100,7 @@ def test_decode_kernel_option_cpu():
         OPS.mla_decode(*args, split_kernel="rows32")
     with pytest.raises(ValueError, match="unknown decode kernel"):
         OPS.mla_decode_out(*args, out, lse, split_kernel="")
-    torch.library.opcheck(OPS.mla_decode.default, args, {"kernel": "seesaw"})
+    torch.library.opcheck(OPS.mla_decode.default, args, {"split_kernel": "seesaw"})
 
 
 def test_decode_kernel_names_match_the_dispatch_header():
