@@ -67,12 +67,12 @@ struct FastDivisor {
 };
 
 struct DecodeTma {
-  // false: TMA copies of runs of rows_per_copy rows of one page (page_size a multiple of 16, no
-  // kv_slots). true: the producer gathers each key's row (shared/kv_producer.cuh: GatheredRows).
+  // TMA copies of runs of rows_per_copy rows of one page: page_size a multiple of 16, no kv_slots.
+  // Otherwise (gather) the producer warps copy each key row by cp.async into the same swizzled
+  // stage layout (shared/kv_producer.cuh).
   bool gather;
-  // 3-D (576, page_size, num_pages), box (64, rows_per_copy, 1), 128-byte swizzle (64-byte for fp8)
-  CUtensorMap kv;
-  int rows_per_copy_log2;  // rows_per_copy = gcd(page_size, 64): 16, 32 or 64; 1 when gathering
+  CUtensorMap kv;  // 3-D (576, page_size, num_pages), box (64, rows_per_copy, 1), 128-byte swizzle
+  int rows_per_copy_log2;  // rows_per_copy = gcd(page_size, 64): 16, 32 or 64
   FastDivisor page_size;   // key -> (page index, row in page); a slot -> (page, row) with kv_slots
   // Q tiles by TMA (seesaw kernel, h_q a multiple of 64: a q-tile is 64 heads of one token): 4-D
   // (dims, h_q, tokens, batch) maps of q_nope (512 dims) and q_pe (64), box (64, 64, 1, 1), 128-byte

@@ -21,10 +21,12 @@ FastDivisor make_fast_divisor(int divisor) {
 
 const char* make_kv_tma(const DecodeParams& p, mla_common::TmaElement element, DecodeTma* tma) {
   tma->page_size = make_fast_divisor(p.page_size);
-  // Keys in runs of 16+ rows of one page: a box of gcd(page_size, 64) rows, which never crosses a
-  // page. Otherwise the producer gathers rows: boxes of one row (shared/kv_producer.cuh: GatheredRows).
+  // A TMA copy of fewer than 16 rows (or one per key of a sparse list) would cost more to issue than
+  // to gather the rows by cp.async.
   tma->gather = p.kv_slots || p.page_size % 16 != 0;
-  const int rows_per_copy = tma->gather ? 1 : gcd(p.page_size, kBlockN);
+  if (tma->gather) return nullptr;
+  // A copy never crosses a page: rows_per_copy divides page_size (a multiple of 16) and 64.
+  const int rows_per_copy = gcd(p.page_size, kBlockN);
   tma->rows_per_copy_log2 = __builtin_ctz(rows_per_copy);
   const size_t elem = element == mla_common::TmaElement::kFp8 ? 1 : 2;
   const uint64_t dims[3] = {uint64_t(kHeadDimK), uint64_t(p.page_size), uint64_t(p.num_pages)};

@@ -57,10 +57,10 @@ __device__ void produce_seesaw_tiles(const DecodeParams& p, const DecodeTma& tma
     if (tma.gather) {
       const auto rows = GatheredRows<Traits>::plan(p, tma, pages, seg, blk, lane);
       if (reused) cutlass::arch::ClusterBarrier::wait(&ss.kv_empty[stage][half], free_parity);
-      rows.copy(p, tma, ss, stage, 4 * half, 1, 4 * half + 4, lane);
+      rows.copy(p, ss, stage, 4 * half, 1, 4 * half + 4, lane);
       if (half == 0) {
         if (reused) cutlass::arch::ClusterBarrier::wait(&ss.kv_empty[stage][1], free_parity);
-        rows.copy(p, tma, ss, stage, kSlabs - 1, 1, kSlabs, lane);
+        rows.copy(p, ss, stage, kSlabs - 1, 1, kSlabs, lane);
       }
       return;
     }
@@ -450,7 +450,7 @@ struct SeesawKernel {
     if (threadIdx.x != 0) return;
     for (int s = 0; s < Traits::kStages; ++s) {
       for (int slab = 0; slab < kSlabs; ++slab) {
-        cutlass::arch::ClusterTransactionBarrier::init(&ss.kv_full[s][slab], kv_full_arrivals<Traits>(tma));
+        cutlass::arch::ClusterTransactionBarrier::init(&ss.kv_full[s][slab], kv_full_arrivals(tma));
       }
       for (int w = 0; w < 2; ++w) cutlass::arch::ClusterBarrier::init(&ss.kv_empty[s][w], 1);
     }

@@ -35,7 +35,7 @@ __global__ void __launch_bounds__(Kernel::kThreads, 1)
 
   if (warpgroup == Kernel::kMathWarpgroups) {
     cutlass::arch::warpgroup_reg_dealloc<Kernel::kProducerRegisters>();
-    if (threadIdx.x % 32 == 0) cute::prefetch_tma_descriptor(&tma.kv);
+    if (threadIdx.x % 32 == 0 && !tma.gather) cute::prefetch_tma_descriptor(&tma.kv);
     Kernel::produce(params, tma, ss, range, int(threadIdx.x / 32) - Kernel::kMathWarpgroups * 4);
   } else {
     cutlass::arch::warpgroup_reg_alloc<Kernel::kMathRegisters>();

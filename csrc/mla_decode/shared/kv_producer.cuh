@@ -1,7 +1,7 @@
 // The producer of the decode kernels: walks a CTA's schedule and loads its K tiles, slab by slab,
-// into a ring of Traits::kStages stages: by TMA boxes of 16-64 rows where keys come in such runs of one
-// page (BlockCopies), else row by row into the same swizzled layout (GatheredRows: page sizes that are
-// not a multiple of 16, and the sparse key lists of kv_slots).
+// into a ring of Traits::kStages stages: by TMA where keys come in runs of >= 16 rows of one page
+// (BlockCopies), else row by row by cp.async into the same swizzled layout (GatheredRows: page sizes
+// that are not a multiple of 16, and the sparse key lists of kv_slots).
 #pragma once
 #include <cute/tensor.hpp>
 #include <cute/arch/copy_sm90_tma.hpp>
@@ -59,95 +59,76 @@ struct BlockCopies {
   }
 };
 
-// The row gather of one KV block, as seen by one lane of a producer warp, which holds the (page, row
-// in page) of keys lane and lane + 32 of the block (row -1: past the sequence end). Each slab is
-// issued by one warp, for all 64 rows:
-//  - 16-bit cache: a TMA box of one row per key and slab (DecodeTma::kv has box rows 1), each lane
-//    its own two keys; lane 0 posts the bytes. TMA swizzles by shared-memory address, so a row box at
-//    row * 128 bytes lands where the 16-row boxes would have put it.
-//  - fp8 cache (64-byte slab rows, which a TMA box cannot start at: it needs 128-byte aligned shared
-//    memory): cp.async of 16-byte chunks, 4 lanes per row (the row's place fetched by shuffles); rows
-//    past the end are zero-filled; the warp's 32 lanes then arrive on the slab's barrier when their
-//    copies have landed (.noinc, as CUTLASS's cp.async GMMA pipelines do: kv_full count 32).
+// The cp.async gather of one KV block, as seen by one lane of a producer warp. A lane holds the cache
+// byte offsets of key rows lane and lane + 32 of the block (-1: past the sequence end, zero-filled);
+// the lanes that copy a row get its offset by shuffles. Each slab is issued by one warp, whose 32
+// lanes then arrive on its kv_full barrier (count 32) when their copies have landed (.noinc: the
+// arrival is the cp.async completion's, as CUTLASS's cp.async GMMA pipelines do).
 template <typename Traits>
 struct GatheredRows {
   static constexpr int kRowBytes = Traits::kFp8Kv ? kTmaColumns : kTmaColumns * 2;  // of a slab
-  int page[2], row[2];
-  int valid_rows;  // of the block
+  static constexpr int kChunksPerRow = kRowBytes / 16;
+  static constexpr int kRowsPerPass = 32 / kChunksPerRow;  // rows one warp instruction covers
+  int64_t offset[2];
 
   // Never reads past the cache: a slot or page outside it is clamped (the Python layer checks them).
   __device__ static GatheredRows plan(const DecodeParams& p, const DecodeTma& tma, const int* table,
                                       const Segment& seg, int blk, int lane) {
+    constexpr int kElementBytes = Traits::kFp8Kv ? 1 : 2;
     GatheredRows g;
-    g.valid_rows = min(max(seg.seqlen_k - blk * kBlockN, 0), kBlockN);
 #pragma unroll
     for (int i = 0; i < 2; ++i) {
       const int key = blk * kBlockN + lane + 32 * i;
-      g.page[i] = 0;
-      g.row[i] = -1;
+      g.offset[i] = -1;
       if (key < seg.seqlen_k) {
+        int page, row;
         if (p.kv_slots) {
           const int slot = min(max(table[key], 0), p.num_pages * p.page_size - 1);
-          g.page[i] = tma.page_size.divide(slot);
-          g.row[i] = slot - g.page[i] * p.page_size;
+          page = tma.page_size.divide(slot);
+          row = slot - page * p.page_size;
         } else {
           const int index = tma.page_size.divide(key);
-          g.page[i] = min(max(table[index], 0), p.num_pages - 1);
-          g.row[i] = key - index * p.page_size;
+          page = min(max(table[index], 0), p.num_pages - 1);
+          row = key - index * p.page_size;
         }
+        g.offset[i] = (int64_t(page) * p.kv_page_stride + int64_t(row) * p.kv_token_stride) * kElementBytes;
       }
     }
     return g;
   }
 
-  // Copies slabs first_slab, first_slab + slab_step, ... < end_slab of all 64 rows.
-  __device__ void copy(const DecodeParams& p, const DecodeTma& tma, typename Traits::SharedStorage& ss, int stage,
-                       int first_slab, int slab_step, int end_slab, int lane) const {
-    if constexpr (!Traits::kFp8Kv) {
-      for (int slab = first_slab; slab < end_slab; slab += slab_step) {
-        if (lane == 0) {
-          cutlass::arch::ClusterTransactionBarrier::arrive_and_expect_tx(&ss.kv_full[stage][slab],
-                                                                         valid_rows * kRowBytes);
-        }
-        uint8_t* slab_base = static_cast<uint8_t*>(Traits::kv_copy_dst(ss, stage, slab, 0));
-#pragma unroll
-        for (int i = 0; i < 2; ++i) {
-          if (row[i] >= 0) {
-            SM90_TMA_LOAD_3D::copy(&tma.kv, &ss.kv_full[stage][slab], uint64_t(TMA::CacheHintSm90::EVICT_FIRST),
-                                   slab_base + (lane + 32 * i) * kRowBytes, slab * kTmaColumns, row[i], page[i]);
-          }
-        }
-      }
-    } else {
-      constexpr int kChunksPerRow = kRowBytes / 16, kRowsPerPass = 32 / kChunksPerRow;
-      const int chunk = lane % kChunksPerRow;
-      const uint8_t* kv = static_cast<const uint8_t*>(p.kv) + chunk * 16;
-      // Not unrolled: the producer runs on 24-40 registers.
+  // Byte address in shared memory of 16-byte chunk `chunk` of row `row` of a slab, in the layout TMA
+  // writes: 128-byte swizzle of 16-bit rows, or the 64-byte swizzle of fp8 ones (fp8_slab_offset).
+  __device__ static uint8_t* chunk_dst(typename Traits::SharedStorage& ss, int stage, int slab, int row, int chunk) {
+    uint8_t* slab_base = static_cast<uint8_t*>(Traits::kv_copy_dst(ss, stage, slab, 0));
+    if constexpr (Traits::kFp8Kv) return slab_base + fp8_slab_offset(row, chunk);
+    else return slab_base + row * kRowBytes + ((chunk ^ (row & 7)) << 4);
+  }
+
+  // Copies slabs first_slab, first_slab + slab_step, ... < end_slab of all 64 rows; the calling warp
+  // then arrives on their barriers.
+  __device__ void copy(const DecodeParams& p, typename Traits::SharedStorage& ss, int stage, int first_slab,
+                       int slab_step, int end_slab, int lane) const {
+    const int chunk = lane % kChunksPerRow;
+    const uint8_t* kv = static_cast<const uint8_t*>(p.kv) + chunk * 16;
+    // Not unrolled: the producer runs on 24-40 registers.
 #pragma unroll 1
-      for (int j = 0; j < kBlockN / kRowsPerPass; ++j) {
-        const int r = lane / kChunksPerRow + j * kRowsPerPass;
-        const bool low = j * kRowsPerPass < 32;
-        const int src_page = __shfl_sync(0xffffffff, low ? page[0] : page[1], r % 32);
-        const int src_row = __shfl_sync(0xffffffff, low ? row[0] : row[1], r % 32);
-        const int64_t offset = int64_t(src_page) * p.kv_page_stride + int64_t(max(src_row, 0)) * p.kv_token_stride;
-        for (int slab = first_slab; slab < end_slab; slab += slab_step) {
-          uint8_t* slab_base = static_cast<uint8_t*>(Traits::kv_copy_dst(ss, stage, slab, 0));
-          mla_common::cp_async_16(slab_base + fp8_slab_offset(r, chunk), kv + offset + slab * kRowBytes, src_row >= 0);
-        }
-      }
+    for (int j = 0; j < kBlockN / kRowsPerPass; ++j) {
+      const int row = lane / kChunksPerRow + j * kRowsPerPass;
+      const int64_t src = __shfl_sync(0xffffffff, j * kRowsPerPass < 32 ? offset[0] : offset[1], row % 32);
       for (int slab = first_slab; slab < end_slab; slab += slab_step) {
-        cutlass::arch::cpasync_barrier_arrive_noinc(&ss.kv_full[stage][slab]);
+        mla_common::cp_async_16(chunk_dst(ss, stage, slab, row, chunk), kv + max(src, int64_t(0)) + slab * kRowBytes,
+                                src >= 0);
       }
+    }
+    for (int slab = first_slab; slab < end_slab; slab += slab_step) {
+      cutlass::arch::cpasync_barrier_arrive_noinc(&ss.kv_full[stage][slab]);
     }
   }
 };
 
-// kv_full arrivals per slab and phase: one arrive_and_expect_tx (TMA), or the 32 lanes of the warp
-// that gathers an fp8 slab by cp.async.
-template <typename Traits>
-__device__ __forceinline__ int kv_full_arrivals(const DecodeTma& tma) {
-  return tma.gather && Traits::kFp8Kv ? 32 : 1;
-}
+// kv_full arrivals per slab and phase: one arrive_and_expect_tx (TMA), or the 32 lanes of a warp.
+__device__ __forceinline__ int kv_full_arrivals(const DecodeTma& tma) { return tma.gather ? 32 : 1; }
 
 // Calls fn(seg, pages, blk, iteration) for every KV block of this CTA's schedule, in order; iteration
 // counts the blocks (a block's place in the stage ring), pages is the request's block-table row.
@@ -168,7 +149,7 @@ template <typename Traits>
 __device__ __forceinline__ void init_kv_ring(typename Traits::SharedStorage& ss, const DecodeTma& tma,
                                              int empty_arrivals) {
   if (threadIdx.x != 0) return;
-  const int full_arrivals = kv_full_arrivals<Traits>(tma);
+  const int full_arrivals = kv_full_arrivals(tma);
   for (int s = 0; s < Traits::kStages; ++s) {
     for (int slab = 0; slab < kSlabs; ++slab) {
       cutlass::arch::ClusterTransactionBarrier::init(&ss.kv_full[s][slab], full_arrivals);
@@ -199,7 +180,7 @@ __device__ void produce_kv_tiles(const DecodeParams& p, const DecodeTma& tma,
     if (tma.gather) {
       const auto rows = GatheredRows<Traits>::plan(p, tma, pages, seg, blk, lane);
       wait_free(stage, iteration);
-      rows.copy(p, tma, ss, stage, first_slab, slab_step, kSlabs, lane);
+      rows.copy(p, ss, stage, first_slab, slab_step, kSlabs, lane);
       return;
     }
     const auto copies = BlockCopies<Traits>::plan(p, tma, pages, seg, blk, lane);
