@@ -109,6 +109,23 @@ def decode_reference(case, causal, dtype=torch.float32):
     return memo[causal, dtype]
 
 
+def capture_decode_step(case, out):
+    """A CUDA graph of one causal decode step of a uniform case (get_decode_metadata on its
+    cache_seqlens, then mla_decode into out), captured after a warm-up call: replays read the case's
+    tensors as they are then. Returns (graph, lse)."""
+    def step():
+        md = mla_attn.get_decode_metadata(case["cache_seqlens"], case["q"].shape[-2], s_q=case["q"].shape[1],
+                                          causal=True)
+        return run_decode(case, True, metadata=md, out=out)
+
+    step()
+    torch.cuda.synchronize()
+    graph = torch.cuda.CUDAGraph()
+    with torch.cuda.graph(graph):
+        _, lse = step()
+    return graph, lse
+
+
 def _check_empty_rows(ref_lse, out, lse):
     assert torch.isfinite(out).all(), "non-finite output"
     empty = torch.isinf(ref_lse)

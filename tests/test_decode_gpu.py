@@ -6,8 +6,8 @@ import itertools
 import pytest
 import torch
 from cases import DECODE_CASES, make_decode_case
-from conftest import (FP8, check_unit_scale, decode_case, decode_case_params, decode_kernels_for, decode_reference,
-                      run_decode, to_device)
+from conftest import (FP8, capture_decode_step, check_unit_scale, decode_case, decode_case_params,
+                      decode_kernels_for, decode_reference, run_decode, to_device)
 
 import mla_attn
 from mla_attn.metadata import DECODE_KERNELS, DecodeMetadata, device_num_sms, schedule_cpu
@@ -212,16 +212,7 @@ def test_cuda_graph_replay_with_new_lengths():
     case = to_device(make_decode_case([3000, 2000, 1000, 100], 1, 16, 64, seed=5))
     lens = case["cache_seqlens"]
     out = torch.empty(4, 1, 16, 512, device="cuda", dtype=torch.bfloat16)
-
-    def step():
-        md = mla_attn.get_decode_metadata(lens, 16, s_q=1, causal=True)
-        return run_decode(case, True, metadata=md, out=out)
-
-    step()
-    torch.cuda.synchronize()
-    graph = torch.cuda.CUDAGraph()
-    with torch.cuda.graph(graph):
-        _, lse = step()
+    graph, lse = capture_decode_step(case, out)
     for new in ([100, 2000, 999, 1], [0, 64, 65, 99]):  # never longer than the pages allocated
         lens.copy_(torch.tensor(new, dtype=torch.int32))
         out.fill_(float("nan"))

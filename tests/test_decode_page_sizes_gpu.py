@@ -5,10 +5,8 @@ caches, against the float32 reference. NaN sits in every slot past each length a
 import pytest
 import torch
 from cases import make_decode_case
-from conftest import FP8, check_decode, decode_kernels_for, run_decode, to_device
+from conftest import FP8, capture_decode_step, check_decode, decode_kernels_for, run_decode, to_device
 from fp8_cases import to_fp8_case
-
-import mla_attn
 
 pytestmark = pytest.mark.gpu
 
@@ -48,16 +46,7 @@ def test_cuda_graph_replay_with_new_tables(page_size):
     static = dict(case, kv_cache=case["kv_cache"].clone(), block_table=case["block_table"].clone(),
                   cache_seqlens=case["cache_seqlens"].clone())
     out = torch.empty(3, 1, 128, 512, device="cuda", dtype=torch.bfloat16)
-
-    def step():
-        md = mla_attn.get_decode_metadata(static["cache_seqlens"], 128, s_q=1, causal=True)
-        return run_decode(static, True, metadata=md, out=out)
-
-    step()
-    torch.cuda.synchronize()
-    graph = torch.cuda.CUDAGraph()
-    with torch.cuda.graph(graph):
-        _, lse = step()
+    graph, lse = capture_decode_step(static, out)
     g = torch.Generator().manual_seed(page_size)
     for lens in ([300, 2000, 5], [299, 0, 1]):  # never past a request's written slots (NaN there)
         num_pages = case["kv_cache"].shape[0]
