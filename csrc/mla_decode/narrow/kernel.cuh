@@ -507,12 +507,14 @@ struct NarrowKernel {
   static constexpr int kMathRegisters = Traits::kMathRegisters, kProducerRegisters = kNarrowProducerRegisters;
 
   // kv_empty: the 4 warps of the warpgroup that consumed a tile arrive.
-  __device__ __forceinline__ static void init_barriers(SharedStorage& ss, const DecodeTma& tma) {
-    init_kv_ring<Traits>(ss, tma, 4);
+  template <bool kGather>
+  __device__ __forceinline__ static void init_barriers(SharedStorage& ss) {
+    init_kv_ring<Traits, kGather>(ss, 4);
   }
+  template <bool kGather>
   __device__ __forceinline__ static void produce(const DecodeParams& p, const DecodeTma& tma, SharedStorage& ss,
                                                  const PartRange& range, int warp) {
-    produce_kv_tiles<Traits>(p, tma, ss, range, 0, warp, 4);
+    produce_kv_tiles<Traits, kGather>(p, tma, ss, range, 0, warp, 4);
   }
   __device__ __forceinline__ static void consume(const DecodeParams& p, const DecodeTma&, SharedStorage& ss,
                                                  const PartRange& range, int warpgroup) {

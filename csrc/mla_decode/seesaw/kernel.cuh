@@ -44,7 +44,7 @@ using mla_common::named_barrier_sync;
 // half, then the rope slab once warpgroup 1 did too (it held the block's P for both);
 // warps 1, 3 load slabs 4-7 once warpgroup 1 freed its half. Separate warps per stage and half: the
 // halves free in different orders in the two stages.
-template <typename Traits>
+template <typename Traits, bool kGather>
 __device__ void produce_seesaw_tiles(const DecodeParams& p, const DecodeTma& tma, typename Traits::SharedStorage& ss,
                                      const PartRange& range, int m_block, int warp) {
   const int lane = threadIdx.x % 32;
@@ -54,7 +54,7 @@ __device__ void produce_seesaw_tiles(const DecodeParams& p, const DecodeTma& tma
     if (stage != my_stage) return;
     const uint32_t free_parity = ((iteration / Traits::kStages) - 1) & 1;
     const bool reused = iteration >= Traits::kStages;
-    if (tma.gather) {
+    if constexpr (kGather) {
       const auto rows = GatheredRows<Traits>::plan(p, tma, pages, seg, blk, lane);
       if (reused) cutlass::arch::ClusterBarrier::wait(&ss.kv_empty[stage][half], free_parity);
       rows.copy(p, ss, stage, 4 * half, 1, 4 * half + 4, lane);
@@ -62,16 +62,16 @@ __device__ void produce_seesaw_tiles(const DecodeParams& p, const DecodeTma& tma
         if (reused) cutlass::arch::ClusterBarrier::wait(&ss.kv_empty[stage][1], free_parity);
         rows.copy(p, ss, stage, kSlabs - 1, 1, kSlabs, lane);
       }
-      return;
-    }
-    const auto copies = BlockCopies<Traits>::plan(p, tma, pages, seg, blk, lane);
-    if (reused) cutlass::arch::ClusterBarrier::wait(&ss.kv_empty[stage][half], free_parity);
-    for (int slab = 4 * half; slab < 4 * half + 4; ++slab) copies.expect(ss, stage, slab, lane);
-    for (int slab = 4 * half; slab < 4 * half + 4; ++slab) copies.copy(tma, ss, stage, slab, lane);
-    if (half == 0) {
-      if (reused) cutlass::arch::ClusterBarrier::wait(&ss.kv_empty[stage][1], free_parity);
-      copies.expect(ss, stage, kSlabs - 1, lane);
-      copies.copy(tma, ss, stage, kSlabs - 1, lane);
+    } else {
+      const auto copies = BlockCopies<Traits>::plan(p, tma, pages, seg, blk, lane);
+      if (reused) cutlass::arch::ClusterBarrier::wait(&ss.kv_empty[stage][half], free_parity);
+      for (int slab = 4 * half; slab < 4 * half + 4; ++slab) copies.expect(ss, stage, slab, lane);
+      for (int slab = 4 * half; slab < 4 * half + 4; ++slab) copies.copy(tma, ss, stage, slab, lane);
+      if (half == 0) {
+        if (reused) cutlass::arch::ClusterBarrier::wait(&ss.kv_empty[stage][1], free_parity);
+        copies.expect(ss, stage, kSlabs - 1, lane);
+        copies.copy(tma, ss, stage, kSlabs - 1, lane);
+      }
     }
   });
 }
@@ -113,16 +113,19 @@ __device__ __forceinline__ void consume_seesaw_pairs(const DecodeParams& p, cons
   // S = Q K^T for the block in `stage`, slabs [first_slab, end_slab), one commit group per slab,
   // each issued once its slab landed. Warpgroup 0 goes in slab order; warpgroup 1 starts with its
   // own V half, which its PVs free first. The rope slab is last: it waits for both halves to be free.
-  auto issue_qk_slabs = [&](int stage, uint32_t phase, int first_slab, int end_slab) {
+  // The lambdas with a body are always_inline: the kernel's TMA and gathering variants both inline
+  // this function, so each lambda has two callers, and LLVM then outlined the large ones (calls and
+  // 720 bytes of stack in the steady loop).
+  auto issue_qk_slabs = [&](int stage, uint32_t phase, int first_slab, int end_slab) __attribute__((always_inline)) {
     mla_decode::issue_qk_slabs<typename Traits::SmemLayoutQ, typename Traits::SmemLayoutK, /*kPollSlabs=*/true>(
         mma_qk, thr_qk, tSrS, ss.q, ss.k[mla_common::warp_uniform(stage)], ss.kv_full[stage], phase, first_slab, end_slab);
   };
-  auto start_qk = [&] {
+  auto start_qk = [&]() __attribute__((always_inline)) {
     warpgroup_fence_operand(tSrS);
     mma_qk.accumulate_ = GMMA::ScaleOut::Zero;
   };
   // O += P V[:, own half] for the block in `stage`, P from registers or from a shared tile.
-  auto issue_pv_local = [&](int stage) {
+  auto issue_pv_local = [&](int stage) __attribute__((always_inline)) {
     Tensor sVt = make_tensor(make_smem_ptr(ss.k[mla_common::warp_uniform(stage)]), typename Traits::SmemLayoutVt{});
     Tensor tOrV = thr_pv_local.partition_fragment_B(local_tile(sVt, Shape<Int<kHeadDimV / 2>, Int<kBlockN>>{}, make_coord(wg, 0)));
     warpgroup_fence_operand(tOrP);
@@ -132,7 +135,8 @@ __device__ __forceinline__ void consume_seesaw_pairs(const DecodeParams& p, cons
     for (int k = 0; k < size<2>(tOrP); ++k) cute::gemm(mma_pv_local, tOrP(_, _, k), tOrV(_, _, k), tOrO);
     warpgroup_commit_batch();
   };
-  auto issue_pv_remote = [&](int stage) {  // P: the other warpgroup's, in the block's rope slab
+  // P: the other warpgroup's, in the block's rope slab
+  auto issue_pv_remote = [&](int stage) __attribute__((always_inline)) {
     Tensor sVt = make_tensor(make_smem_ptr(ss.k[mla_common::warp_uniform(stage)]), typename Traits::SmemLayoutVt{});
     Tensor tOrV = thr_pv_remote.partition_fragment_B(local_tile(sVt, Shape<Int<kHeadDimV / 2>, Int<kBlockN>>{}, make_coord(wg, 0)));
     Tensor tOrPs = thr_pv_remote.partition_fragment_A(make_tensor(make_smem_ptr(Traits::p_tile(ss, mla_common::warp_uniform(stage))), typename Traits::SmemLayoutSlab{}));
@@ -143,11 +147,11 @@ __device__ __forceinline__ void consume_seesaw_pairs(const DecodeParams& p, cons
     warpgroup_commit_batch();
   };
   Segment seg{};  // the request being processed
-  auto release = [&](int stage) {
+  auto release = [&](int stage) __attribute__((always_inline)) {
     if (tid_in_wg == 0) Barrier::arrive(&ss.kv_empty[stage][wg]);
   };
   // The segment's last block stays in its stage until the epilogue has staged the output there.
-  auto release_unless_last = [&](int stage, int blk) {
+  auto release_unless_last = [&](int stage, int blk) __attribute__((always_inline)) {
     if (blk + 1 < seg.blk_hi) release(stage);
   };
   // Tail block: zero the key rows past the sequence end in this warpgroup's V half (never loaded,
@@ -158,7 +162,7 @@ __device__ __forceinline__ void consume_seesaw_pairs(const DecodeParams& p, cons
   // barriers unequally often, scripts/racecheck_probe.cu). The keys of a block are derived where
   // used: held across the pair, they were spilled.
   auto is_tail = [&](int blk) { return seg.seqlen_k - blk * kBlockN < kBlockN; };
-  auto zero_tail_of_own_half = [&](int stage, uint32_t phase, int blk) {
+  auto zero_tail_of_own_half = [&](int stage, uint32_t phase, int blk) __attribute__((always_inline)) {
     const int valid_keys = seg.seqlen_k - blk * kBlockN;
     for (int slab = 4 * wg; slab < 4 * wg + 4; ++slab) Barrier::wait(&ss.kv_full[stage][slab], phase);
     constexpr int kChunksPerRow = 4 * kTmaColumns / 8;  // 16-byte chunks of a row in 4 slabs
@@ -171,7 +175,7 @@ __device__ __forceinline__ void consume_seesaw_pairs(const DecodeParams& p, cons
     cutlass::arch::fence_view_async_shared();
   };
   auto tail_zeroed = [] { named_barrier_sync<int(SeesawBarrier::kTailZeroed), 256>(); };
-  auto scale_o = [&](const float (&factor)[2]) {
+  auto scale_o = [&](const float (&factor)[2]) __attribute__((always_inline)) {
     // Once the running max settles the factors are exactly 1: skip the 128 multiplies then.
     if (__any_sync(0xffffffff, factor[0] != 1.f || factor[1] != 1.f)) {
 #pragma unroll
@@ -181,7 +185,8 @@ __device__ __forceinline__ void consume_seesaw_pairs(const DecodeParams& p, cons
   // Block max of block `blk`'s raw scores, masked only where a row needs it (shared/online_softmax.cuh);
   // exponentiate applies the scale.
   // full: no row masks any key of the block (is_full_block, or known so by the caller).
-  auto block_max_of_block = [&](int blk, const int (&last_key)[2], bool full, float (&block_max)[2]) {
+  auto block_max_of_block = [&](int blk, const int (&last_key)[2], bool full,
+                                float (&block_max)[2]) __attribute__((always_inline)) {
     // Key of element e: key0 + 8 (e >> 2) + 2 (lane % 4) + (e & 1) (from an opaque thread index,
     // as row0).
     const int key0 = blk * kBlockN + 2 * (mla_common::opaque(int(threadIdx.x)) % 4);
@@ -193,7 +198,7 @@ __device__ __forceinline__ void consume_seesaw_pairs(const DecodeParams& p, cons
   // each 16-bit value in a register of its own.
   uint32_t* p_pairs = reinterpret_cast<uint32_t*>(raw_pointer_cast(tOrP.data()));
   // P = exp2(S scale_log2 - base), in place and into tOrP (16 bit), adding the row sums to `row_sum`.
-  auto exponentiate = [&](const float (&base)[2], float (&row_sum)[2]) {
+  auto exponentiate = [&](const float (&base)[2], float (&row_sum)[2]) __attribute__((always_inline)) {
 #pragma unroll
     for (int e = 0; e < size(tSrS); e += 2) {
       tSrS(e) = exp2f(fmaf(tSrS(e), p.scale_log2, -base[row_half(e)]));
@@ -206,7 +211,7 @@ __device__ __forceinline__ void consume_seesaw_pairs(const DecodeParams& p, cons
   // rope slab (64 x 64, 128-byte rows, 16-byte chunk c of row r at c ^ (r % 8)). Element e of the
   // accumulator is row r0 + 8 ((e >> 1) & 1), column 8 (e >> 2) + 2 (lane % 4) + (e & 1).
   // Addresses from an opaque thread index: otherwise the compiler hoists all 16 out of the loop.
-  auto store_p = [&](int stage, auto&& pair) {
+  auto store_p = [&](int stage, auto&& pair) __attribute__((always_inline)) {
     const int t = mla_common::opaque(tid_in_wg);
     const int row = (t / 32) * 16 + (t % 32) / 4;
     // The swizzle as one XOR with a constant per chunk: bits 4-6 of row_addr hold row % 8.
@@ -386,7 +391,7 @@ __device__ __forceinline__ void consume_seesaw_pairs(const DecodeParams& p, cons
     // first in the source, so that ptxas places the steady loop after it (placed before, it cost the
     // same cold fetch to calls that jump over it).
     const bool long_segment = kSteadyLoop && seg.blk_hi - seg.blk_lo >= kSteadyMinBlocks;
-    auto is_steady_pair = [&](int blk) {
+    auto is_steady_pair = [&](int blk) __attribute__((always_inline)) {
       return long_segment && blk + 3 < seg.blk_hi && is_full_block(blk + 1, lowest_last_key);
     };
     for (int blk = seg.blk_lo; blk < seg.blk_hi;) {
@@ -446,20 +451,22 @@ struct SeesawKernel {
   static constexpr int kMathRegisters = kSeesawMathRegisters, kProducerRegisters = kSeesawProducerRegisters;
 
   // kv_empty[stage][w]: warpgroup w freed its V half; q_full: a Q tile by TMA.
-  __device__ __forceinline__ static void init_barriers(SharedStorage& ss, const DecodeTma& tma) {
+  template <bool kGather>
+  __device__ __forceinline__ static void init_barriers(SharedStorage& ss) {
     if (threadIdx.x != 0) return;
     for (int s = 0; s < Traits::kStages; ++s) {
       for (int slab = 0; slab < kSlabs; ++slab) {
-        cutlass::arch::ClusterTransactionBarrier::init(&ss.kv_full[s][slab], kv_full_arrivals(tma));
+        cutlass::arch::ClusterTransactionBarrier::init(&ss.kv_full[s][slab], kKvFullArrivals<kGather>);
       }
       for (int w = 0; w < 2; ++w) cutlass::arch::ClusterBarrier::init(&ss.kv_empty[s][w], 1);
     }
     cutlass::arch::ClusterTransactionBarrier::init(&ss.q_full, 1);
     cutlass::arch::fence_barrier_init();
   }
+  template <bool kGather>
   __device__ __forceinline__ static void produce(const DecodeParams& p, const DecodeTma& tma, SharedStorage& ss,
                                                  const PartRange& range, int warp) {
-    produce_seesaw_tiles<Traits>(p, tma, ss, range, blockIdx.x, warp);
+    produce_seesaw_tiles<Traits, kGather>(p, tma, ss, range, blockIdx.x, warp);
   }
   __device__ __forceinline__ static void consume(const DecodeParams& p, const DecodeTma& tma, SharedStorage& ss,
                                                  const PartRange& range, int) {

@@ -5,8 +5,11 @@
 //   Kernel::kThreads            (kMathWarpgroups + 1) x 128; also the launch bounds
 //   Kernel::kMathWarpgroups     the producer is warpgroup kMathWarpgroups
 //   Kernel::kMathRegisters, kProducerRegisters      the setmaxnreg split
-//   Kernel::init_barriers(ss, tma)   thread 0 initialises the mbarriers (the shell syncs the CTA after)
-//   Kernel::produce(params, tma, ss, range, warp)   warp: 0..3 within the producer warpgroup
+//   Kernel::init_barriers<kGather>(ss)   thread 0 initialises the mbarriers (the shell syncs the CTA after)
+//   Kernel::produce<kGather>(params, tma, ss, range, warp)   warp: 0..3 within the producer warpgroup
+// kGather (DecodeTma::gather): the producer gathers key rows one by one (page sizes that are not a
+// multiple of 16, sparse slot lists) instead of TMA boxes of 16-64 rows; a variant of its own, so that
+// the TMA kernels carry none of its code or registers.
 //   Kernel::consume(params, tma, ss, range, warpgroup)
 #pragma once
 #include <cute/arch/copy_sm90_tma.hpp>
@@ -19,7 +22,7 @@
 namespace mla_decode {
 
 // Grid (num_q_tiles, num_sm_parts): CTA (m, part) works on q-tile m of its part of the schedule.
-template <typename Kernel>
+template <typename Kernel, bool kGather>
 __global__ void __launch_bounds__(Kernel::kThreads, 1)
     mla_decode_split_kernel(__grid_constant__ const DecodeParams params, __grid_constant__ const DecodeTma tma) {
 #if defined(__CUDA_ARCH__) && __CUDA_ARCH__ == 900 && defined(__CUDA_ARCH_FEAT_SM90_ALL)
@@ -30,13 +33,13 @@ __global__ void __launch_bounds__(Kernel::kThreads, 1)
   // in griddepcontrol.wait until this grid has finished and flushed.
   mla_common::launch_dependents();
 
-  Kernel::init_barriers(ss, tma);
+  Kernel::template init_barriers<kGather>(ss);
   __syncthreads();
 
   if (warpgroup == Kernel::kMathWarpgroups) {
     cutlass::arch::warpgroup_reg_dealloc<Kernel::kProducerRegisters>();
-    if (threadIdx.x % 32 == 0 && !tma.gather) cute::prefetch_tma_descriptor(&tma.kv);
-    Kernel::produce(params, tma, ss, range, int(threadIdx.x / 32) - Kernel::kMathWarpgroups * 4);
+    if (!kGather && threadIdx.x % 32 == 0) cute::prefetch_tma_descriptor(&tma.kv);
+    Kernel::template produce<kGather>(params, tma, ss, range, int(threadIdx.x / 32) - Kernel::kMathWarpgroups * 4);
   } else {
     cutlass::arch::warpgroup_reg_alloc<Kernel::kMathRegisters>();
     Kernel::consume(params, tma, ss, range, warpgroup);

@@ -127,8 +127,10 @@ struct GatheredRows {
   }
 };
 
-// kv_full arrivals per slab and phase: one arrive_and_expect_tx (TMA), or the 32 lanes of a warp.
-__device__ __forceinline__ int kv_full_arrivals(const DecodeTma& tma) { return tma.gather ? 32 : 1; }
+// kv_full arrivals per slab and phase: one arrive_and_expect_tx (TMA), or the 32 lanes of the warp
+// that gathers the slab.
+template <bool kGather>
+inline constexpr int kKvFullArrivals = kGather ? 32 : 1;
 
 // Calls fn(seg, pages, blk, iteration) for every KV block of this CTA's schedule, in order; iteration
 // counts the blocks (a block's place in the stage ring), pages is the request's block-table row.
@@ -143,16 +145,14 @@ __device__ __forceinline__ void for_each_scheduled_block(const DecodeParams& p, 
   }
 }
 
-// Thread 0 initialises the ring's barriers: kv_full[stage][slab] (kv_full_arrivals) and
+// Thread 0 initialises the ring's barriers: kv_full[stage][slab] (kKvFullArrivals) and
 // kv_empty[stage] (empty_arrivals); the caller syncs the CTA after.
-template <typename Traits>
-__device__ __forceinline__ void init_kv_ring(typename Traits::SharedStorage& ss, const DecodeTma& tma,
-                                             int empty_arrivals) {
+template <typename Traits, bool kGather>
+__device__ __forceinline__ void init_kv_ring(typename Traits::SharedStorage& ss, int empty_arrivals) {
   if (threadIdx.x != 0) return;
-  const int full_arrivals = kv_full_arrivals(tma);
   for (int s = 0; s < Traits::kStages; ++s) {
     for (int slab = 0; slab < kSlabs; ++slab) {
-      cutlass::arch::ClusterTransactionBarrier::init(&ss.kv_full[s][slab], full_arrivals);
+      cutlass::arch::ClusterTransactionBarrier::init(&ss.kv_full[s][slab], kKvFullArrivals<kGather>);
     }
     cutlass::arch::ClusterBarrier::init(&ss.kv_empty[s], empty_arrivals);
   }
@@ -165,7 +165,8 @@ __device__ __forceinline__ void init_kv_ring(typename Traits::SharedStorage& ss,
 // per tile).
 // Traits: kStages, kFp8Kv, MmaElement (of the 16-bit tile), SharedStorage (kv_full [kStages][kSlabs], kv_empty [kStages])
 // and kv_copy_dst(ss, stage, slab, row): where rows [row, row + rows_per_copy) of a slab land.
-template <typename Traits>
+// kGather (DecodeTma::gather): rows gathered one by one instead of TMA boxes of 16-64 rows.
+template <typename Traits, bool kGather>
 __device__ void produce_kv_tiles(const DecodeParams& p, const DecodeTma& tma,
                                  typename Traits::SharedStorage& ss, const PartRange& range,
                                  int m_block, int first_slab, int slab_step) {
@@ -177,16 +178,16 @@ __device__ void produce_kv_tiles(const DecodeParams& p, const DecodeTma& tma,
   };
   for_each_scheduled_block(p, range, m_block, [&](const Segment& seg, const int* pages, int blk, int iteration) {
     const int stage = iteration % Traits::kStages;
-    if (tma.gather) {
+    if constexpr (kGather) {
       const auto rows = GatheredRows<Traits>::plan(p, tma, pages, seg, blk, lane);
       wait_free(stage, iteration);
       rows.copy(p, ss, stage, first_slab, slab_step, kSlabs, lane);
-      return;
+    } else {
+      const auto copies = BlockCopies<Traits>::plan(p, tma, pages, seg, blk, lane);
+      wait_free(stage, iteration);
+      for (int slab = first_slab; slab < kSlabs; slab += slab_step) copies.expect(ss, stage, slab, lane);
+      for (int slab = first_slab; slab < kSlabs; slab += slab_step) copies.copy(tma, ss, stage, slab, lane);
     }
-    const auto copies = BlockCopies<Traits>::plan(p, tma, pages, seg, blk, lane);
-    wait_free(stage, iteration);
-    for (int slab = first_slab; slab < kSlabs; slab += slab_step) copies.expect(ss, stage, slab, lane);
-    for (int slab = first_slab; slab < kSlabs; slab += slab_step) copies.copy(tma, ss, stage, slab, lane);
   });
 }
 
@@ -200,12 +201,14 @@ struct KvRingKernel {
   static constexpr int kThreads = kNumThreads, kMathWarpgroups = kNumMathWarpgroups;
   static constexpr int kMathRegisters = mla_decode::kMathRegisters, kProducerRegisters = mla_decode::kProducerRegisters;
 
-  __device__ __forceinline__ static void init_barriers(SharedStorage& ss, const DecodeTma& tma) {
-    init_kv_ring<Traits>(ss, tma, kNumMathWarpgroups);
+  template <bool kGather>
+  __device__ __forceinline__ static void init_barriers(SharedStorage& ss) {
+    init_kv_ring<Traits, kGather>(ss, kNumMathWarpgroups);
   }
+  template <bool kGather>
   __device__ __forceinline__ static void produce(const DecodeParams& p, const DecodeTma& tma, SharedStorage& ss,
                                                  const PartRange& range, int warp) {
-    produce_kv_tiles<Traits>(p, tma, ss, range, blockIdx.x, warp, 4);
+    produce_kv_tiles<Traits, kGather>(p, tma, ss, range, blockIdx.x, warp, 4);
   }
 };
 

@@ -13,12 +13,12 @@
 
 namespace mla_decode {
 
-// Launches the split kernel (grid: q-tiles x parts) and, when any request is split, the combine
-// kernel chained with PDL.
+// Launches the split kernel (grid: q-tiles x parts; its gathering variant where DecodeTma::gather)
+// and, when any request is split, the combine kernel chained with PDL.
 template <typename Kernel>
 cudaError_t launch_split_and_combine(const DecodeParams& params, const DecodeTma& tma, cudaStream_t stream) {
   using Element = typename Kernel::Traits::Element;
-  const auto kernel = mla_decode_split_kernel<Kernel>;
+  const auto kernel = tma.gather ? mla_decode_split_kernel<Kernel, true> : mla_decode_split_kernel<Kernel, false>;
   constexpr int smem = Kernel::Traits::kSmemBytes + 1024;  // + slack to align the map to 1024 bytes
   const cudaError_t attr =
       cudaFuncSetAttribute(kernel, cudaFuncAttributeMaxDynamicSharedMemorySize, smem);
