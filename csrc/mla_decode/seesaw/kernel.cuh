@@ -114,8 +114,8 @@ __device__ __forceinline__ void consume_seesaw_pairs(const DecodeParams& p, cons
   // each issued once its slab landed. Warpgroup 0 goes in slab order; warpgroup 1 starts with its
   // own V half, which its PVs free first. The rope slab is last: it waits for both halves to be free.
   // The lambdas with a body are always_inline: the kernel's TMA and gathering variants both inline
-  // this function, so each lambda has two callers, and LLVM then outlined the large ones (calls and
-  // 720 bytes of stack in the steady loop).
+  // this function, so each lambda has two callers, and LLVM then outlined the large ones (calls with
+  // spills in the steady loop).
   auto issue_qk_slabs = [&](int stage, uint32_t phase, int first_slab, int end_slab) __attribute__((always_inline)) {
     mla_decode::issue_qk_slabs<typename Traits::SmemLayoutQ, typename Traits::SmemLayoutK, /*kPollSlabs=*/true>(
         mma_qk, thr_qk, tSrS, ss.q, ss.k[mla_common::warp_uniform(stage)], ss.kv_full[stage], phase, first_slab, end_slab);

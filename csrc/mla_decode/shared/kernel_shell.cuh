@@ -7,10 +7,10 @@
 //   Kernel::kMathRegisters, kProducerRegisters      the setmaxnreg split
 //   Kernel::init_barriers<kGather>(ss)   thread 0 initialises the mbarriers (the shell syncs the CTA after)
 //   Kernel::produce<kGather>(params, tma, ss, range, warp)   warp: 0..3 within the producer warpgroup
+//   Kernel::consume(params, tma, ss, range, warpgroup)
 // kGather (DecodeTma::gather): the producer gathers key rows one by one (page sizes that are not a
 // multiple of 16, sparse slot lists) instead of TMA boxes of 16-64 rows; a variant of its own, so that
 // the TMA kernels carry none of its code or registers.
-//   Kernel::consume(params, tma, ss, range, warpgroup)
 #pragma once
 #include <cute/arch/copy_sm90_tma.hpp>
 #include <cutlass/arch/reg_reconfig.h>
