@@ -121,9 +121,17 @@ struct GatheredRows {
                                 src >= 0);
       }
     }
+#ifdef MLA_ATTN_RACECHECK
+    // Only for compute-sanitizer (MLA_ATTN_RACECHECK=1, scripts/sanitize.sh): racecheck does not take
+    // the completion arrival below as the end of the copies, so this build waits for them and arrives
+    // plainly (the same 32 arrivals, later).
+    mla_common::cp_async_wait_all();
+    for (int slab = first_slab; slab < end_slab; slab += slab_step) cutlass::arch::ClusterBarrier::arrive(&ss.kv_full[stage][slab]);
+#else
     for (int slab = first_slab; slab < end_slab; slab += slab_step) {
       cutlass::arch::cpasync_barrier_arrive_noinc(&ss.kv_full[stage][slab]);
     }
+#endif
   }
 };
 
