@@ -264,6 +264,7 @@ __device__ void consume_fp8mma_tiles(const DecodeParams& p, typename Traits::Sha
       // MMA is done: kRowSum); then that stage is released.
       const int last_stage = (iteration - 1) % Traits::kStages;
       auto warpgroup_sync = [&] { named_barrier_sync<int(Fp8MmaBarrier::kStaged0), 128>(warpgroup); };
+      racecheck_acquire_stage<Traits>(ss, iteration - 1);
       store_output_columns_staged<Element>(p, seg, m_block, r0, row_max, sums, k_scale / kPScale,
                                            /*write_lse=*/warpgroup == 0,
                                            mla_common::smem_addr(warpgroup == 0 ? ss.q : ss.k[last_stage]),

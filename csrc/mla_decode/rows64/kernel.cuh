@@ -342,6 +342,7 @@ __device__ void consume_kv_tiles(const DecodeParams& p, typename Traits::SharedS
       // Through the last block's stage (both warpgroups' PVs are done: kRowSum), then release it.
       const int last_stage = (iteration - 1) % kStages;
       auto warpgroup_sync = [&] { named_barrier_sync<int(Rows64Barrier::kStaged0), 128>(warpgroup); };
+      racecheck_acquire_stage<Traits>(ss, iteration - 1);
       store_output_columns_staged<Element>(p, seg, m_block, r0, row_max, sums, k_scale, /*write_lse=*/warpgroup == 0,
                                            mla_common::smem_addr(ss.k[last_stage]) + warpgroup * kStagingBytes,
                                            tid_in_wg, 256 * warpgroup, tOrO, warpgroup_sync);

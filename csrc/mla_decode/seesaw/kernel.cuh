@@ -428,6 +428,7 @@ __device__ __forceinline__ void consume_seesaw_pairs(const DecodeParams& p, cons
       // Through the last block's stage (its PVs are done: kRowSum), then hand the stage back.
       const int last_stage = (iteration - 1) % Traits::kStages;
       const uint32_t staging = mla_common::smem_addr(ss.k[last_stage]) + wg * kStagingBytes;
+      racecheck_acquire_stage<Traits>(ss, iteration - 1);
       store_output_columns_staged<Element>(p, seg, m_block, r0, row_max, sums, 1.f, /*write_lse=*/wg == 0, staging,
                                            tid_in_wg, 256 * wg, tOrO, [&] {
         named_barrier_sync<int(SeesawBarrier::kStaged0), 128>(wg);

@@ -153,6 +153,22 @@ __device__ __forceinline__ void for_each_scheduled_block(const DecodeParams& p, 
   }
 }
 
+// Only for compute-sanitizer (MLA_ATTN_RACECHECK=1, scripts/sanitize.sh): a warpgroup about to write
+// into the stage of block `iteration` (the epilogue's output staging) first waits on each of its
+// slabs itself. The production build relies on the slabs the other warpgroup waited on and a named
+// barrier between them, an order racecheck does not follow. The stage's phase has completed and the
+// stage is not released yet, so these waits return at once.
+template <typename Traits>
+__device__ __forceinline__ void racecheck_acquire_stage(typename Traits::SharedStorage& ss, int iteration) {
+#ifdef MLA_ATTN_RACECHECK
+  const int stage = iteration % Traits::kStages;
+  const uint32_t phase = (iteration / Traits::kStages) & 1;
+  for (int slab = 0; slab < kSlabs; ++slab) cutlass::arch::ClusterBarrier::wait(&ss.kv_full[stage][slab], phase);
+#else
+  (void)ss, (void)iteration;
+#endif
+}
+
 // Thread 0 initialises the ring's barriers: kv_full[stage][slab] (kKvFullArrivals) and
 // kv_empty[stage] (empty_arrivals); the caller syncs the CTA after.
 template <typename Traits, bool kGather>
