@@ -15,16 +15,20 @@ For every config (h_q, s_q, batch; top-k 2048, bf16 cache [pages, 64, 576]):
      ~20 us spin kernel.
 Formulas (R = b * s_q query tokens, V = the valid indices of all tokens = R * TOPK here, t = op cold):
   TFLOP/s = 2 * h_q * V * (576 + 512) / t        (QK^T over 576 dims, PV over 512)
-  GB/s    = (V * 576 * 2 + R * h_q * (576 + 512) * 2) / t   (gathered rows + q + out, bf16)
+  GB/s    = (V * e + R * h_q * (576 + 512) * 2) / t   (listed cache rows + q + out; e = 1152 bytes per
+            bf16 row, 656 per ds_mla_fp8 row: the bytes the cache holds, not the temporary buffer)
+
+--kv-format ds_mla_fp8: the same values in DeepSeek-V3.2's 656-byte FP8 rows (quantize_ds_mla_fp8);
+the reference reads the dequantised rows.
 
 --flashmla-module MOD: also time MOD.flash_mla_sparse_fwd(q [R, h_q, 576], kv [slots, 1, 576],
 indices [R, 1, topk], scale) (FlashMLA's sparse prefill kernel, bf16) on the same data, where it
 imports and runs (h_q it supports); its result is checked like ours. A build you made yourself: no
 peer code or binary belongs in this repository.
 
-Outputs: <out>/bench_sparse.json and <out>/bench_sparse.md (the markdown table, printed last).
+Outputs: <out>/bench_sparse[_ds_mla_fp8].json and .md (the markdown table, printed last).
 usage: python benchmarks/bench_sparse.py [--quick] [--only h128_s1,...] [--out DIR] [--rep-ms 100]
-                                         [--flashmla-module flash_mla]
+                                         [--kv-format bf16|ds_mla_fp8] [--flashmla-module flash_mla]
 """
 import argparse
 import importlib
@@ -62,8 +66,9 @@ def configs(quick, only):
     return cs
 
 
-def make_problem(c, seed, dev="cuda"):
-    """Made on the device: a batch of 128 owns 1.2 GB of cache."""
+def make_problem(c, seed, kv_format, dev="cuda"):
+    """Made on the device: a batch of 128 owns 1.2 GB of cache (bf16). kv: the cache the op reads;
+    kv_ref: its values, for the reference."""
     g = torch.Generator(device=dev).manual_seed(seed)
     b, s_q, h_q = c["b"], c["s_q"], c["h_q"]
     pages_per_req = CONTEXT // PAGE
@@ -74,7 +79,12 @@ def make_problem(c, seed, dev="cuda"):
     pos = torch.rand(b * s_q, CONTEXT, generator=g, device=dev).argsort(dim=1)[:, :TOPK].reshape(b, s_q, TOPK)
     slots = perm[torch.arange(b, device=dev)[:, None, None], pos // PAGE] * PAGE + pos % PAGE
     q = torch.randn(b, s_q, h_q, D_QK, generator=g, device=dev).to(torch.bfloat16)
-    return dict(q=q, kv=kv, indices=slots.int())
+    kv_ref = kv
+    if kv_format == "ds_mla_fp8":
+        import mla_attn
+        rows = mla_attn.quantize_ds_mla_fp8(kv[..., :D_V].reshape(-1, D_V), kv[..., D_V:].reshape(-1, D_QK - D_V))
+        kv, kv_ref = rows.view(num_pages, PAGE, -1), mla_attn.dequantize_ds_mla_fp8(rows).view(num_pages, PAGE, D_QK)
+    return dict(q=q, kv=kv, kv_ref=kv_ref, indices=slots.int())
 
 
 def check(p, out, lse):
@@ -82,7 +92,7 @@ def check(p, out, lse):
     h_q = p["q"].shape[-2]
     q = p["q"].reshape(-1, h_q, D_QK)[:CHECK_ROWS]
     idx = p["indices"].reshape(-1, TOPK)[:CHECK_ROWS]
-    ref_out, ref_lse = mla_sparse_ref(q, p["kv"], idx, softmax_scale=SCALE)
+    ref_out, ref_lse = mla_sparse_ref(q, p["kv_ref"], idx, softmax_scale=SCALE)
     o = out.reshape(-1, h_q, D_V)[:CHECK_ROWS].double()
     l = lse.reshape(-1, h_q)[:CHECK_ROWS].double()
     rel = ((o - ref_out).norm() / ref_out.norm()).item()
@@ -91,9 +101,9 @@ def check(p, out, lse):
     return dict(ok=ok, rel_l2=rel, lse_err=lse_err)
 
 
-def run_config(c, timer, rep_ms, flashmla):
+def run_config(c, timer, rep_ms, flashmla, kv_format):
     import mla_attn
-    p = make_problem(c, seed=c["h_q"] * 100 + c["s_q"] * 10 + c["b"])
+    p = make_problem(c, seed=c["h_q"] * 100 + c["s_q"] * 10 + c["b"], kv_format=kv_format)
     q, kv, idx = p["q"], p["kv"], p["indices"]
     res = dict(c)
     out = torch.full(q.shape[:-1] + (D_V,), float("nan"), dtype=q.dtype, device=q.device)
@@ -113,7 +123,7 @@ def run_config(c, timer, rep_ms, flashmla):
     g_attn, _ = capture(lambda: mla_attn.mla_sparse_decode(q, kv, idx, softmax_scale=SCALE, out=out, metadata=md))
     graphs, names = [g_op, g_attn], ["op", "attn"]
 
-    if flashmla is not None:
+    if flashmla is not None and kv_format == "bf16":
         try:
             rows = q.shape[0] * q.shape[1]
             q_tok, kv_rows = q.reshape(rows, c["h_q"], D_QK), kv.view(-1, 1, D_QK)
@@ -134,7 +144,8 @@ def run_config(c, timer, rep_ms, flashmla):
     valid = rows * TOPK
     t_s = res["op"]["cold_us"] * 1e-6
     res["tflops"] = 2 * c["h_q"] * valid * (D_QK + D_V) / t_s / 1e12
-    res["gbps"] = (valid * D_QK * 2 + rows * c["h_q"] * (D_QK + D_V) * 2) / t_s / 1e9
+    row_bytes = kv.shape[-1] * kv.element_size()
+    res["gbps"] = (valid * row_bytes + rows * c["h_q"] * (D_QK + D_V) * 2) / t_s / 1e9
     res["nvml"] = nvml_sample()
     return res
 
@@ -164,7 +175,8 @@ def main():
     ap.add_argument("--only", default="")
     ap.add_argument("--out", default=os.path.join(os.path.dirname(os.path.abspath(__file__)), "results"))
     ap.add_argument("--rep-ms", type=float, default=100.0)
-    ap.add_argument("--flashmla-module", default=None, help="import path of a FlashMLA build (flash_mla)")
+    ap.add_argument("--kv-format", choices=("bf16", "ds_mla_fp8"), default="bf16")
+    ap.add_argument("--flashmla-module", default=None, help="import path of a FlashMLA build (flash_mla; bf16 only)")
     args = ap.parse_args()
 
     flashmla = None
@@ -178,7 +190,7 @@ def main():
     t0 = time.time()
     for c in configs(args.quick, args.only):
         try:
-            results.append(run_config(c, timer, args.rep_ms, flashmla))
+            results.append(run_config(c, timer, args.rep_ms, flashmla, args.kv_format))
             r = results[-1]
             ok = r["check_eager"]["ok"] and r["check_graph"]["ok"]
             log(f"{c['name']}: op {r['op']['cold_us']:.1f} us cold, attn {r['attn']['cold_us']:.1f} us, "
@@ -189,12 +201,13 @@ def main():
         torch.cuda.empty_cache()
     md = table(results, flashmla is not None)
     meta = dict(gpu=torch.cuda.get_device_name(), smi=smi(), torch=torch.__version__, topk=TOPK, page=PAGE,
-                context=CONTEXT, seconds=round(time.time() - t0, 1))
+                context=CONTEXT, kv_format=args.kv_format, seconds=round(time.time() - t0, 1))
+    stem = "bench_sparse" if args.kv_format == "bf16" else f"bench_sparse_{args.kv_format}"
     os.makedirs(args.out, exist_ok=True)
-    with open(os.path.join(args.out, "bench_sparse.json"), "w") as f:
+    with open(os.path.join(args.out, f"{stem}.json"), "w") as f:
         json.dump(dict(meta=meta, results=results), f, indent=1)
-    with open(os.path.join(args.out, "bench_sparse.md"), "w") as f:
-        f.write(f"# mla_sparse_decode, top-k {TOPK}, bf16 cache, page {PAGE} ({meta['gpu']})\n\n{md}\n")
+    with open(os.path.join(args.out, f"{stem}.md"), "w") as f:
+        f.write(f"# mla_sparse_decode, top-k {TOPK}, {args.kv_format} cache, page {PAGE} ({meta['gpu']})\n\n{md}\n")
     print(md)
 
 

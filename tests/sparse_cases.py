@@ -7,10 +7,11 @@ import math
 
 import torch
 
-from mla_attn.kv_cache import quantize_fp8
+from mla_attn.kv_cache import dequantize_ds_mla_fp8, quantize_ds_mla_fp8, quantize_fp8
 from mla_attn.reference import mla_sparse_ref
 
 D_QK, D_V = 576, 512
+DS_ROW_BYTES = 656  # a ds_mla_fp8 cache row
 FP8 = torch.float8_e4m3fn
 K_SCALE = 0.02  # unit-scale data / 0.02 stays well inside e4m3's +-448
 SINKS = {  # attn_sink [h_q] kinds: finite values of both signs (and around the lse), or infinities
@@ -28,9 +29,11 @@ def valid_mask(indices, lengths, num_slots):
 
 
 def make_sparse_case(lead, h_q, topk, page_size, *, num_pages=None, dtype=torch.bfloat16, lengths=False,
-                     sink=None, split_pe=False, kv_4d=False, fp8=False, seed=0):
+                     sink=None, split_pe=False, kv_4d=False, fp8=False, ds_fp8=False, seed=0):
     """lead: (B, s_q) for a batched call or (T,) for a token-major one. lengths: give topk_length (per
-    request when batched, per token otherwise) with 0 and topk among its values. sink: a SINKS key."""
+    request when batched, per token otherwise) with 0 and topk among its values. sink: a SINKS key.
+    fp8: a float8_e4m3fn cache with k_scale; ds_fp8: DeepSeek-V3.2's 656-byte rows (uint8), whose
+    dequantised values the reference reads (ref_kv)."""
     g = torch.Generator().manual_seed(seed)
     rows = math.prod(lead)
     if num_pages is None:  # as many slots as indices (at most 2^15): about half are named, NaN and valid interleave
@@ -71,6 +74,11 @@ def make_sparse_case(lead, h_q, topk, page_size, *, num_pages=None, dtype=torch.
     if fp8:
         case["k_scale"] = torch.tensor([K_SCALE])
         case["kv_cache"] = quantize_fp8(kv.float(), case["k_scale"])
+    if ds_fp8:
+        flat = kv.reshape(num_slots, D_QK)
+        rows = quantize_ds_mla_fp8(flat[:, :D_V], flat[:, D_V:])
+        case["kv_cache"] = rows.view(num_pages, page_size, DS_ROW_BYTES)
+        case["ref_kv"] = dequantize_ds_mla_fp8(rows).view(num_pages, page_size, D_QK)
     if kv_4d:
         case["kv_cache"] = case["kv_cache"][:, :, None]
     return case
@@ -91,7 +99,7 @@ def run_sparse(case, **kw):
 
 def sparse_reference(case, dtype=torch.float64):
     c = case
-    return mla_sparse_ref(c["q"], c["kv_cache"], c["indices"], softmax_scale=c["softmax_scale"], q_pe=c["q_pe"],
+    return mla_sparse_ref(c["q"], c.get("ref_kv", c["kv_cache"]), c["indices"], softmax_scale=c["softmax_scale"], q_pe=c["q_pe"],
                           topk_length=c["topk_length"], attn_sink=c["attn_sink"], k_scale=c["k_scale"], dtype=dtype)
 
 

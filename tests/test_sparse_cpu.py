@@ -118,6 +118,25 @@ def test_sparse_decode_matches_reference(lead, h_q, topk, page_size, dtype, leng
     assert torch.equal(fresh, out) and torch.equal(lse2, lse)
 
 
+@pytest.mark.parametrize("lead,topk,page_size,kv_4d", [((3, 2), 70, 16, False), ((4,), 130, 1, True)])
+def test_sparse_decode_ds_mla_fp8_cache(lead, topk, page_size, kv_4d):
+    """DeepSeek-V3.2's 656-byte rows: the listed rows are dequantised into pages of 64 (topk not a
+    multiple of 64: the last page is part zeros), then decoded; the reference reads the dequantised
+    cache."""
+    case = make_sparse_case(lead, 8, topk, page_size, lengths=True, sink="finite", kv_4d=kv_4d, ds_fp8=True, seed=3)
+    assert case["kv_cache"].dtype == torch.uint8
+    out = torch.full(lead + (8, 512), float("nan"), dtype=torch.bfloat16)
+    run_sparse(case, out=out)
+    _, lse = run_sparse(case)
+    check_sparse(case, out, lse)
+    with pytest.raises(ValueError, match="k_scale"):
+        run_sparse({**case, "k_scale": torch.tensor([1.0])})
+    every_other_page = torch.cat([case["kv_cache"]] * 2)[::2][:case["kv_cache"].shape[0]]
+    if page_size > 1:  # its rows are not back to back
+        with pytest.raises(ValueError, match="back to back"):
+            run_sparse({**case, "kv_cache": every_other_page})
+
+
 def test_sparse_prefill_matches_reference():
     case = make_sparse_case((6,), 4, 24, 1, lengths=True, sink="finite", seed=9)
     kv = case["kv_cache"][:, 0]  # [S, 576]
@@ -171,8 +190,10 @@ def _call(change=None, **kw):
 
 
 WRAPPER_CASES = [
-    ("uint8 cache", _call(lambda c: dict(kv_cache=torch.zeros(4, 64, 656, dtype=torch.uint8))), TypeError,
-     r"uint8 kv_cache \(DeepSeek-V3.2's 656-byte FP8 layout.*not supported yet"),
+    ("uint8 cache of 576-byte rows", _call(lambda c: dict(kv_cache=torch.zeros(4, 64, 576, dtype=torch.uint8))),
+     ValueError, r"kv_cache must be \[num_pages, page_size, 656\].*\(ds_mla_fp8: 656 bytes per token\)"),
+    ("int8 cache", _call(lambda c: dict(kv_cache=torch.zeros(4, 64, 656, dtype=torch.int8))), TypeError,
+     r"kv_cache dtype torch.int8 must match q dtype .* or be float8_e4m3fn or uint8 \(ds_mla_fp8\)"),
     ("cache dtype", _call(lambda c: dict(kv_cache=c["kv_cache"].half())), TypeError, r"kv_cache dtype torch.float16"),
     ("q dtype", _call(lambda c: dict(q=c["q"].float())), TypeError, r"q must be bfloat16 or float16"),
     ("q dims", _call(lambda c: dict(q=c["q"][..., :500])), ValueError, r"q must be \[B, s_q, h_q, 576\]"),

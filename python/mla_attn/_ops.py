@@ -224,7 +224,13 @@ def _gather_cpu(kv_cache, block_table, cu_seqlens, num_tokens, *, k_scale=None, 
     valid = rows < cu[-1]
     req = (torch.searchsorted(cu, rows, right=True) - 1).clamp(0, max(cu.numel() - 2, 0))[valid]
     pos = rows[valid] - cu[req]
-    pages = block_table[req, pos // page_size].long()
+    # As the CUDA kernel: a row past its table, or naming a page outside the cache, is zero.
+    in_table = pos // page_size < block_table.shape[1]
+    pages = torch.full_like(pos, -1)
+    pages[in_table] = block_table[req[in_table], pos[in_table] // page_size].long()
+    on_page = (pages >= 0) & (pages < cache.shape[0])
+    valid[valid.clone()] = on_page
+    pages, pos = pages[on_page], pos[on_page]
     vals = cache[pages, pos % page_size]
     if fmt == "ds_mla_fp8":
         vals = dequantize_ds_mla_fp8(vals)

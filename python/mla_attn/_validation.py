@@ -600,7 +600,6 @@ def check_cp_query(q: Tensor) -> None:
 
 
 # -------------------------------------------------------------------------------------------- sparse
-_V32_FP8_BYTES = 656  # DeepSeek-V3.2's FP8 cache row: 512 e4m3 + 4 fp32 tile scales + 64 bf16 rope
 
 
 def check_compact_sparse_indices(indices: Tensor, topk_length: Optional[Tensor], num_slots: int) -> None:
@@ -617,19 +616,29 @@ def check_compact_sparse_indices(indices: Tensor, topk_length: Optional[Tensor],
 
 
 def check_sparse_cache(kv_cache: Tensor, q_dtype: Optional[torch.dtype]) -> None:
-    """The cache of mla_sparse_decode: q's dtype (None: either 16-bit dtype) or float8_e4m3fn, either
-    decode layout, a page size the kernels take."""
+    """The cache of mla_sparse_decode: q's dtype (None: either 16-bit dtype), float8_e4m3fn, or uint8 in
+    DeepSeek-V3.2's ds_mla_fp8 layout (656 bytes per token, pages back to back: it is read as one
+    row per slot); either decode layout, a page size the kernels take."""
     check_tensor("kv_cache", kv_cache)
-    if kv_cache.dtype == torch.uint8:
-        raise TypeError(f"a uint8 kv_cache (DeepSeek-V3.2's {_V32_FP8_BYTES}-byte FP8 layout with per-tile scales) "
-                        "is not supported yet; use a float8_e4m3fn cache with a per-tensor k_scale, or bf16/fp16")
     allowed = HALF_DTYPES if q_dtype is None else (q_dtype,)
-    if kv_cache.dtype not in allowed + (FP8,):
-        raise TypeError(f"kv_cache dtype {kv_cache.dtype} must match q dtype {q_dtype} or be float8_e4m3fn")
-    check_kv_cache_shape(kv_cache)
+    if kv_cache.dtype not in allowed + (FP8, torch.uint8):
+        raise TypeError(f"kv_cache dtype {kv_cache.dtype} must match q dtype {q_dtype}, or be float8_e4m3fn or "
+                        "uint8 (ds_mla_fp8)")
+    check_kv_cache_shape(kv_cache, DS_ROW_BYTES if kv_cache.dtype == torch.uint8 else D_QK)
     if not PAGE_SIZE_MIN <= kv_cache.shape[1] <= PAGE_SIZE_MAX:
         raise ValueError(f"page_size must be in [{PAGE_SIZE_MIN}, {PAGE_SIZE_MAX}], got {kv_cache.shape[1]}")
     check_layout("kv_cache", kv_cache)
+    if kv_cache.dtype == torch.uint8 and not _rows_back_to_back(kv_cache):
+        raise ValueError(f"a ds_mla_fp8 kv_cache must hold its rows back to back (a contiguous [num_pages, "
+                         f"page_size, {DS_ROW_BYTES}] tensor), got strides {kv_cache.stride()}")
+
+
+def _rows_back_to_back(kv_cache: Tensor) -> bool:
+    try:
+        kv_cache.view(-1, kv_cache.shape[-1])
+    except RuntimeError:
+        return False
+    return True
 
 
 def check_sparse_indices(indices: Tensor, topk_length: Optional[Tensor], lead: Sequence[int], like: Tensor) -> None:
