@@ -2,6 +2,7 @@
 with their references and tolerances, the walk of a decode schedule, and which decode kernels can run
 a case."""
 import functools
+import os
 
 import pytest
 import torch
@@ -13,6 +14,12 @@ from mla_attn.metadata import ScheduleRow
 from mla_attn.reference import mla_decode_ref
 
 FP8 = torch.float8_e4m3fn
+
+
+# Under pytest-xdist every worker would start torch's CPU pool with a thread per core, so n workers ran
+# n x cores threads over the float64 references and the CPU ops: the cores are split between them.
+if os.environ.get("PYTEST_XDIST_WORKER_COUNT"):
+    torch.set_num_threads(max(1, (os.cpu_count() or 1) // int(os.environ["PYTEST_XDIST_WORKER_COUNT"])))
 
 
 def _has_hopper():
