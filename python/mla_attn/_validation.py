@@ -628,17 +628,14 @@ def check_sparse_cache(kv_cache: Tensor, q_dtype: Optional[torch.dtype]) -> None
     if not PAGE_SIZE_MIN <= kv_cache.shape[1] <= PAGE_SIZE_MAX:
         raise ValueError(f"page_size must be in [{PAGE_SIZE_MIN}, {PAGE_SIZE_MAX}], got {kv_cache.shape[1]}")
     check_layout("kv_cache", kv_cache)
-    if kv_cache.dtype == torch.uint8 and not _rows_back_to_back(kv_cache):
-        raise ValueError(f"a ds_mla_fp8 kv_cache must hold its rows back to back (a contiguous [num_pages, "
-                         f"page_size, {DS_ROW_BYTES}] tensor), got strides {kv_cache.stride()}")
-
-
-def _rows_back_to_back(kv_cache: Tensor) -> bool:
-    try:
-        kv_cache.view(-1, kv_cache.shape[-1])
-    except RuntimeError:
-        return False
-    return True
+    # Read as one row per slot (a view [num_pages * page_size, 1, 656]): the pages must follow each
+    # other at page_size rows' distance.
+    pages, page_size = kv_cache.shape[0], kv_cache.shape[1]
+    if kv_cache.dtype == torch.uint8 and pages > 1 and page_size > 1 and \
+            kv_cache.stride(0) != page_size * kv_cache.stride(1):
+        raise ValueError(f"a ds_mla_fp8 kv_cache must hold its rows back to back (page stride = page_size x row "
+                         f"stride, as a contiguous [num_pages, page_size, {DS_ROW_BYTES}] tensor), got strides "
+                         f"{kv_cache.stride()}")
 
 
 def check_sparse_indices(indices: Tensor, topk_length: Optional[Tensor], lead: Sequence[int], like: Tensor) -> None:
