@@ -129,6 +129,8 @@ def test_sparse_decode_ds_mla_fp8_cache(lead, topk, page_size, kv_4d):
     run_sparse(case, out=out)
     _, lse = run_sparse(case)
     check_sparse(case, out, lse)
+    traced = torch.compile(lambda c: run_sparse(c), fullgraph=True, backend="aot_eager")(case)
+    assert torch.equal(traced[1], lse)
     with pytest.raises(ValueError, match="k_scale"):
         run_sparse({**case, "k_scale": torch.tensor([1.0])})
     every_other_page = torch.cat([case["kv_cache"]] * 2)[::2][:case["kv_cache"].shape[0]]
