@@ -231,7 +231,9 @@ def _gather_cpu(kv_cache, block_table, cu_seqlens, num_tokens, *, k_scale=None, 
     on_page = (pages >= 0) & (pages < cache.shape[0])
     valid[valid.clone()] = on_page
     pages, pos = pages[on_page], pos[on_page]
-    vals = cache[pages, pos % page_size]
+    # Indexed as bytes: older torch (2.6) has no CPU index kernel for float8_e4m3fn.
+    vals = cache.view(torch.uint8)[pages, pos % page_size].view(cache.dtype) if cache.element_size() == 1 \
+        else cache[pages, pos % page_size]
     if fmt == "ds_mla_fp8":
         vals = dequantize_ds_mla_fp8(vals)
     else:
