@@ -2,7 +2,7 @@
 # the TORCH_LIBRARY op schemas (csrc/bindings/ops.cpp) and a small pybind11 module (build_info()).
 #
 # Environment knobs
-#   CUDA_HOME                   CUDA toolkit root (default /usr/local/cuda; nvcc >= 12.3 required).
+#   CUDA_HOME                   CUDA toolkit root (default /usr/local/cuda; nvcc >= 12.4 required).
 #                               The `nvcc` on PATH is never consulted.
 #   CUTLASS_DIR                 CUTLASS checkout to take headers from (its include/ must hold cute/).
 #                               Otherwise: third_party/cutlass (scripts/fetch_cutlass.sh clones the

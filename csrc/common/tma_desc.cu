@@ -16,7 +16,7 @@ EncodeTiledFn encode_tiled() {
 #if CUDART_VERSION >= 12050
     const cudaError_t err = cudaGetDriverEntryPointByVersion("cuTensorMapEncodeTiled", &ptr, 12000,
                                                              cudaEnableDefault, &status);
-#else  // CUDA 12.4 has no ByVersion query (CUDA 13 no longer has the plain one); one ABI since 12.0
+#else  // CUDA 12.4 has no ByVersion query (the plain one is deprecated from 12.5); one ABI since 12.0
     const cudaError_t err = cudaGetDriverEntryPoint("cuTensorMapEncodeTiled", &ptr, cudaEnableDefault, &status);
 #endif
     if (err != cudaSuccess || status != cudaDriverEntryPointSuccess) {
