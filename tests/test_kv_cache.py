@@ -344,6 +344,19 @@ def test_gpu_gather_matches_cpu(case, lens):
     assert torch.equal(_bits(got.cpu()), _bits(want))
 
 
+@pytest.mark.parametrize("cache_dtype", [torch.bfloat16, FP8])
+def test_gather_rows_past_the_table_or_cache_are_zero(device, cache_dtype):
+    """Rows whose page id is negative or past the cache, and rows past the block table's width, are
+    zero on the CPU as on the GPU (mla_sparse_decode relies on both for its ds_mla_fp8 path)."""
+    cache = make_cache(2, 16, torch.bfloat16, fill=1.0).to(cache_dtype).to(device)
+    k_scale = None if cache_dtype != FP8 else torch.tensor([0.5], device=device)
+    bt = torch.tensor([[HUGE_ID], [-1], [1]], dtype=torch.int32, device=device)
+    cu = torch.tensor([0, 2, 4, 22], dtype=torch.int32, device=device)  # request 2: 18 rows, its table holds 16
+    out = OPS.gather_kv_cache(cache, bt, cu, 24, k_scale=k_scale).float().cpu()
+    one = 1.0 if k_scale is None else 0.5
+    assert (out[:4] == 0).all() and (out[4:20] == one).all() and (out[20:] == 0).all()
+
+
 @pytest.mark.gpu
 def test_gpu_out_of_range_is_skipped():
     """Garbage slots and page ids past the cache never write or read out of bounds."""
