@@ -221,16 +221,15 @@ def _gather_cpu(kv_cache, block_table, cu_seqlens, num_tokens, *, k_scale=None, 
     page_size = cache.shape[1]
     cu = cu_seqlens.long()
     rows = torch.arange(num_tokens)
-    valid = rows < cu[-1]
-    req = (torch.searchsorted(cu, rows, right=True) - 1).clamp(0, max(cu.numel() - 2, 0))[valid]
-    pos = rows[valid] - cu[req]
-    # As the CUDA kernel: a row past its table, or naming a page outside the cache, is zero.
+    rows = rows[rows < cu[-1]]
+    req = (torch.searchsorted(cu, rows, right=True) - 1).clamp(0, max(cu.numel() - 2, 0))
+    pos = rows - cu[req]
+    # As the CUDA kernel: a row past its table, or naming a page outside the cache, stays zero.
     in_table = pos // page_size < block_table.shape[1]
-    pages = torch.full_like(pos, -1)
-    pages[in_table] = block_table[req[in_table], pos[in_table] // page_size].long()
+    rows, req, pos = rows[in_table], req[in_table], pos[in_table]
+    pages = block_table[req, pos // page_size].long()
     on_page = (pages >= 0) & (pages < cache.shape[0])
-    valid[valid.clone()] = on_page
-    pages, pos = pages[on_page], pos[on_page]
+    rows, pages, pos = rows[on_page], pages[on_page], pos[on_page]
     # Indexed as bytes: older torch (2.6) has no CPU index kernel for float8_e4m3fn.
     vals = cache.view(torch.uint8)[pages, pos % page_size].view(cache.dtype) if cache.element_size() == 1 \
         else cache[pages, pos % page_size]
@@ -242,7 +241,7 @@ def _gather_cpu(kv_cache, block_table, cu_seqlens, num_tokens, *, k_scale=None, 
             vals = vals * k_scale
     dtype = _gather_dtype(kv_cache.dtype, out_dtype)
     out = torch.zeros(num_tokens, D_QK, dtype=dtype)
-    out[valid] = vals.to(dtype)
+    out[rows] = vals.to(dtype)
     return out
 
 

@@ -188,23 +188,13 @@ def check_cu_seqlens_values(name: str, cu: list[int], num_q_tokens: Optional[int
 
 
 # -------------------------------------------------------------------------------------------- decode
-def _check_q_pe(q_pe: Tensor, q: Tensor) -> None:
-    """The rope part given apart from q: q's dtype and leading dims, 64 dims."""
-    check_tensor("q_pe", q_pe)
-    if q_pe.dtype != q.dtype:
-        raise TypeError(f"q_pe dtype {q_pe.dtype} must match q dtype {q.dtype}")
-    if q_pe.shape != q.shape[:-1] + (D_PE,):
-        raise ValueError(f"q_pe must have shape {tuple(q.shape[:-1]) + (D_PE,)}, got {tuple(q_pe.shape)}")
-
-
-def _check_out(out: Tensor, q: Tensor) -> None:
-    """A decode output given by the caller: q's dtype and leading dims, 512 dims, strides the kernels take."""
-    check_tensor("out", out)
-    if out.dtype != q.dtype:
-        raise TypeError(f"out dtype {out.dtype} must match q dtype {q.dtype}")
-    if out.shape != q.shape[:-1] + (D_V,):
-        raise ValueError(f"out must have shape {tuple(q.shape[:-1]) + (D_V,)}, got {tuple(out.shape)}")
-    check_layout("out", out)
+def _check_like_q(name: str, t: Tensor, q: Tensor, last_dim: int) -> None:
+    """A tensor that goes with q (q_pe: 64 dims; a decode out: 512): q's dtype and leading dims."""
+    check_tensor(name, t)
+    if t.dtype != q.dtype:
+        raise TypeError(f"{name} dtype {t.dtype} must match q dtype {q.dtype}")
+    if t.shape != q.shape[:-1] + (last_dim,):
+        raise ValueError(f"{name} must have shape {tuple(q.shape[:-1]) + (last_dim,)}, got {tuple(t.shape)}")
 
 
 def check_decode(q: Tensor, q_pe: Optional[Tensor], kv_cache: Tensor, block_table: Tensor, cache_seqlens: Tensor,
@@ -221,7 +211,7 @@ def check_decode(q: Tensor, q_pe: Optional[Tensor], kv_cache: Tensor, block_tabl
         raise ValueError(f"q must be [B, s_q, h_q, {want_q}] or varlen [T, h_q, {want_q}]"
                          f"{'' if q_pe is None else ' (with q_pe)'}, got shape {tuple(q.shape)}")
     if q_pe is not None:
-        _check_q_pe(q_pe, q)
+        _check_like_q("q_pe", q_pe, q, D_PE)
     check_kv_cache_shape(kv_cache)
     page_size = kv_cache.shape[1]
     if not PAGE_SIZE_MIN <= page_size <= PAGE_SIZE_MAX:
@@ -264,7 +254,8 @@ def check_decode(q: Tensor, q_pe: Optional[Tensor], kv_cache: Tensor, block_tabl
         if t is not None:
             check_layout(name, t)
     if out is not None:
-        _check_out(out, q)
+        _check_like_q("out", out, q, D_V)
+        check_layout("out", out)
     return batch, max_seqlen_q
 
 
@@ -600,8 +591,6 @@ def check_cp_query(q: Tensor) -> None:
 
 
 # -------------------------------------------------------------------------------------------- sparse
-
-
 def check_compact_sparse_indices(indices: Tensor, topk_length: Optional[Tensor], num_slots: int) -> None:
     """compact_sparse_indices: indices int32 [R, topk >= 1], topk_length None or int32 [R]."""
     check_int32("indices", indices, 2)
@@ -688,7 +677,7 @@ def check_sparse_decode(q: Tensor, q_pe: Optional[Tensor], kv_cache: Tensor, ind
         raise ValueError(f"num_heads_q must be in [1, {MAX_HEADS_Q}], got {h_q}")
     check_layout("q", q)
     if q_pe is not None:
-        _check_q_pe(q_pe, q)
+        _check_like_q("q_pe", q_pe, q, D_PE)
         check_device("q_pe", q_pe, "q", q)
         check_layout("q_pe", q_pe)
     check_sparse_cache(kv_cache, q.dtype)
@@ -698,8 +687,9 @@ def check_sparse_decode(q: Tensor, q_pe: Optional[Tensor], kv_cache: Tensor, ind
     check_attn_sink(attn_sink, h_q, q)
     rows = math.prod(lead)
     if out is not None:
-        _check_out(out, q)
+        _check_like_q("out", out, q, D_V)
         check_device("out", out, "q", q)
+        check_layout("out", out)
         if q.dim() == 4 and out.shape[0] > 1 and out.shape[1] > 1 and out.stride(0) != out.shape[1] * out.stride(1):
             raise ValueError(f"out: the kernel writes it as [B * s_q, h_q, 512] rows, so stride(0) must be "
                              f"s_q * stride(1); got strides {out.stride()}")
