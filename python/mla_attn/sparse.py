@@ -22,7 +22,6 @@ from torch import Tensor
 from . import _validation as check
 from ._constants import D_V
 from .decode import get_decode_metadata
-from .kv_cache import gather_kv_cache
 from .metadata import SparseDecodeMetadata
 
 # Rows per page of the dequantised ds_mla_fp8 rows: a multiple of 16, so the kernels load them by TMA.
@@ -83,10 +82,11 @@ def _dequantized_pages(kv_cache: Tensor, slots: Tensor, dtype: torch.dtype) -> t
     per_row = pages * _DEQUANTIZED_PAGE
     one_row_pages = kv_cache.view(-1, 1, kv_cache.shape[-1])  # slot s is page s
     cu_rows = torch.arange(0, (rows + 1) * per_row, per_row, dtype=torch.int32, device=slots.device)
-    # Not value-checked: a row's table is its slot list, -1 after its valid slots and shorter than the
-    # row's pages; the gather writes zeros for both.
-    dense = gather_kv_cache(one_row_pages, slots, cu_rows, rows * per_row, out_dtype=dtype, kv_format="ds_mla_fp8",
-                            validate=False)
+    # The op, not gather_kv_cache: the cache is checked already, and a row's table (its slot list, -1
+    # after its valid slots, shorter than its pages) is not a valid block table; the gather writes zeros
+    # for both.
+    dense = torch.ops.mla_attn.gather_kv_cache(one_row_pages, slots, cu_rows, rows * per_row, out_dtype=dtype,
+                                               kv_format="ds_mla_fp8")
     table = torch.arange(rows * pages, dtype=torch.int32, device=slots.device).view(rows, pages)
     return dense.view(rows * pages, _DEQUANTIZED_PAGE, dense.shape[-1]), table
 
