@@ -125,6 +125,40 @@ def test_q_broadcast_over_batch(kernel):
     check_unit_scale(case, True, out, lse)
 
 
+def _flashmla_cos_diff(out, ref):
+    """FlashMLA's cosine difference (tests/kernelkit/compare.py): 1 - 2<a, b> / (|a|^2 + |b|^2), float64."""
+    a, b = out.double(), ref.double()
+    return 1 - 2 * (a * b).sum().item() / (a * a + b * b).sum().item()
+
+
+@pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float16])
+@pytest.mark.parametrize("seed", range(6))
+def test_flashmla_accuracy_bar_many_splits(dtype, seed):
+    """FlashMLA's dense-decoding bar (out: every element within 8e-4 or 2/128 relative, cosine
+    difference < 5e-6, against a float32 reference rounded to q's dtype) where 16-bit partials broke it:
+    one request of one query row and 4096 keys, split into ~64 parts, q and cache ~ N(0, 0.01) clamped
+    (nearly uniform attention: each split's output is ~8x the final one, so a partial's rounding
+    counts 8x). Its data recipe, on paged, NaN-poisoned storage."""
+    g = torch.Generator().manual_seed(seed)
+    L, page = 4096, 64
+    q = (torch.randn(1, 1, 1, 576, generator=g) / 10).clamp(-1, 1).to(dtype)
+    pages = L // page + 2
+    kv = (torch.randn(pages, page, 576, generator=g) / 10).clamp(-1, 1).to(dtype)
+    table = torch.randperm(pages, generator=g)[: L // page].int()[None]
+    kv[~torch.isin(torch.arange(pages), table.long())] = float("nan")
+    lens = torch.tensor([L], dtype=torch.int32)
+    scale = 576**-0.5
+    k = kv[table[0].long()].reshape(L, 576).float()
+    ref = (torch.softmax((q.reshape(1, 576).float() @ k.T) * scale, dim=-1) @ k[:, :512]).to(dtype)
+    md = mla_attn.get_decode_metadata(lens.cuda(), 1, s_q=1, causal=False)
+    assert md.req_splits[0, 0].item() > 32, "the case must split the request into many parts"
+    out = mla_attn.mla_decode(q.cuda(), kv.cuda(), table.cuda(), lens.cuda(), softmax_scale=scale, causal=False,
+                              metadata=md).cpu().reshape(1, 512)
+    err = (out.float() - ref.float()).abs()
+    assert ((err < 8e-4) | (err / (ref.float().abs() + 1e-6) < 2.01 / 128)).all()
+    assert _flashmla_cos_diff(out, ref) < 5e-6
+
+
 def test_metadata_matches_cpu_schedule():
     g = torch.Generator().manual_seed(0)
     cases = [(torch.randint(0, 20000, (batch,), generator=g, dtype=torch.int32), h_q, s_q)

@@ -101,6 +101,18 @@ constexpr DecodeKernel choose_decode_kernel(const DecodeProblem& p) {
   return narrow32 && p.batch >= kNarrow32MinBatch ? DecodeKernel::kNarrow32 : DecodeKernel::kRows64;
 }
 
+// Split partials in fp32 instead of q's dtype. A 16-bit partial rounds its split's normalised output
+// once more; over a request cut into many splits with near-uniform attention those roundings add up to
+// about the output's own rounding error (FlashMLA's dense-decoding tests failed their cosine bar by it
+// at h_q 1, bf16). fp32 doubles the partials' bytes, so only for requests of at most 8 rows, whose fp32
+// partials are no larger than those of a 16-row request in 16 bits; only the narrow kernels run those.
+constexpr int64_t kFp32PartialsMaxRows = 8;
+constexpr bool decode_partials_fp32(DecodeKernel kernel, const DecodeProblem& p) {
+  const bool narrow = kernel == DecodeKernel::kNarrow16 || kernel == DecodeKernel::kNarrow16x3 ||
+                      kernel == DecodeKernel::kNarrow32;
+  return narrow && p.rows() <= kFp32PartialsMaxRows;
+}
+
 // What a kernel needs to run a case at all (for messages): its instantiations and the rows its
 // MMAs hold.
 constexpr std::string_view decode_kernel_requirement(DecodeKernel kernel) {

@@ -50,7 +50,8 @@ struct DecodeParams {
   const ScheduleRow* tile_sched;  // [num_sms]
   const int* req_splits;  // [batch, 2]: num_splits, first workspace slot
   int num_sm_parts, num_q_tiles;
-  void* partial_out;   // [slots * num_q_tiles * 64, 512], q's dtype
+  void* partial_out;   // [slots * num_q_tiles * 64, 512], q's dtype, or fp32 with partials_fp32
+  bool partials_fp32;  // dispatch.h: decode_partials_fp32
   float* partial_lse;  // [slots * num_q_tiles * 64]
 };
 

@@ -1,5 +1,5 @@
-// Merges the partials of split requests (rows in q's dtype, fp32 LSE) by their LSE into the final
-// out / lse.
+// Merges the partials of split requests (rows in q's dtype or fp32: Partial; fp32 LSE) by their LSE
+// into the final out / lse.
 //
 // At most num_sm_parts - 1 requests are split (one per part boundary): with more requests than that
 // the grid covers the scheduler's list of split requests instead of the batch (a CTA for every row of
@@ -18,6 +18,8 @@
 #pragma once
 #include <cuda_runtime.h>
 #include <cutlass/numeric_types.h>
+
+#include <type_traits>
 
 #include "common/device_utils.cuh"
 #include "mla_decode/config.h"
@@ -42,10 +44,11 @@ inline int combine_warps_per_row(int requests, int max_rows) {
   return int64_t(requests) * max_rows >= 512 * kCombineWarps ? 1 : kCombineWarps;
 }
 
-template <typename Element, int kChunks, int kWarpsPerRow>
+template <typename Element, typename Partial, int kChunks, int kWarpsPerRow>
 __global__ void __launch_bounds__(kCombineThreads)
     mla_combine_kernel(__grid_constant__ const DecodeParams p) {
-  // A split's chunk is kUnits units of 8 columns (16 bytes of partial), summed by kThreadsPerSplit
+  static_assert(std::is_same_v<Partial, Element> || std::is_same_v<Partial, float>, "partials: q's dtype or fp32");
+  // A split's chunk is kUnits units of 8 columns (16 bytes of 16-bit partial, 32 of fp32), summed by kThreadsPerSplit
   // lanes with kPerThread units each; kSplitsPerPass splits are in flight per pass over the row's warps.
   constexpr int kUnits = kHeadDimV / 8 / kChunks;
   constexpr int kThreadsPerSplit = kUnits < 32 ? kUnits : 32;
@@ -131,17 +134,30 @@ __global__ void __launch_bounds__(kCombineThreads)
 #pragma unroll 4
   for (int s = first_split; s < num_splits; s += kSplitsPerPass) {
     const float w = weights[s] * inv_sum;
-    const uint4* src = reinterpret_cast<const uint4*>(static_cast<const Element*>(p.partial_out) +
-                                                      partial_row(s) * kHeadDimV) + chunk * kUnits;
+    if constexpr (std::is_same_v<Partial, float>) {  // a unit of 8 columns is two float4
+      const float4* src = reinterpret_cast<const float4*>(static_cast<const float*>(p.partial_out) +
+                                                          partial_row(s) * kHeadDimV) + 2 * chunk * kUnits;
 #pragma unroll
-    for (int j = 0; j < kPerThread; ++j) {
-      const uint4 v = src[lane_in_split + kThreadsPerSplit * j];
-      const uint32_t words[4] = {v.x, v.y, v.z, v.w};
+      for (int j = 0; j < kPerThread; ++j) {
+        const int unit = lane_in_split + kThreadsPerSplit * j;
+        const float4 lo = src[2 * unit], hi = src[2 * unit + 1];
+        const float v[8] = {lo.x, lo.y, lo.z, lo.w, hi.x, hi.y, hi.z, hi.w};
 #pragma unroll
-      for (int q = 0; q < 4; ++q) {
-        const float2 pair = unpack_pair<Element>(words[q]);
-        acc[j][2 * q] += w * pair.x;
-        acc[j][2 * q + 1] += w * pair.y;
+        for (int c = 0; c < 8; ++c) acc[j][c] += w * v[c];
+      }
+    } else {
+      const uint4* src = reinterpret_cast<const uint4*>(static_cast<const Element*>(p.partial_out) +
+                                                        partial_row(s) * kHeadDimV) + chunk * kUnits;
+#pragma unroll
+      for (int j = 0; j < kPerThread; ++j) {
+        const uint4 v = src[lane_in_split + kThreadsPerSplit * j];
+        const uint32_t words[4] = {v.x, v.y, v.z, v.w};
+#pragma unroll
+        for (int q = 0; q < 4; ++q) {
+          const float2 pair = unpack_pair<Element>(words[q]);
+          acc[j][2 * q] += w * pair.x;
+          acc[j][2 * q + 1] += w * pair.y;
+        }
       }
     }
   }

@@ -463,8 +463,10 @@ __device__ void consume_narrow_tiles(const DecodeParams& p, typename Traits::Sha
       const int row = mla_common::opaque(col_of(j));  // opaque: its divisions are not hoisted and held
       if (row >= rows_in_request) continue;
       const int t = row / p.num_heads_q, h = row % p.num_heads_q;
-      const int64_t partial_index = int64_t(slot) * p.num_q_tiles * kBlockM + row;
-      Element* partial_row = static_cast<Element*>(p.partial_out) + partial_index * kHeadDimV;  // q's dtype too
+      // A partial row in q's dtype, or in fp32 (p.partials_fp32): the same offset in elements.
+      const int64_t partial_offset = (int64_t(slot) * p.num_q_tiles * kBlockM + row) * kHeadDimV;
+      Element* partial_row = static_cast<Element*>(p.partial_out) + partial_offset;
+      float* partial_row_fp32 = static_cast<float*>(p.partial_out) + partial_offset;
       Element* out_row = static_cast<Element*>(p.out) + seg.b * p.out_batch_stride +
                          (seg.first_token + t) * p.out_token_stride + h * p.out_head_stride;
 #pragma unroll
@@ -474,24 +476,18 @@ __device__ void consume_narrow_tiles(const DecodeParams& p, typename Traits::Sha
         // ldmatrix.trans order); 16-bit: accumulator rows in order, dims d and d + 8.
         const int e = (j / 2) * 4 + (j % 2);
         const float v0 = tOrO(e, m, 0), v1 = tOrO(e + 2, m, 0);
-        if constexpr (Traits::kFp8Kv) {
-          const int dim = 64 * m + 16 * warp + 2 * g;
+        const int dim = Traits::kFp8Kv ? 64 * m + 16 * warp + 2 * g : 64 * m + 16 * warp + g;
+        const int dim1 = dim + (Traits::kFp8Kv ? 1 : 8);
+        if (is_partial && p.partials_fp32) {
+          partial_row_fp32[dim] = v0;
+          partial_row_fp32[dim1] = v1;
+        } else if constexpr (Traits::kFp8Kv) {
           const Element pair[2] = {Element(v0), Element(v1)};
-          const uint32_t bits = *reinterpret_cast<const uint32_t*>(pair);
-          if (is_partial) {
-            *reinterpret_cast<uint32_t*>(partial_row + dim) = bits;
-          } else {
-            *reinterpret_cast<uint32_t*>(out_row + dim) = bits;
-          }
+          *reinterpret_cast<uint32_t*>((is_partial ? partial_row : out_row) + dim) = *reinterpret_cast<const uint32_t*>(pair);
         } else {
-          const int dim = 64 * m + 16 * warp + g;
-          if (is_partial) {
-            partial_row[dim] = Element(v0);
-            partial_row[dim + 8] = Element(v1);
-          } else {
-            out_row[dim] = Element(v0);
-            out_row[dim + 8] = Element(v1);
-          }
+          Element* dst = is_partial ? partial_row : out_row;
+          dst[dim] = Element(v0);
+          dst[dim1] = Element(v1);
         }
       }
     }
@@ -524,8 +520,8 @@ struct NarrowKernel {
 
 template <typename Element, int kRows, int kMathWarpgroups, bool kFp8Kv>
 cudaError_t run_mla_decode_narrow(const DecodeParams& params, const DecodeTma& tma, cudaStream_t stream) {
-  return launch_split_and_combine<NarrowKernel<NarrowTraits<Element, kRows, kMathWarpgroups, kFp8Kv>>>(params, tma,
-                                                                                                        stream);
+  return launch_split_and_combine<NarrowKernel<NarrowTraits<Element, kRows, kMathWarpgroups, kFp8Kv>>,
+                                  /*kMayStoreFp32Partials=*/true>(params, tma, stream);
 }
 
 }  // namespace mla_decode

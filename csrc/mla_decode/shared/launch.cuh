@@ -14,8 +14,9 @@
 namespace mla_decode {
 
 // Launches the split kernel (grid: q-tiles x parts; its gathering variant where DecodeTma::gather)
-// and, when any request is split, the combine kernel chained with PDL.
-template <typename Kernel>
+// and, when any request is split, the combine kernel chained with PDL. kMayStoreFp32Partials: the
+// kernel writes fp32 partials where DecodeParams::partials_fp32 (the combine is instantiated for them).
+template <typename Kernel, bool kMayStoreFp32Partials = false>
 cudaError_t launch_split_and_combine(const DecodeParams& params, const DecodeTma& tma, cudaStream_t stream) {
   using Element = typename Kernel::Traits::Element;
   const auto kernel = tma.gather ? mla_decode_split_kernel<Kernel, true> : mla_decode_split_kernel<Kernel, false>;
@@ -48,17 +49,23 @@ cudaError_t launch_split_and_combine(const DecodeParams& params, const DecodeTma
                                                   int(cudaSharedmemCarveoutMaxShared));
     return attr != cudaSuccess ? attr : cudaLaunchKernelEx(&config, combine, params);
   };
-  // A warp per row only with >= 2048 rows, hence one chunk.
-  if (warps_per_row == 1) return launch(mla_combine_kernel<Element, 1, 1>);
-  static_assert(kCombineMaxChunks == 32, "one instantiation per chunk count");
-  switch (chunks) {
-    case 1: return launch(mla_combine_kernel<Element, 1, kCombineWarps>);
-    case 2: return launch(mla_combine_kernel<Element, 2, kCombineWarps>);
-    case 4: return launch(mla_combine_kernel<Element, 4, kCombineWarps>);
-    case 8: return launch(mla_combine_kernel<Element, 8, kCombineWarps>);
-    case 16: return launch(mla_combine_kernel<Element, 16, kCombineWarps>);
-    default: return launch(mla_combine_kernel<Element, 32, kCombineWarps>);
+  auto launch_for = [&]<typename Partial>() -> cudaError_t {
+    // A warp per row only with >= 2048 rows, hence one chunk.
+    if (warps_per_row == 1) return launch(mla_combine_kernel<Element, Partial, 1, 1>);
+    static_assert(kCombineMaxChunks == 32, "one instantiation per chunk count");
+    switch (chunks) {
+      case 1: return launch(mla_combine_kernel<Element, Partial, 1, kCombineWarps>);
+      case 2: return launch(mla_combine_kernel<Element, Partial, 2, kCombineWarps>);
+      case 4: return launch(mla_combine_kernel<Element, Partial, 4, kCombineWarps>);
+      case 8: return launch(mla_combine_kernel<Element, Partial, 8, kCombineWarps>);
+      case 16: return launch(mla_combine_kernel<Element, Partial, 16, kCombineWarps>);
+      default: return launch(mla_combine_kernel<Element, Partial, 32, kCombineWarps>);
+    }
+  };
+  if constexpr (kMayStoreFp32Partials) {
+    if (params.partials_fp32) return launch_for.template operator()<float>();
   }
+  return launch_for.template operator()<Element>();
 }
 
 }  // namespace mla_decode
