@@ -62,6 +62,19 @@ def test_fp8_mma_q_rows_of_different_magnitude():
     check_fp8_mma(case, True, out, lse)
 
 
+@pytest.mark.parametrize("lens,s_q,h_q,page_size,varlen,split_pe", CASES[:4])
+def test_fp8_mma_with_a_per_tensor_q_scale(lens, s_q, h_q, page_size, varlen, split_pe):
+    """q_scale (vLLM's per-tensor Q scale): Q enters the e4m3 MMAs as e4m3(q / q_scale), here
+    amax(q) / 448 as a calibration would choose; within the same bounds as the per-row scales. A scale
+    that differs from the rows' own changes the result, so it is not ignored."""
+    case = decode_case(lens, s_q, h_q, page_size, varlen, split_pe, torch.bfloat16, fp8=True)
+    q_scale = (case["q"].abs().amax().float() / 448).reshape(1)
+    out, lse = run(case, True, q_scale=q_scale)
+    check_fp8_mma(case, True, out, lse)
+    per_row, _ = run(case, True)
+    assert not torch.equal(out, per_row)
+
+
 def test_fp8_mma_deterministic_is_bit_identical():
     """deterministic=True chooses the kernel by h_q alone: fp8_mma applies at 16 rows too, and two
     runs agree bit for bit."""

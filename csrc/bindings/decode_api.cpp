@@ -45,8 +45,9 @@ void mla_decode_cuda_impl(const Tensor& q, const std::optional<Tensor>& q_pe, co
                           const std::optional<Tensor>& cu_seqlens_q, int64_t max_seqlen_q,
                           double softmax_scale, bool causal, const Tensor& tile_sched,
                           const Tensor& req_splits, int64_t num_sm_parts, Tensor& out, Tensor& lse,
-                          const std::optional<Tensor>& k_scale, bool deterministic, bool fp8_mma,
-                          const std::optional<c10::string_view>& kernel_name, bool kv_slots) {
+                          const std::optional<Tensor>& k_scale, const std::optional<Tensor>& q_scale,
+                          bool deterministic, bool fp8_mma, const std::optional<c10::string_view>& kernel_name,
+                          bool kv_slots) {
   using namespace mla_decode;
   check_sm90(q, "decode");
   const bool fp8_kv = kv_cache.scalar_type() == at::kFloat8_e4m3fn;
@@ -63,6 +64,11 @@ void mla_decode_cuda_impl(const Tensor& q, const std::optional<Tensor>& q_pe, co
   if (fp8_kv) {
     TORCH_CHECK(k_scale->scalar_type() == at::kFloat && k_scale->numel() == 1 && k_scale->device() == q.device(),
                 "mla_attn: k_scale must be a float32 tensor of shape [1] on q's device");
+  }
+  TORCH_CHECK(fp8_mma || !q_scale.has_value(), "mla_attn: q_scale is only valid with fp8_mma=True");
+  if (q_scale.has_value()) {
+    TORCH_CHECK(q_scale->scalar_type() == at::kFloat && q_scale->numel() == 1 && q_scale->device() == q.device(),
+                "mla_attn: q_scale must be a float32 tensor of shape [1] on q's device");
   }
   const int64_t q_dim = q.size(-1);
   TORCH_CHECK(q_pe.has_value() ? q_dim == kHeadDimV : q_dim == kHeadDimK,
@@ -141,6 +147,7 @@ void mla_decode_cuda_impl(const Tensor& q, const std::optional<Tensor>& q_pe, co
   p.cu_seqlens_q = varlen ? cu_seqlens_q->data_ptr<int>() : nullptr;
   p.kv = kv_cache.data_ptr();
   p.k_scale = fp8_kv ? k_scale->data_ptr<float>() : nullptr;
+  p.q_scale = q_scale.has_value() ? q_scale->data_ptr<float>() : nullptr;
   p.kv_page_stride = kv_cache.stride(0);
   p.kv_token_stride = kv_cache.stride(1);
   p.num_pages = int(kv_cache.size(0));
@@ -200,7 +207,7 @@ std::tuple<Tensor, Tensor> mla_decode_cuda(const Tensor& q, const std::optional<
                                            int64_t max_seqlen_q, double softmax_scale, bool causal,
                                            const Tensor& tile_sched, const Tensor& req_splits,
                                            int64_t num_sm_parts, const std::optional<Tensor>& k_scale,
-                                           bool deterministic, bool fp8_mma,
+                                           const std::optional<Tensor>& q_scale, bool deterministic, bool fp8_mma,
                                            std::optional<c10::string_view> kernel, bool kv_slots) {
   auto out_shape = q.sizes().vec();
   out_shape.back() = mla_decode::kHeadDimV;
@@ -208,7 +215,7 @@ std::tuple<Tensor, Tensor> mla_decode_cuda(const Tensor& q, const std::optional<
   Tensor lse = at::empty(q.sizes().slice(0, q.dim() - 1), q.options().dtype(at::kFloat));
   mla_decode_cuda_impl(q, q_pe, kv_cache, block_table, cache_seqlens, cu_seqlens_q, max_seqlen_q,
                        softmax_scale, causal, tile_sched, req_splits, num_sm_parts, out, lse, k_scale,
-                       deterministic, fp8_mma, kernel, kv_slots);
+                       q_scale, deterministic, fp8_mma, kernel, kv_slots);
   return {out, lse};
 }
 
@@ -217,15 +224,15 @@ void mla_decode_out_cuda(const Tensor& q, const std::optional<Tensor>& q_pe, con
                          const std::optional<Tensor>& cu_seqlens_q, int64_t max_seqlen_q,
                          double softmax_scale, bool causal, const Tensor& tile_sched,
                          const Tensor& req_splits, int64_t num_sm_parts, Tensor out, Tensor lse,
-                         const std::optional<Tensor>& k_scale, bool deterministic, bool fp8_mma,
-                         std::optional<c10::string_view> kernel, bool kv_slots) {
+                         const std::optional<Tensor>& k_scale, const std::optional<Tensor>& q_scale,
+                         bool deterministic, bool fp8_mma, std::optional<c10::string_view> kernel, bool kv_slots) {
   TORCH_CHECK(out.scalar_type() == q.scalar_type() && out.size(-1) == mla_decode::kHeadDimV &&
                   out.stride(-1) == 1,
               "mla_attn: out must be [.., h_q, 512] of q's dtype, contiguous in the last dim");
   TORCH_CHECK(lse.scalar_type() == at::kFloat, "mla_attn: lse must be float32");
   mla_decode_cuda_impl(q, q_pe, kv_cache, block_table, cache_seqlens, cu_seqlens_q, max_seqlen_q,
                        softmax_scale, causal, tile_sched, req_splits, num_sm_parts, out, lse, k_scale,
-                       deterministic, fp8_mma, kernel, kv_slots);
+                       q_scale, deterministic, fp8_mma, kernel, kv_slots);
 }
 
 std::tuple<Tensor, Tensor> get_decode_metadata_cuda(const Tensor& cache_seqlens,

@@ -40,13 +40,14 @@ TORCH_LIBRARY(mla_attn, m) {
   m.def(
       "mla_decode(Tensor q, Tensor? q_pe, Tensor kv_cache, Tensor block_table, Tensor cache_seqlens, "
       "Tensor? cu_seqlens_q, int max_seqlen_q, float softmax_scale, bool causal, "
-      "Tensor tile_sched, Tensor req_splits, int num_sm_parts, *, Tensor? k_scale=None, bool deterministic=False, "
+      "Tensor tile_sched, Tensor req_splits, int num_sm_parts, *, Tensor? k_scale=None, Tensor? q_scale=None, "
+      "bool deterministic=False, "
       "bool fp8_mma=False, str? split_kernel=None, bool kv_slots=False) "
       "-> (Tensor, Tensor)");
   m.def(
       "mla_decode_out(Tensor q, Tensor? q_pe, Tensor kv_cache, Tensor block_table, "
       "Tensor cache_seqlens, Tensor? cu_seqlens_q, int max_seqlen_q, float softmax_scale, "
       "bool causal, Tensor tile_sched, Tensor req_splits, int num_sm_parts, Tensor(a!) out, "
-      "Tensor(b!) lse, *, Tensor? k_scale=None, bool deterministic=False, bool fp8_mma=False, "
+      "Tensor(b!) lse, *, Tensor? k_scale=None, Tensor? q_scale=None, bool deterministic=False, bool fp8_mma=False, "
       "str? split_kernel=None, bool kv_slots=False) -> ()");
 }

@@ -36,6 +36,9 @@ struct DecodeParams {
   // stored values; the real value is stored * k_scale[0] (k_scale is nullptr for a 16-bit cache).
   const void* kv;
   const float* k_scale;
+  // fp8mma kernel: Q enters its MMAs as e4m3(q / q_scale[0]) when given (vLLM's FP8 path takes a
+  // per-tensor scale so); nullptr: each row times its own power of two (e4m3_row_scale).
+  const float* q_scale;
   int64_t kv_page_stride, kv_token_stride;
   int num_pages, page_size, max_pages;
   int keys_per_table_entry;  // page_size, or 1 with kv_slots

@@ -41,51 +41,54 @@ def _metadata_cpu(cache_seqlens, cu_seqlens_q, max_seqlen_q, num_heads_q, causal
 
 
 def _decode_fake(q, q_pe, kv_cache, block_table, cache_seqlens, cu_seqlens_q, max_seqlen_q, softmax_scale, causal,
-                 tile_sched, req_splits, num_sm_parts, *, k_scale=None, deterministic=False, fp8_mma=False,
-                 split_kernel=None, kv_slots=False):
+                 tile_sched, req_splits, num_sm_parts, *, k_scale=None, q_scale=None, deterministic=False,
+                 fp8_mma=False, split_kernel=None, kv_slots=False):
     return q.new_empty(q.shape[:-1] + (D_V,)), q.new_empty(q.shape[:-1], dtype=torch.float32)
 
 
 def _decode_out_fake(q, q_pe, kv_cache, block_table, cache_seqlens, cu_seqlens_q, max_seqlen_q, softmax_scale,
-                     causal, tile_sched, req_splits, num_sm_parts, out, lse, *, k_scale=None, deterministic=False,
-                     fp8_mma=False, split_kernel=None, kv_slots=False):
+                     causal, tile_sched, req_splits, num_sm_parts, out, lse, *, k_scale=None, q_scale=None,
+                     deterministic=False, fp8_mma=False, split_kernel=None, kv_slots=False):
     return None
 
 
 def _decode(q: Tensor, q_pe: Optional[Tensor], kv_cache: Tensor, block_table: Tensor, cache_seqlens: Tensor,
            cu_seqlens_q: Optional[Tensor], max_seqlen_q: int, softmax_scale: float, causal: bool,
            tile_sched: Tensor, req_splits: Tensor, num_sm_parts: int, out: Optional[Tensor],
-           k_scale: Optional[Tensor], fp8_mma: bool, kernel: Optional[str], kv_slots: bool) -> tuple[Tensor, Tensor]:
+           k_scale: Optional[Tensor], q_scale: Optional[Tensor], fp8_mma: bool, kernel: Optional[str],
+           kv_slots: bool) -> tuple[Tensor, Tensor]:
     """The decode op on CPU tensors: checks, then the float32 reference (out, lse). With kv_slots the
     table lists cache slots: the reference reads the cache as pages of one slot."""
     check.check_softmax_scale(softmax_scale)
     batch, max_seqlen_q = check.check_decode(q, q_pe, kv_cache, block_table, cache_seqlens, cu_seqlens_q,
                                              max_seqlen_q, out)
-    check.check_decode_options(q, kv_cache, k_scale, fp8_mma, kernel, max_seqlen_q)
+    check.check_decode_options(q, kv_cache, k_scale, fp8_mma, kernel, max_seqlen_q, q_scale)
     check.check_schedule(tile_sched, req_splits, num_sm_parts, batch, q)
     if k_scale is not None:  # FP8 cache: the reference runs on the dequantized values
         kv_cache = kv_cache.float() * k_scale.float()
     if kv_slots:
         kv_cache = _rows(kv_cache).reshape(-1, 1, D_QK)
     # The reference needs no schedule: the split-KV partition only changes the summation order. It
-    # computes in float32 whatever fp8_mma and kernel say (they trade the GPU kernels' accuracy for speed).
+    # computes in float32 whatever fp8_mma, q_scale and kernel say (they trade the GPU kernels' accuracy for speed).
     return mla_decode_ref(q, kv_cache, block_table, cache_seqlens, cu_seqlens_q=cu_seqlens_q, q_pe=q_pe,
                           softmax_scale=softmax_scale, causal=causal)
 
 
 def _decode_cpu(q, q_pe, kv_cache, block_table, cache_seqlens, cu_seqlens_q, max_seqlen_q, softmax_scale, causal,
-                tile_sched, req_splits, num_sm_parts, *, k_scale=None, deterministic=False, fp8_mma=False,
-                split_kernel=None, kv_slots=False):
+                tile_sched, req_splits, num_sm_parts, *, k_scale=None, q_scale=None, deterministic=False,
+                fp8_mma=False, split_kernel=None, kv_slots=False):
     out, lse = _decode(q, q_pe, kv_cache, block_table, cache_seqlens, cu_seqlens_q, max_seqlen_q, softmax_scale,
-                       causal, tile_sched, req_splits, num_sm_parts, None, k_scale, fp8_mma, split_kernel, kv_slots)
+                       causal, tile_sched, req_splits, num_sm_parts, None, k_scale, q_scale, fp8_mma, split_kernel,
+                       kv_slots)
     return out.to(q.dtype), lse
 
 
 def _decode_out_cpu(q, q_pe, kv_cache, block_table, cache_seqlens, cu_seqlens_q, max_seqlen_q, softmax_scale, causal,
-                    tile_sched, req_splits, num_sm_parts, out, lse, *, k_scale=None, deterministic=False,
-                    fp8_mma=False, split_kernel=None, kv_slots=False):
+                    tile_sched, req_splits, num_sm_parts, out, lse, *, k_scale=None, q_scale=None,
+                    deterministic=False, fp8_mma=False, split_kernel=None, kv_slots=False):
     o, l = _decode(q, q_pe, kv_cache, block_table, cache_seqlens, cu_seqlens_q, max_seqlen_q, softmax_scale,
-                   causal, tile_sched, req_splits, num_sm_parts, out, k_scale, fp8_mma, split_kernel, kv_slots)
+                   causal, tile_sched, req_splits, num_sm_parts, out, k_scale, q_scale, fp8_mma, split_kernel,
+                   kv_slots)
     check.check_lse("lse", lse, q.shape[:-1], "q", q)
     out.copy_(o)
     lse.copy_(l)

@@ -146,22 +146,40 @@ def check_k_scale(kv_cache: Tensor, k_scale: Optional[Tensor]) -> None:
         return
     if k_scale is None:
         raise ValueError("a float8_e4m3fn kv_cache needs k_scale (float32 tensor of shape [1])")
-    want = "k_scale must be a float32 tensor of shape [1] (a tensor keeps CUDA graphs and torch.compile working)"
-    if not isinstance(k_scale, Tensor):
-        raise TypeError(f"{want}, got {type(k_scale).__name__}")
-    if k_scale.dtype != torch.float32:
-        raise TypeError(f"{want}, got dtype {k_scale.dtype}")
-    if k_scale.shape != (1,):
-        raise ValueError(f"{want}, got shape {tuple(k_scale.shape)}")
-    check_device("k_scale", k_scale, "kv_cache", kv_cache)
+    _check_scale_tensor("k_scale", k_scale, "kv_cache", kv_cache)
+
+
+def _check_scale_tensor(name: str, scale: object, like_name: str, like: Tensor) -> None:
+    """A scale the kernels read on the device: float32 [1] on like's device."""
+    want = f"{name} must be a float32 tensor of shape [1] (a tensor keeps CUDA graphs and torch.compile working)"
+    if not isinstance(scale, Tensor):
+        raise TypeError(f"{want}, got {type(scale).__name__}")
+    if scale.dtype != torch.float32:
+        raise TypeError(f"{want}, got dtype {scale.dtype}")
+    if scale.shape != (1,):
+        raise ValueError(f"{want}, got shape {tuple(scale.shape)}")
+    check_device(name, scale, like_name, like)
+
+
+def check_q_scale(q_scale: Optional[Tensor], fp8_mma: bool, q: Tensor) -> None:
+    """q_scale: optional with fp8_mma=True only; float32 [1] on q's device."""
+    if q_scale is None:
+        return
+    if not fp8_mma:
+        raise ValueError("q_scale is only valid with fp8_mma=True (it scales Q into e4m3 for the e4m3 MMAs)")
+    _check_scale_tensor("q_scale", q_scale, "q", q)
 
 
 def check_k_scale_value(k_scale: Optional[Tensor]) -> None:
     """Value check (host sync on GPU): the kernels fold k_scale into the score scale, which must be > 0."""
-    if k_scale is not None:
-        ks = float(k_scale)
-        if not (math.isfinite(ks) and ks > 0):
-            raise ValueError(f"k_scale must be finite and > 0, got {ks}")
+    _check_scale_value("k_scale", k_scale)
+
+
+def _check_scale_value(name: str, scale: Optional[Tensor]) -> None:
+    if scale is not None:
+        value = float(scale)
+        if not (math.isfinite(value) and value > 0):
+            raise ValueError(f"{name} must be finite and > 0, got {value}")
 
 
 def check_block_table_values(block_table: Tensor, lens: Tensor, num_pages: int, page_size: int) -> None:
@@ -279,9 +297,10 @@ def check_decode_kernel(kernel: Optional[str], cache_dtype: torch.dtype, rows: i
 
 
 def check_decode_options(q: Tensor, kv_cache: Tensor, k_scale: Optional[Tensor], fp8_mma: bool,
-                         kernel: Optional[str], max_seqlen_q: int) -> None:
-    """The FP8 scale and the kernel options of one decode call (after check_decode)."""
+                         kernel: Optional[str], max_seqlen_q: int, q_scale: Optional[Tensor] = None) -> None:
+    """The FP8 scales and the kernel options of one decode call (after check_decode)."""
     check_k_scale(kv_cache, k_scale)
+    check_q_scale(q_scale, fp8_mma, q)
     if fp8_mma and kv_cache.dtype != FP8:
         raise ValueError(f"fp8_mma=True needs a float8_e4m3fn kv_cache, got {kv_cache.dtype}")
     check_decode_kernel(kernel, kv_cache.dtype, max_seqlen_q * q.shape[-2])
@@ -318,9 +337,11 @@ def check_metadata(md: object, batch: int, max_seqlen_q: int, causal: bool, dete
 
 
 def check_decode_values(kv_cache: Tensor, block_table: Tensor, cache_seqlens: Tensor, cu_seqlens_q: Optional[Tensor],
-                        max_seqlen_q: int, num_tokens: int, k_scale: Optional[Tensor]) -> None:
+                        max_seqlen_q: int, num_tokens: int, k_scale: Optional[Tensor],
+                        q_scale: Optional[Tensor] = None) -> None:
     """Value checks of mla_decode (host sync on GPU)."""
     check_k_scale_value(k_scale)
+    _check_scale_value("q_scale", q_scale)
     page_size = kv_cache.shape[1]
     cap = block_table.shape[1] * page_size
     for b, n in enumerate(cache_seqlens.tolist()):

@@ -38,7 +38,8 @@ def mla_decode(q: Tensor, kv_cache: Tensor, block_table: Tensor, cache_seqlens: 
                q_pe: Optional[Tensor] = None, softmax_scale: Optional[float] = None, causal: bool = True,
                return_lse: bool = False, metadata: Optional[DecodeMetadata] = None, out: Optional[Tensor] = None,
                validate: Optional[bool] = None, deterministic: bool = False, k_scale: Optional[Tensor] = None,
-               fp8_mma: bool = False, _kernel: Optional[str] = None) -> Union[Tensor, tuple[Tensor, Tensor]]:
+               fp8_mma: bool = False, q_scale: Optional[Tensor] = None,
+               _kernel: Optional[str] = None) -> Union[Tensor, tuple[Tensor, Tensor]]:
     """Absorbed MLA decode attention over a paged latent KV cache.
 
     q [B, s_q, h_q, 576] (or 512 + q_pe [.., 64]), or varlen [T, h_q, 576|512] with cu_seqlens_q [B+1] and
@@ -53,13 +54,17 @@ def mla_decode(q: Tensor, kv_cache: Tensor, block_table: Tensor, cache_seqlens: 
     rounded to e4m3 (times a power of two) and so are the probabilities: faster where the kernel is
     bound by its MMAs (h_q 64-128), at several times the relative error against the reference on the
     dequantized cache (figures: BENCHMARKS.md). 16 rows or fewer stream the cache and keep 16-bit MMAs.
+    q_scale (fp8_mma=True only; float32 tensor [1], read on the device): where the MMAs run in e4m3, Q
+    enters them as e4m3(q / q_scale) (saturated at +-448) for every row, and the scores are rescaled by
+    q_scale * k_scale, as vLLM's FP8 decode path takes a per-tensor Q scale; without it each row gets its
+    own power-of-two scale (more precise).
     _kernel (private, for tests and benchmarks): run this split kernel (metadata.DECODE_KERNELS)
     instead of the one the dispatch chooses; ValueError if it cannot run the call.
     """
     check.check_softmax_scale(softmax_scale)
     batch, max_seqlen_q = check.check_decode(q, q_pe, kv_cache, block_table, cache_seqlens, cu_seqlens_q,
                                              max_seqlen_q, out)
-    check.check_decode_options(q, kv_cache, k_scale, fp8_mma, _kernel, max_seqlen_q)
+    check.check_decode_options(q, kv_cache, k_scale, fp8_mma, _kernel, max_seqlen_q, q_scale)
     if metadata is None:
         metadata = get_decode_metadata(cache_seqlens, q.shape[-2], cu_seqlens_q=cu_seqlens_q,
                                        max_seqlen_q=max_seqlen_q, causal=causal, deterministic=deterministic)
@@ -67,11 +72,11 @@ def mla_decode(q: Tensor, kv_cache: Tensor, block_table: Tensor, cache_seqlens: 
         check.check_metadata(metadata, batch, max_seqlen_q, causal, deterministic, q)
     if check.want_value_checks(validate, q.device):
         check.check_decode_values(kv_cache, block_table, cache_seqlens, cu_seqlens_q, max_seqlen_q, q.shape[0],
-                                  k_scale)
+                                  k_scale, q_scale)
 
     args = (q, q_pe, kv_cache, block_table, cache_seqlens, cu_seqlens_q, max_seqlen_q, float(softmax_scale),
             causal, metadata.tile_sched, metadata.req_splits, metadata.num_sm_parts)
-    kw = dict(k_scale=k_scale, deterministic=deterministic, fp8_mma=fp8_mma, split_kernel=_kernel)
+    kw = dict(k_scale=k_scale, q_scale=q_scale, deterministic=deterministic, fp8_mma=fp8_mma, split_kernel=_kernel)
     if out is None:
         out, lse = torch.ops.mla_attn.mla_decode(*args, **kw)
     else:

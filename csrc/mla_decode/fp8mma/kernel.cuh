@@ -127,7 +127,8 @@ __device__ void consume_fp8mma_tiles(const DecodeParams& p, typename Traits::Sha
   const int r0 = get<0>(tScS(0)), c = tid % 4;
   const float k_scale = *p.k_scale;
 
-  // ---- Q [64 rows, 576] into ss.q as e4m3, each row times e4m3_row_scale (recorded in q_scale).
+  // ---- Q [64 rows, 576] into ss.q as e4m3, each row times e4m3_row_scale, or 1 / *p.q_scale when
+  // given (the factor recorded in ss.q_scale).
   // Thread t loads 16-byte chunks t % 4, t % 4 + 4, ... of row t / 4 (rows past the request: zeros).
   auto load_q = [&](const Segment& s) {
     constexpr int kChunks = kHeadDimK / 8, kThreadsPerRow = 256 / kBlockM, kPerThread = kChunks / kThreadsPerRow;
@@ -146,7 +147,7 @@ __device__ void consume_fp8mma_tiles(const DecodeParams& p, typename Traits::Sha
       for (int k = 0; k < 8; ++k) row_max = fmaxf(row_max, fabsf(float(v[k])));
     }
     for (int x = 1; x < kThreadsPerRow; x *= 2) row_max = fmaxf(row_max, __shfl_xor_sync(0xffffffff, row_max, x));
-    const float scale = e4m3_row_scale(row_max);
+    const float scale = p.q_scale != nullptr ? 1.f / *p.q_scale : e4m3_row_scale(row_max);
     if (first == 0) ss.q_scale[r] = scale;
     const uint32_t q_base = mla_common::smem_addr(ss.q);
 #pragma unroll
