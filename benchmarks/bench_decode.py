@@ -293,20 +293,32 @@ class FlashInferFA3:
         self.Wrapper, self.Meta = BatchMLAPagedAttentionWrapper, MLAPlanMetadata
         self.workspace = torch.empty(256 << 20, dtype=torch.uint8, device=DEV)
 
-    def prepare(self, p, c):
-        q = p["q"]
-        b, s_q, h_q, _ = q.shape
+    @staticmethod
+    def csr(p):
+        """The paged cache as FlashInfer indexes it: (qo_indptr, kv_indptr) on the host, kv_indices on DEV."""
+        b, s_q = p["q"].shape[:2]
         npages = p["npages_cpu"]
         qo_indptr = torch.arange(b + 1, dtype=torch.int32) * s_q
         kv_indptr = torch.cat([torch.zeros(1, dtype=torch.int32), torch.cumsum(npages, 0).to(torch.int32)])
         kv_indices = torch.cat([p["table_cpu"][i, :int(n)] for i, n in enumerate(npages.tolist())])
-        kv_indices = kv_indices.to(torch.int32).to(DEV)
-        w = self.Wrapper(self.workspace, backend="fa3")
+        return qo_indptr, kv_indptr, kv_indices.to(torch.int32).to(DEV)
+
+    def plan(self, w, p, csr):
+        """w.plan for p's batch (a host call, outside any graph); bench_step.py times it per step."""
+        qo_indptr, kv_indptr, kv_indices = csr
+        s_q, h_q = p["q"].shape[1:3]
         w.plan(metadata=self.Meta.csr(qo_indptr=qo_indptr, kv_indptr=kv_indptr, kv_indices=kv_indices,
                                       kv_len_arr=p["lens_cpu"].clone()),
                num_heads=h_q, head_dim_ckv=D_V, head_dim_kpe=D_QK - D_V, page_size=p["page"],
                causal=s_q > 1, sm_scale=SCALE, q_data_type=torch.bfloat16, kv_data_type=torch.bfloat16,
                query_layout="packed", kv_cache_layout="packed", lse_mode="basee")
+
+    def prepare(self, p, c):
+        q = p["q"]
+        b, s_q, h_q, _ = q.shape
+        csr = self.csr(p)
+        w = self.Wrapper(self.workspace, backend="fa3")
+        self.plan(w, p, csr)
         qf = q.view(b * s_q, h_q, D_QK)
         cache = p["kv"].view(-1, p["page"], D_QK)
         out = torch.empty(b * s_q, h_q, D_V, dtype=torch.bfloat16, device=DEV)
@@ -320,7 +332,7 @@ class FlashInferFA3:
             out.fill_(float("nan"))
             lse.fill_(float("nan"))
             return run()
-        return dict(eager=eager, graph_fn=run, info={}, keep=(w, kv_indices))
+        return dict(eager=eager, graph_fn=run, info={}, keep=(w, csr))
 
 
 class FlashMLA:
