@@ -146,9 +146,32 @@ def test_layer_fp8_oracle_catches_a_wrong_scale():
     layer = MLAAttention(CONFIGS["q_lora"], dtype=torch.bfloat16)
     init_weights(layer, seed=1)
     real = layer._decode
-    layer._decode = lambda q_nope, q_pe, kv, batch, k_scale: real(q_nope, q_pe, kv, batch, k_scale * 1.05)
+    layer._decode = lambda q_nope, q_pe, kv, batch, k_scale, fp8_mma: real(q_nope, q_pe, kv, batch, k_scale * 1.05,
+                                                                         fp8_mma)
     with pytest.raises(AssertionError, match="max err"):
         _fp8_layer_check(layer, STEPS_CPU, "cpu", 16, 64, 8, factor=1.5)
+
+
+def test_layer_fp8_mma_cpu():
+    """forward(fp8_mma=True) reaches mla_decode: ValueError on a bf16 cache; on an FP8 cache the CPU ops
+    compute in fp32 whatever fp8_mma says, so the result equals fp8_mma=False bit for bit."""
+    layer = MLAAttention(dataclasses.replace(CONFIGS["q_lora"], num_heads=32), dtype=torch.bfloat16)
+    init_weights(layer, seed=1)
+    k_scale = torch.tensor([0.05])
+    # two requests with 5 and 9 cached tokens decode one token each (32 heads: above 16 rows)
+    prefill = MLABatch.build([5, 9], [0, 0], [[0], [1]], 16, "cpu")
+    decode = MLABatch.build([1, 1], [5, 9], [[0], [1]], 16, "cpu")
+    x = torch.randn(14, 256, generator=torch.Generator().manual_seed(0)).to(torch.bfloat16)
+    for dtype, scale in ((torch.bfloat16, None), (torch.float8_e4m3fn, k_scale)):
+        kv = torch.zeros(2, 16, 576, dtype=dtype)
+        layer(x, kv, prefill, k_scale=scale)
+        if scale is None:
+            with pytest.raises(ValueError, match="fp8_mma=True needs a float8_e4m3fn kv_cache"):
+                layer(x[:2], kv, decode, fp8_mma=True)
+            continue
+        exact = layer(x[:2], kv, decode, k_scale=scale)
+        e4m3 = layer(x[:2], kv, decode, k_scale=scale, fp8_mma=True)
+        assert torch.isfinite(e4m3).all() and torch.equal(e4m3, exact)
 
 
 @pytest.mark.gpu

@@ -104,7 +104,7 @@ class MLAAttention(nn.Module):
     def forward(self, hidden_states: Tensor, kv_cache: Tensor, batch: MLABatch, *,
                 k_scale: Optional[Tensor] = None, indices: Optional[Tensor] = None,
                 topk_length: Optional[Tensor] = None,
-                sparse_metadata: Optional[ops.SparseDecodeMetadata] = None) -> Tensor:
+                sparse_metadata: Optional[ops.SparseDecodeMetadata] = None, fp8_mma: bool = False) -> Tensor:
         """hidden_states [T, hidden] in batch order (decode tokens first); kv_cache [num_pages,
         page_size, 576] in the layer's dtype, or float8_e4m3fn with k_scale (fp32 [1]), or (with
         indices only) uint8 [num_pages, page_size, 656] in DeepSeek-V3.2's ds_mla_fp8 layout, written
@@ -113,7 +113,11 @@ class MLAAttention(nn.Module):
         attends to, this step's own tokens included (they are written to the cache first); -1 and
         slots outside the cache are skipped; topk_length int32 [T] (optional) counts the first ones of
         each row; sparse_metadata: get_sparse_decode_metadata(indices, kv_cache, num_heads,
-        topk_length=...), made once per step for all layers (computed per call when omitted)."""
+        topk_length=...), made once per step for all layers (computed per call when omitted).
+        fp8_mma=True (float8_e4m3fn cache only): passed to mla_decode for the decode requests, whose
+        MMAs then run in e4m3 above 16 query rows per request (h * query_len > 16; any with a
+        deterministic batch); see mla_decode. mla_decode checks it: a step with decode requests raises
+        ValueError on another cache. Prefills and sparse attention (indices=) do not use it."""
         c = self.config
         T, h = hidden_states.shape[0], c.num_heads
         if c.q_lora_rank is None:
@@ -133,7 +137,7 @@ class MLAAttention(nn.Module):
         n_d = batch.num_decode_tokens
         parts = []
         if n_d:
-            parts.append(self._decode(q_nope[:n_d], q_pe[:n_d], kv_cache, batch, k_scale))
+            parts.append(self._decode(q_nope[:n_d], q_pe[:n_d], kv_cache, batch, k_scale, fp8_mma))
         if batch.num_prefill_tokens:
             parts.append(self._prefill(q_nope[n_d:], q_pe[n_d:], latent[n_d:], k_pe[n_d:], kv_cache, batch, k_scale))
         if not parts:
@@ -142,13 +146,14 @@ class MLAAttention(nn.Module):
         return self.o_proj(attn.reshape(T, h * c.v_head_dim))
 
     def _decode(self, q_nope: Tensor, q_pe: Tensor, kv_cache: Tensor, batch: MLABatch,
-                k_scale: Optional[Tensor]) -> Tensor:
+                k_scale: Optional[Tensor], fp8_mma: bool) -> Tensor:
         """Absorbed: scores q_nope.(W_UK c) = (q_nope W_UK).c, so attend in the 512-dim latent space."""
         q_latent = torch.einsum("thd,hdc->thc", q_nope, self.w_uk)
         out = ops.mla_decode(q_latent, kv_cache, batch.decode_block_table, batch.decode_seq_lens,
                              cu_seqlens_q=batch.decode_cu_seqlens_q, max_seqlen_q=batch.max_decode_query_len,
                              q_pe=q_pe, softmax_scale=self.softmax_scale, causal=True,
-                             metadata=batch.decode_metadata, deterministic=batch.deterministic, k_scale=k_scale)
+                             metadata=batch.decode_metadata, deterministic=batch.deterministic, k_scale=k_scale,
+                             fp8_mma=fp8_mma)
         return torch.einsum("thc,hcv->thv", out, self.w_uv)
 
     def _sparse(self, q_nope: Tensor, q_pe: Tensor, kv_cache: Tensor, indices: Tensor, topk_length: Optional[Tensor],
