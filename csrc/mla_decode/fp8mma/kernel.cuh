@@ -189,7 +189,7 @@ __device__ void consume_fp8mma_tiles(const DecodeParams& p, typename Traits::Sha
           reinterpret_cast<typename Traits::Fp8*>(ss.k[mla_common::warp_uniform(stage)]), ss.kv_full[stage], phase, 0, kSlabs);
     };
     auto release_stage = [&](int it) {
-      if (tid_in_wg == 0) cutlass::arch::ClusterBarrier::arrive(&ss.kv_empty[it % Traits::kStages]);
+      if (kEveryThreadReleases || tid_in_wg == 0) cutlass::arch::ClusterBarrier::arrive(&ss.kv_empty[it % Traits::kStages]);
     };
 
     for (int blk = seg.blk_lo; blk < seg.blk_hi; ++blk, ++iteration) {

@@ -258,7 +258,7 @@ __device__ void consume_kv_tiles(const DecodeParams& p, typename Traits::SharedS
         // while the rest of QK^T runs (measured faster with one q-tile, slower with two).
         const bool release_early = !Traits::kFp8Kv && p.num_q_tiles == 1;
         auto release_previous_stage = [&] {
-          if (blk > seg.blk_lo && tid_in_wg == 0) cutlass::arch::ClusterBarrier::arrive(&ss.kv_empty[(iteration - 1) % kStages]);
+          if (blk > seg.blk_lo && (kEveryThreadReleases || tid_in_wg == 0)) cutlass::arch::ClusterBarrier::arrive(&ss.kv_empty[(iteration - 1) % kStages]);
         };
         if constexpr (Traits::kFp8Kv) {
           Fp8SlabConverter<Traits>::convert_tile(ss, stage, phase, tid, valid_keys, issue_qk);
@@ -306,7 +306,7 @@ __device__ void consume_kv_tiles(const DecodeParams& p, typename Traits::SharedS
           Fp8SlabConverter<Traits>::convert_tile(ss, stage, phase, tid, valid_keys, [](int, int) {});
         }
         warpgroup_wait<0>();  // this WG's PV of the previous block: it no longer reads P
-        if (blk > seg.blk_lo && tid_in_wg == 0) {
+        if (blk > seg.blk_lo && (kEveryThreadReleases || tid_in_wg == 0)) {
           cutlass::arch::ClusterBarrier::arrive(&ss.kv_empty[(iteration - 1) % kStages]);
         }
         if (blk > seg.blk_lo) named_barrier_sync<int(Rows64Barrier::kPFree0), 256>(owner);
@@ -347,7 +347,7 @@ __device__ void consume_kv_tiles(const DecodeParams& p, typename Traits::SharedS
                                            mla_common::smem_addr(ss.k[last_stage]) + warpgroup * kStagingBytes,
                                            tid_in_wg, 256 * warpgroup, tOrO, warpgroup_sync);
       warpgroup_sync();
-      if (tid_in_wg == 0) cutlass::arch::ClusterBarrier::arrive(&ss.kv_empty[last_stage]);
+      if (kEveryThreadReleases || tid_in_wg == 0) cutlass::arch::ClusterBarrier::arrive(&ss.kv_empty[last_stage]);
     } else {  // no key block was loaded: no stage to stage through
       store_empty_output_tile<Element>(p, seg, m_block);
     }

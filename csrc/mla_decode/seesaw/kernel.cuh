@@ -148,7 +148,7 @@ __device__ __forceinline__ void consume_seesaw_pairs(const DecodeParams& p, cons
   };
   Segment seg{};  // the request being processed
   auto release = [&](int stage) __attribute__((always_inline)) {
-    if (tid_in_wg == 0) Barrier::arrive(&ss.kv_empty[stage][wg]);
+    if (kEveryThreadReleases || tid_in_wg == 0) Barrier::arrive(&ss.kv_empty[stage][wg]);
   };
   // The segment's last block stays in its stage until the epilogue has staged the output there.
   auto release_unless_last = [&](int stage, int blk) __attribute__((always_inline)) {
@@ -459,7 +459,7 @@ struct SeesawKernel {
       for (int slab = 0; slab < kSlabs; ++slab) {
         cutlass::arch::ClusterTransactionBarrier::init(&ss.kv_full[s][slab], kKvFullArrivals<kGather>);
       }
-      for (int w = 0; w < 2; ++w) cutlass::arch::ClusterBarrier::init(&ss.kv_empty[s][w], 1);
+      for (int w = 0; w < 2; ++w) cutlass::arch::ClusterBarrier::init(&ss.kv_empty[s][w], kStageReleaseArrivals);
     }
     cutlass::arch::ClusterTransactionBarrier::init(&ss.q_full, 1);
     cutlass::arch::fence_barrier_init();

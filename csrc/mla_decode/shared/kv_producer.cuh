@@ -169,6 +169,18 @@ __device__ __forceinline__ void racecheck_acquire_stage(typename Traits::SharedS
 #endif
 }
 
+// A math warpgroup hands a stage back with one arrival on its kv_empty barrier, from thread 0 after
+// a barrier over the warpgroup. Racecheck builds (MLA_ATTN_RACECHECK): every thread arrives, after
+// its own shared-memory writes into the stage (output staging, the fp8 conversion), since racecheck
+// does not carry the order of those writes through the named barrier to thread 0's arrival and on
+// to the producer's next copies into the stage (scripts/racecheck_probe.cu).
+#ifdef MLA_ATTN_RACECHECK
+inline constexpr bool kEveryThreadReleases = true;
+#else
+inline constexpr bool kEveryThreadReleases = false;
+#endif
+inline constexpr int kStageReleaseArrivals = kEveryThreadReleases ? 128 : 1;  // per warpgroup
+
 // Thread 0 initialises the ring's barriers: kv_full[stage][slab] (kKvFullArrivals) and
 // kv_empty[stage] (empty_arrivals); the caller syncs the CTA after.
 template <typename Traits, bool kGather>
@@ -227,7 +239,7 @@ struct KvRingKernel {
 
   template <bool kGather>
   __device__ __forceinline__ static void init_barriers(SharedStorage& ss) {
-    init_kv_ring<Traits, kGather>(ss, kNumMathWarpgroups);
+    init_kv_ring<Traits, kGather>(ss, kNumMathWarpgroups * kStageReleaseArrivals);
   }
   template <bool kGather>
   __device__ __forceinline__ static void produce(const DecodeParams& p, const DecodeTma& tma, SharedStorage& ss,
