@@ -21,10 +21,11 @@ Formulas (R = b * s_q query tokens, V = the valid indices of all tokens = R * TO
 --kv-format ds_mla_fp8: the same values in DeepSeek-V3.2's 656-byte FP8 rows (quantize_ds_mla_fp8);
 the reference reads the dequantised rows.
 
---flashmla-module MOD: also time MOD.flash_mla_sparse_fwd(q [R, h_q, 576], kv [slots, 1, 576],
-indices [R, 1, topk], scale) (FlashMLA's sparse prefill kernel, bf16) on the same data, where it
-imports and runs (h_q it supports); its result is checked like ours. A build you made yourself: no
-peer code or binary belongs in this repository.
+--flashmla-module MOD: also time FlashMLA on the same data, where it imports and runs (the h_q it
+supports), checked like ours: bf16 cache: MOD.flash_mla_sparse_fwd(q [R, h_q, 576], kv [slots, 1, 576],
+indices [R, 1, topk], scale) (its sparse prefill kernel); ds_mla_fp8: MOD.flash_mla_with_kvcache(q, the
+same rows as float8_e4m3fn [pages, 64, 1, 656], indices=..., is_fp8_kvcache=True) (its sparse decode
+kernel). A build you made yourself: no peer code or binary belongs in this repository.
 
 Outputs: <out>/bench_sparse[_ds_mla_fp8].json and .md (the markdown table, printed last).
 usage: python benchmarks/bench_sparse.py [--quick] [--only h128_s1,...] [--out DIR] [--rep-ms 100]
@@ -101,6 +102,28 @@ def check(p, out, lse):
     return dict(ok=ok, rel_l2=rel, lse_err=lse_err)
 
 
+def flashmla_peer(flashmla, q, kv, idx, kv_format):
+    """FlashMLA on the same data: a callable returning (out, lse) shaped like ours after a reshape.
+    bf16: its sparse prefill kernel, one query token per row; ds_mla_fp8: its sparse decode kernel on
+    the same 656-byte rows (float8_e4m3fn [pages, 64, 1, 656])."""
+    if kv_format == "bf16":
+        rows = q.shape[0] * q.shape[1]
+        q_tok, kv_rows, idx_tok = q.reshape(rows, q.shape[2], D_QK), kv.view(-1, 1, D_QK), idx.reshape(rows, 1, TOPK)
+
+        def sparse_prefill():
+            out, _, lse = flashmla.flash_mla_sparse_fwd(q_tok, kv_rows, idx_tok, SCALE)[:3]  # out, max_logits, lse
+            return out, lse
+        return sparse_prefill
+    meta, _ = flashmla.get_mla_metadata()  # planned by the first call, then reused
+    k_cache = kv.view(torch.float8_e4m3fn).unsqueeze(-2)
+
+    def sparse_decode():
+        out, lse = flashmla.flash_mla_with_kvcache(q, k_cache, None, None, D_V, meta, None, softmax_scale=SCALE,
+                                                   is_fp8_kvcache=True, indices=idx)
+        return out, lse.transpose(1, 2)  # lse [b, h_q, s_q] -> token-major like ours
+    return sparse_decode
+
+
 def run_config(c, timer, rep_ms, flashmla, kv_format):
     import mla_attn
     p = make_problem(c, seed=c["h_q"] * 100 + c["s_q"] * 10 + c["b"], kv_format=kv_format)
@@ -123,14 +146,10 @@ def run_config(c, timer, rep_ms, flashmla, kv_format):
     g_attn, _ = capture(lambda: mla_attn.mla_sparse_decode(q, kv, idx, softmax_scale=SCALE, out=out, metadata=md))
     graphs, names = [g_op, g_attn], ["op", "attn"]
 
-    if flashmla is not None and kv_format == "bf16":
+    if flashmla is not None:
         try:
-            rows = q.shape[0] * q.shape[1]
-            q_tok, kv_rows = q.reshape(rows, c["h_q"], D_QK), kv.view(-1, 1, D_QK)
-            idx_tok = idx.reshape(rows, 1, TOPK)
-            fm = lambda: flashmla.flash_mla_sparse_fwd(q_tok, kv_rows, idx_tok, SCALE)  # noqa: E731
-            fm_out = fm()
-            o, l = fm_out[0], fm_out[2]  # (out, max_logits, lse)
+            fm = flashmla_peer(flashmla, q, kv, idx, kv_format)
+            o, l = fm()
             res["flashmla_check"] = check(p, o.reshape(out.shape), l.reshape(lse.shape))
             g_fm, _ = capture(fm)
             graphs.append(g_fm)
@@ -164,7 +183,9 @@ def table(results, with_fm):
                f"{r['attn']['cold_us']:.1f}", f"{r['tflops']:.1f}", f"{r['gbps']:.0f}"]
         if with_fm:
             fm = r.get("flashmla")
-            row += [f"{fm['cold_us']:.1f}", f"{fm['cold_us'] / r['op']['cold_us']:.2f}"] if fm else ["-", "-"]
+            fm_ok = fm and r["flashmla_check"]["ok"]
+            row += [f"{fm['cold_us']:.1f}" + ("" if fm_ok else " (FAIL)"), f"{fm['cold_us'] / r['op']['cold_us']:.2f}"] \
+                if fm else ["-", "-"]
         lines.append("| " + " | ".join(row) + " |")
     return "\n".join(lines)
 
@@ -176,7 +197,7 @@ def main():
     ap.add_argument("--out", default=os.path.join(os.path.dirname(os.path.abspath(__file__)), "results"))
     ap.add_argument("--rep-ms", type=float, default=100.0)
     ap.add_argument("--kv-format", choices=("bf16", "ds_mla_fp8"), default="bf16")
-    ap.add_argument("--flashmla-module", default=None, help="import path of a FlashMLA build (flash_mla; bf16 only)")
+    ap.add_argument("--flashmla-module", default=None, help="import path of a FlashMLA build (flash_mla)")
     args = ap.parse_args()
 
     flashmla = None
