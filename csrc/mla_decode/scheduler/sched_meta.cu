@@ -12,8 +12,11 @@
 //                                      y - kFixedSplitCost - S_e blocks when that is positive (a
 //                                      cut piece pays the fixed cost again, hence the shift);
 //   S_max(b+1, e)                      whole requests (x = S_b): requests up to e, at least one.
-// So a walk is one search per part (a warp: 32 prefix sums at a time, moving forward only), and
-// every output follows from the part starts in parallel.
+// A split walk moves x by C - kFixedSplitCost until y lands in a request's first kFixedSplitCost
+// positions or reaches total, so a warp places up to 32 parts per round (walk_split_parts); a whole
+// walk moves from request to request, so a warp finds the next request of 32 consecutive ones at
+// once and follows the chain through them (walk_whole_parts). Every output follows from the part
+// starts in parallel.
 #include <climits>
 #include "mla_decode/config.h"
 #include "mla_decode/decode.h"
@@ -74,47 +77,64 @@ __device__ __forceinline__ T block_inclusive_scan(T v, T* warp_sums, T* total) {
   return before + v;
 }
 
-// One warp walks num_sm_parts parts of cost C (whole: requests are never cut) and writes the part
-// starts to starts[0, num_sm_parts) (total for a part with no request); returns whether the parts
-// took every request (schedule_cpu's last part, which takes the rest, walked like the others).
-// incl[b] = S_b+1. Lane l holds incl[win + l]; win only moves forward, as the starts do.
-__device__ __forceinline__ bool walk_parts(const long long* incl, int batch, long long total, int num_sm_parts,
-                           long long C, bool whole, long long* starts) {
+// One warp walks num_sm_parts parts of cost C and writes the part starts to starts[0, num_sm_parts)
+// (total for a part with no request); returns whether the parts took every request (schedule_cpu's
+// last part, which takes the rest, walked like the others). incl[b] = S_b+1.
+//
+// Splitting parts: lane l places part p + l at x + l (C - kFixedSplitCost), valid while no earlier
+// lane's part ended at a request start or took the rest; the first lane that does ends the round.
+__device__ __forceinline__ bool walk_split_parts(const long long* incl, int batch, long long total,
+                                                 int num_sm_parts, long long C, long long* starts) {
   const int lane = threadIdx.x % 32;
-  int win = 0, b = 0;  // b: the request holding x
-  long long x = 0, before_win = 0;  // before_win = S_win
-  long long w = lane < batch ? incl[lane] : LLONG_MAX;
+  const long long piece = C - kFixedSplitCost;  // >= 1: C > kFixedSplitCost on every split walk
+  long long x = 0;
   int p = 0;
-  for (; p < num_sm_parts && x < total; ++p) {
-    if (lane == 0) starts[p] = x;
-    const long long y = x + C;
-    if (y >= total) {  // this part takes the rest
-      x = total;
-      continue;
+  while (p < num_sm_parts && x < total) {
+    const long long start = x + lane * piece, y = start + C;
+    bool stops = true;  // this lane's part takes the rest or ends at a request start
+    long long next = total;
+    if (y < total) {
+      const int e = count_le(incl, batch, y);
+      const long long s_e = e > 0 ? incl[e - 1] : 0;
+      stops = y - kFixedSplitCost < s_e;
+      next = max(y - kFixedSplitCost, s_e);
     }
-    unsigned le = __ballot_sync(kFullMask, w <= y);
-    while (le == kFullMask) {  // y < total: an entry above y exists
-      before_win = __shfl_sync(kFullMask, w, 31);
-      win += 32;
-      w = win + lane < batch ? incl[win + lane] : LLONG_MAX;
-      le = __ballot_sync(kFullMask, w <= y);
-    }
-    const int k = __popc(le), e = win + k;  // e = #(incl <= y): the request holding y
-    const long long s_e = k > 0 ? __shfl_sync(kFullMask, w, max(k - 1, 0)) : before_win;
-    const long long s_next = __shfl_sync(kFullMask, w, k);  // S_e+1 (k < 32)
-    if (!whole) {
-      x = max(y - kFixedSplitCost, s_e);
-      b = e;
-    } else if (e > b) {
-      x = s_e;
-      b = e;
-    } else {  // request b alone costs more than C: the part takes it whole
-      x = s_next;
-      b = e + 1;
-    }
+    const unsigned stopping = __ballot_sync(kFullMask, stops);
+    const int last = min(stopping ? __ffs(stopping) - 1 : 31, num_sm_parts - 1 - p);
+    if (lane <= last) starts[p + lane] = start;
+    x = __shfl_sync(kFullMask, next, last);
+    p += last + 1;
   }
   for (int q = p + lane; q < num_sm_parts; q += 32) starts[q] = total;
   return x == total;
+}
+
+// Whole requests: a part starting at request r ends before next(r) = max(e, r + 1), e the request
+// holding S_r + C (batch: it takes the rest). Lane l holds next(b + l); the chain from b is followed
+// by shuffles while it stays among those 32 requests.
+__device__ __forceinline__ bool walk_whole_parts(const long long* incl, int batch, long long total,
+                                                 int num_sm_parts, long long C, long long* starts) {
+  const int lane = threadIdx.x % 32;
+  int b = 0, p = 0;
+  while (p < num_sm_parts && b < batch) {
+    const int r = b + lane;
+    const long long s_r = r > 0 && r <= batch ? incl[r - 1] : 0;
+    int next = batch;
+    if (r < batch && s_r + C < total) next = max(count_le(incl, batch, s_r + C), r + 1);
+    for (int cur = 0;;) {
+      if (lane == cur) starts[p] = s_r;
+      ++p;
+      const int n = __shfl_sync(kFullMask, next, cur);
+      if (n < batch && n - b < 32 && p < num_sm_parts) {
+        cur = n - b;
+      } else {
+        b = n;
+        break;
+      }
+    }
+  }
+  for (int q = p + lane; q < num_sm_parts; q += 32) starts[q] = total;
+  return b == batch;
 }
 
 // deterministic: a part never cuts a request; a part that is still empty takes its next request
@@ -177,7 +197,11 @@ __global__ void __launch_bounds__(kMetadataThreads, 1)
     } else if (batch > 0 && capacity_lo + (warp - kFirstCapacityWalk) <= upper + kNoSplitSlack) {
       C = capacity_lo + (warp - kFirstCapacityWalk);
     }
-    const bool fits = C >= 0 && walk_parts(incl, batch, total, P, C, whole, walk_starts + warp * P);
+    long long* starts = walk_starts + warp * P;
+    bool fits = false;
+    if (C >= 0) {
+      fits = whole ? walk_whole_parts(incl, batch, total, P, C, starts) : walk_split_parts(incl, batch, total, P, C, starts);
+    }
     if (lane == 0) walk_fits[warp] = fits;
   }
   __syncthreads();
