@@ -12,11 +12,14 @@
 //                                      y - kFixedSplitCost - S_e blocks when that is positive (a
 //                                      cut piece pays the fixed cost again, hence the shift);
 //   S_max(b+1, e)                      whole requests (x = S_b): requests up to e, at least one.
-// A split walk moves x by C - kFixedSplitCost until y lands in a request's first kFixedSplitCost
-// positions or reaches total, so a warp places up to 32 parts per round (walk_split_parts); a whole
-// walk moves from request to request, so a warp finds the next request of 32 consecutive ones at
-// once and follows the chain through them (walk_whole_parts). Every output follows from the part
-// starts in parallel.
+// A split walk moves x by piece = C - kFixedSplitCost while no part ends at a request start; a part
+// that does (S_e in (y - kFixedSplitCost, y]) moves every later start by S_e - (y - kFixedSplitCost),
+// 1 to kFixedSplitCost. So a warp places 32 parts per round (fewer only where the walk ends), stops
+// or not (walk_split_parts): lane l takes part p + l at x + l piece + shift, shift being what the
+// stops before it added; each stop costs a ballot, not a search.
+// A whole walk moves from request to request, so a warp finds the next request of 32 consecutive
+// ones at once and follows the chain through them (walk_whole_parts). Every output follows from the
+// part starts in parallel.
 #include <climits>
 #include "mla_decode/config.h"
 #include "mla_decode/decode.h"
@@ -77,34 +80,66 @@ __device__ __forceinline__ T block_inclusive_scan(T v, T* warp_sums, T* total) {
   return before + v;
 }
 
+// The first request start above v (total if none): t = incl[k] = S_k+1, k moving forward only.
+__device__ __forceinline__ void first_start_above(const long long* incl, int batch, long long total,
+                                                  long long v, int& k, long long& t) {
+  while (k < batch && t <= v) {
+    ++k;
+    t = k < batch ? incl[k] : total;
+  }
+}
+
+// One round of a split walk from x: lane l places part l (of at most max_parts) at starts[l]. Part l
+// starts at x + l piece + shift and ends at y = cut + kFixedSplitCost, cut = x + (l + 1) piece + shift:
+// the next part starts at cut, or at the request start in (cut, y] if there is one (the part stops
+// there; S_e <= y < S_e+1 and y - kFixedSplitCost < S_e), or takes the rest (y >= total). shift, 0
+// at first, grows by 1 to kFixedSplitCost at each stop, so each lane keeps the first request start
+// above its cut (t) and moves it forward when the shift grows (past one start at most). Each stop
+// costs a ballot and a shuffle, not a search. Returns the parts placed; x becomes the next start.
+__device__ __forceinline__ int split_round(const long long* incl, int batch, long long total, long long C,
+                                           int max_parts, long long& x, long long* starts) {
+  const int lane = threadIdx.x % 32;
+  const long long piece = C - kFixedSplitCost;  // >= 1: C > kFixedSplitCost on every split walk
+  const long long cut0 = x + (lane + 1) * piece;  // this lane's cut before any shift
+  int k = count_le(incl, batch, cut0);
+  long long t = k < batch ? incl[k] : total;
+  const int last = min(31, max_parts - 1);  // the last lane that may place a part
+  long long shift = 0, start = 0;
+  int placed = 0;
+  for (int first = 0;;) {  // lanes [first, last] have the current shift
+    const bool live = lane >= first && lane <= last;
+    const long long cut = cut0 + shift, y = cut + kFixedSplitCost;
+    if (live) first_start_above(incl, batch, total, cut, k, t);
+    const unsigned stopping = __ballot_sync(kFullMask, live && (y >= total || t <= y));
+    const int stop = stopping ? __ffs(stopping) - 1 : last + 1;  // lanes [first, stop) end at their cut
+    if (live && lane <= stop) start = cut - piece;
+    if (stop > last) {
+      placed = last + 1;
+      x += placed * piece + shift;
+      break;
+    }
+    const long long next = __shfl_sync(kFullMask, y >= total ? total : t, stop);
+    first = stop + 1;
+    if (next == total || first > last) {
+      placed = first;
+      x = next;
+      break;
+    }
+    shift = next - (x + first * piece);  // part `first` starts at the request start `next`
+  }
+  if (lane < placed) starts[lane] = start;
+  return placed;
+}
+
 // One warp walks num_sm_parts parts of cost C and writes the part starts to starts[0, num_sm_parts)
 // (total for a part with no request); returns whether the parts took every request (schedule_cpu's
 // last part, which takes the rest, walked like the others). incl[b] = S_b+1.
-//
-// Splitting parts: lane l places part p + l at x + l (C - kFixedSplitCost), valid while no earlier
-// lane's part ended at a request start or took the rest; the first lane that does ends the round.
 __device__ __forceinline__ bool walk_split_parts(const long long* incl, int batch, long long total,
                                                  int num_sm_parts, long long C, long long* starts) {
   const int lane = threadIdx.x % 32;
-  const long long piece = C - kFixedSplitCost;  // >= 1: C > kFixedSplitCost on every split walk
   long long x = 0;
   int p = 0;
-  while (p < num_sm_parts && x < total) {
-    const long long start = x + lane * piece, y = start + C;
-    bool stops = true;  // this lane's part takes the rest or ends at a request start
-    long long next = total;
-    if (y < total) {
-      const int e = count_le(incl, batch, y);
-      const long long s_e = e > 0 ? incl[e - 1] : 0;
-      stops = y - kFixedSplitCost < s_e;
-      next = max(y - kFixedSplitCost, s_e);
-    }
-    const unsigned stopping = __ballot_sync(kFullMask, stops);
-    const int last = min(stopping ? __ffs(stopping) - 1 : 31, num_sm_parts - 1 - p);
-    if (lane <= last) starts[p + lane] = start;
-    x = __shfl_sync(kFullMask, next, last);
-    p += last + 1;
-  }
+  while (p < num_sm_parts && x < total) p += split_round(incl, batch, total, C, num_sm_parts - p, x, starts + p);
   for (int q = p + lane; q < num_sm_parts; q += 32) starts[q] = total;
   return x == total;
 }
