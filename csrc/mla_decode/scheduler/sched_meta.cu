@@ -12,8 +12,14 @@
 //                                      y - kFixedSplitCost - S_e blocks when that is positive (a
 //                                      cut piece pays the fixed cost again, hence the shift);
 //   S_max(b+1, e)                      whole requests (x = S_b): requests up to e, at least one.
-// So a walk is one search per part (a warp: 32 prefix sums at a time, moving forward only), and
-// every output follows from the part starts in parallel.
+// A split walk moves x by piece = C - kFixedSplitCost while no part ends at a request start; a part
+// that does (S_e in (y - kFixedSplitCost, y]) moves every later start by S_e - (y - kFixedSplitCost),
+// 1 to kFixedSplitCost. So a warp places 32 parts per round (fewer only where the walk ends), stops
+// or not (walk_split_parts): lane l takes part p + l at x + l piece + shift, shift being what the
+// stops before it added; each stop costs a ballot, not a search.
+// A whole walk moves from request to request, so a warp finds the next request of 32 consecutive
+// ones at once and follows the chain through them (walk_whole_parts). Every output follows from the
+// part starts in parallel.
 #include <climits>
 #include "mla_decode/config.h"
 #include "mla_decode/decode.h"
@@ -74,47 +80,96 @@ __device__ __forceinline__ T block_inclusive_scan(T v, T* warp_sums, T* total) {
   return before + v;
 }
 
-// One warp walks num_sm_parts parts of cost C (whole: requests are never cut) and writes the part
-// starts to starts[0, num_sm_parts) (total for a part with no request); returns whether the parts
-// took every request (schedule_cpu's last part, which takes the rest, walked like the others).
-// incl[b] = S_b+1. Lane l holds incl[win + l]; win only moves forward, as the starts do.
-__device__ __forceinline__ bool walk_parts(const long long* incl, int batch, long long total, int num_sm_parts,
-                           long long C, bool whole, long long* starts) {
+// The first request start above v (total if none): t = incl[k] = S_k+1, k moving forward only.
+__device__ __forceinline__ void first_start_above(const long long* incl, int batch, long long total,
+                                                  long long v, int& k, long long& t) {
+  while (k < batch && t <= v) {
+    ++k;
+    t = k < batch ? incl[k] : total;
+  }
+}
+
+// One round of a split walk from x: lane l places part l (of at most max_parts) at starts[l]. Part l
+// starts at x + l piece + shift and ends at y = cut + kFixedSplitCost, cut = x + (l + 1) piece + shift:
+// the next part starts at cut, or at the request start in (cut, y] if there is one (the part stops
+// there; S_e <= y < S_e+1 and y - kFixedSplitCost < S_e), or takes the rest (y >= total). shift, 0
+// at first, grows by 1 to kFixedSplitCost at each stop, so each lane keeps the first request start
+// above its cut (t) and moves it forward when the shift grows (past one start at most). Each stop
+// costs a ballot and a shuffle, not a search. Returns the parts placed; x becomes the next start.
+__device__ __forceinline__ int split_round(const long long* incl, int batch, long long total, long long C,
+                                           int max_parts, long long& x, long long* starts) {
   const int lane = threadIdx.x % 32;
-  int win = 0, b = 0;  // b: the request holding x
-  long long x = 0, before_win = 0;  // before_win = S_win
-  long long w = lane < batch ? incl[lane] : LLONG_MAX;
+  const long long piece = C - kFixedSplitCost;  // >= 1: C > kFixedSplitCost on every split walk
+  const long long cut0 = x + (lane + 1) * piece;  // this lane's cut before any shift
+  int k = count_le(incl, batch, cut0);
+  long long t = k < batch ? incl[k] : total;
+  const int last = min(31, max_parts - 1);  // the last lane that may place a part
+  long long shift = 0, start = 0;
+  int placed = 0;
+  for (int first = 0;;) {  // lanes [first, last] have the current shift
+    const bool live = lane >= first && lane <= last;
+    const long long cut = cut0 + shift, y = cut + kFixedSplitCost;
+    if (live) first_start_above(incl, batch, total, cut, k, t);
+    const unsigned stopping = __ballot_sync(kFullMask, live && (y >= total || t <= y));
+    const int stop = stopping ? __ffs(stopping) - 1 : last + 1;  // lanes [first, stop) end at their cut
+    if (live && lane <= stop) start = cut - piece;
+    if (stop > last) {
+      placed = last + 1;
+      x += placed * piece + shift;
+      break;
+    }
+    const long long next = __shfl_sync(kFullMask, y >= total ? total : t, stop);
+    first = stop + 1;
+    if (next == total || first > last) {
+      placed = first;
+      x = next;
+      break;
+    }
+    shift = next - (x + first * piece);  // part `first` starts at the request start `next`
+  }
+  if (lane < placed) starts[lane] = start;
+  return placed;
+}
+
+// One warp walks num_sm_parts parts of cost C and writes the part starts to starts[0, num_sm_parts)
+// (total for a part with no request); returns whether the parts took every request (schedule_cpu's
+// last part, which takes the rest, walked like the others). incl[b] = S_b+1.
+__device__ __forceinline__ bool walk_split_parts(const long long* incl, int batch, long long total,
+                                                 int num_sm_parts, long long C, long long* starts) {
+  const int lane = threadIdx.x % 32;
+  long long x = 0;
   int p = 0;
-  for (; p < num_sm_parts && x < total; ++p) {
-    if (lane == 0) starts[p] = x;
-    const long long y = x + C;
-    if (y >= total) {  // this part takes the rest
-      x = total;
-      continue;
-    }
-    unsigned le = __ballot_sync(kFullMask, w <= y);
-    while (le == kFullMask) {  // y < total: an entry above y exists
-      before_win = __shfl_sync(kFullMask, w, 31);
-      win += 32;
-      w = win + lane < batch ? incl[win + lane] : LLONG_MAX;
-      le = __ballot_sync(kFullMask, w <= y);
-    }
-    const int k = __popc(le), e = win + k;  // e = #(incl <= y): the request holding y
-    const long long s_e = k > 0 ? __shfl_sync(kFullMask, w, max(k - 1, 0)) : before_win;
-    const long long s_next = __shfl_sync(kFullMask, w, k);  // S_e+1 (k < 32)
-    if (!whole) {
-      x = max(y - kFixedSplitCost, s_e);
-      b = e;
-    } else if (e > b) {
-      x = s_e;
-      b = e;
-    } else {  // request b alone costs more than C: the part takes it whole
-      x = s_next;
-      b = e + 1;
+  while (p < num_sm_parts && x < total) p += split_round(incl, batch, total, C, num_sm_parts - p, x, starts + p);
+  for (int q = p + lane; q < num_sm_parts; q += 32) starts[q] = total;
+  return x == total;
+}
+
+// Whole requests: a part starting at request r ends before next(r) = max(e, r + 1), e the request
+// holding S_r + C (batch: it takes the rest). Lane l holds next(b + l); the chain from b is followed
+// by shuffles while it stays among those 32 requests.
+__device__ __forceinline__ bool walk_whole_parts(const long long* incl, int batch, long long total,
+                                                 int num_sm_parts, long long C, long long* starts) {
+  const int lane = threadIdx.x % 32;
+  int b = 0, p = 0;
+  while (p < num_sm_parts && b < batch) {
+    const int r = b + lane;
+    const long long s_r = r > 0 && r <= batch ? incl[r - 1] : 0;
+    int next = batch;
+    if (r < batch && s_r + C < total) next = max(count_le(incl, batch, s_r + C), r + 1);
+    for (int cur = 0;;) {
+      if (lane == cur) starts[p] = s_r;
+      ++p;
+      const int n = __shfl_sync(kFullMask, next, cur);
+      if (n < batch && n - b < 32 && p < num_sm_parts) {
+        cur = n - b;
+      } else {
+        b = n;
+        break;
+      }
     }
   }
   for (int q = p + lane; q < num_sm_parts; q += 32) starts[q] = total;
-  return x == total;
+  return b == batch;
 }
 
 // deterministic: a part never cuts a request; a part that is still empty takes its next request
@@ -177,7 +232,11 @@ __global__ void __launch_bounds__(kMetadataThreads, 1)
     } else if (batch > 0 && capacity_lo + (warp - kFirstCapacityWalk) <= upper + kNoSplitSlack) {
       C = capacity_lo + (warp - kFirstCapacityWalk);
     }
-    const bool fits = C >= 0 && walk_parts(incl, batch, total, P, C, whole, walk_starts + warp * P);
+    long long* starts = walk_starts + warp * P;
+    bool fits = false;
+    if (C >= 0) {
+      fits = whole ? walk_whole_parts(incl, batch, total, P, C, starts) : walk_split_parts(incl, batch, total, P, C, starts);
+    }
     if (lane == 0) walk_fits[warp] = fits;
   }
   __syncthreads();
