@@ -105,7 +105,7 @@ def attention_swapped(layer: MLAAttention, q_buf: torch.Tensor, attend):
     the rest of the step is the layer's own code (MLAAttention._decode's two einsums included)."""
     d_v = layer.config.kv_lora_rank
 
-    def decode(q_nope, q_pe, kv_cache, batch, k_scale):
+    def decode(q_nope, q_pe, kv_cache, batch, k_scale, fp8_mma):
         T, h = q_nope.shape[:2]
         q = q_buf.view(T, h, -1)
         q[..., :d_v] = torch.einsum("thd,hdc->thc", q_nope, layer.w_uk)
