@@ -170,12 +170,9 @@ def check_q_scale(q_scale: Optional[Tensor], fp8_mma: bool, q: Tensor) -> None:
     _check_scale_tensor("q_scale", q_scale, "q", q)
 
 
-def check_k_scale_value(k_scale: Optional[Tensor]) -> None:
-    """Value check (host sync on GPU): the kernels fold k_scale into the score scale, which must be > 0."""
-    _check_scale_value("k_scale", k_scale)
-
-
-def _check_scale_value(name: str, scale: Optional[Tensor]) -> None:
+def check_scale_value(name: str, scale: Optional[Tensor]) -> None:
+    """Value check of k_scale / q_scale (host sync on GPU): the kernels fold it into the score scale,
+    which must be finite and > 0."""
     if scale is not None:
         value = float(scale)
         if not (math.isfinite(value) and value > 0):
@@ -340,8 +337,8 @@ def check_decode_values(kv_cache: Tensor, block_table: Tensor, cache_seqlens: Te
                         max_seqlen_q: int, num_tokens: int, k_scale: Optional[Tensor],
                         q_scale: Optional[Tensor] = None) -> None:
     """Value checks of mla_decode (host sync on GPU)."""
-    check_k_scale_value(k_scale)
-    _check_scale_value("q_scale", q_scale)
+    check_scale_value("k_scale", k_scale)
+    check_scale_value("q_scale", q_scale)
     page_size = kv_cache.shape[1]
     cap = block_table.shape[1] * page_size
     for b, n in enumerate(cache_seqlens.tolist()):

@@ -141,7 +141,7 @@ def mla_sparse_decode(q: Tensor, kv_cache: Tensor, indices: Tensor, *, softmax_s
     else:
         check.check_sparse_metadata(metadata, indices, kv_cache, q)
     if check.want_value_checks(validate, q.device):
-        check.check_k_scale_value(k_scale)
+        check.check_scale_value("k_scale", k_scale)
 
     # Each query token is a request of one token: [R, 1, h_q, D] views (reshape copies a batched q only
     # when its batch and token strides do not merge).
