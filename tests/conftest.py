@@ -54,6 +54,8 @@ def to_device(case, device="cuda"):
 def decode_kernels_for(cache_dtype, rows):
     """The decode kernels that run a call with this cache dtype and rows = max_seqlen_q * h_q: the
     tests' own statement of the rule mla_decode(_kernel=) enforces."""
+    if cache_dtype == torch.uint8:  # ds_mla_fp8 rows: the 64-row kernel only
+        return ["rows64"]
     fp8 = cache_dtype == FP8
     runs = {
         "narrow16": rows <= 16,
@@ -109,7 +111,7 @@ def decode_reference(case, causal, dtype=torch.float32):
     "references" when it has them (decode_case)."""
     memo = case.get("references", {})
     if (causal, dtype) not in memo:
-        c = dequantized(case) if "k_scale" in case else case
+        c = dequantized(case) if "k_scale" in case or case["kv_cache"].dtype == torch.uint8 else case
         memo[causal, dtype] = mla_decode_ref(c["q"], c["kv_cache"], c["block_table"], c["cache_seqlens"],
                                              cu_seqlens_q=c["cu_seqlens_q"], q_pe=c["q_pe"],
                                              softmax_scale=c["softmax_scale"], causal=causal, dtype=dtype)

@@ -1,12 +1,12 @@
 """mla_decode with every kind of page size on every kernel that runs the case: multiples of 16 (TMA
 copies of 16-64 rows) and the rest down to SGLang's 1 (rows gathered by cp.async), 16-bit and FP8
-caches, against the float32 reference. NaN sits in every slot past each length and in unused pages
+and ds_mla_fp8 caches, against the float32 reference. NaN sits in every slot past each length and in unused pages
 (tests/cases.py), so a row gathered from a wrong page or offset shows."""
 import pytest
 import torch
 from cases import make_decode_case
 from conftest import FP8, capture_decode_step, check_decode, decode_kernels_for, run_decode, to_device
-from fp8_cases import to_fp8_case
+from fp8_cases import to_ds_case, to_fp8_case
 
 pytestmark = pytest.mark.gpu
 
@@ -19,12 +19,12 @@ LENS = [1, 77, 0, 1000, 4097]
 def _params():
     params = []
     for page_size in PAGE_SIZES:
-        for cache_dtype in (torch.bfloat16, FP8):
+        for cache_dtype in (torch.bfloat16, FP8, torch.uint8):
             for h_q, s_q in ((16, 1), (64, 2)):
                 for kernel in [None] + decode_kernels_for(cache_dtype, h_q * s_q):
+                    name = {torch.bfloat16: "bf16", FP8: "fp8", torch.uint8: "ds_mla_fp8"}[cache_dtype]
                     params.append(pytest.param(page_size, cache_dtype, h_q, s_q, kernel,
-                                               id=f"ps{page_size}-{'fp8' if cache_dtype == FP8 else 'bf16'}"
-                                                  f"-h{h_q}s{s_q}-{kernel}"))
+                                               id=f"ps{page_size}-{name}-h{h_q}s{s_q}-{kernel}"))
     return params
 
 
@@ -33,6 +33,8 @@ def test_page_size(page_size, cache_dtype, h_q, s_q, kernel):
     case = make_decode_case(LENS, s_q, h_q, page_size, kv_4d=page_size % 2 == 1, seed=page_size + h_q)
     if cache_dtype == FP8:
         case = to_fp8_case(case)
+    elif cache_dtype == torch.uint8:
+        case = to_ds_case(case)
     case = to_device(case)
     out, lse = run_decode(case, True, _kernel=kernel)
     check_decode(case, True, out, lse, kernel)

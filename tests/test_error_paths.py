@@ -71,6 +71,7 @@ def inputs(device):
                       lse=torch.empty(2, 2, 4, device=device))
     scale = torch.tensor([0.5], device=device)
     decode_fp8 = dict(decode, kv_cache=c["kv_cache"].to(FP8), k_scale=scale)
+    decode_ds = dict(decode, kv_cache=torch.zeros(c["kv_cache"].shape[:-1] + (656,), dtype=torch.uint8, device=device))
     metadata = dict(cache_seqlens=c["cache_seqlens"], cu_seqlens_q=None, max_seqlen_q=2, num_heads_q=4, causal=True,
                     num_sm_parts=md.num_sm_parts, num_sms=md.tile_sched.shape[0])
 
@@ -99,7 +100,7 @@ def inputs(device):
                    topk_length=torch.tensor([40, 0, 7], dtype=torch.int32, device=device), num_slots=48)
     return dict(compact_sparse_indices=compact,
                 mla_decode=decode, mla_decode_varlen=decode_varlen, mla_decode_out=decode_out,
-                mla_decode_fp8=decode_fp8, get_decode_metadata=metadata, write_kv_cache=write,
+                mla_decode_fp8=decode_fp8, mla_decode_ds=decode_ds, get_decode_metadata=metadata, write_kv_cache=write,
                 gather_kv_cache=gather, write_kv_cache_ds=write_ds, gather_kv_cache_ds=gather_ds, merge_attn_states=merge, merge_attn_states_out=merge_out,
                 merge_attn_states_n=merge_n, mla_prefill=prefill, mla_prefill_out=prefill_out)
 
@@ -128,6 +129,12 @@ GPU_CASES = [
     ("mla_decode", lambda a: dict(kv_cache=a["kv_cache"].to(FP8)), R,
      r"k_scale is required with, and only valid with, a float8_e4m3fn kv_cache"),
     ("mla_decode", lambda a: dict(fp8_mma=True), R, r"fp8_mma needs a float8_e4m3fn kv_cache"),
+    ("mla_decode_ds", lambda a: dict(k_scale=torch.ones(1, device="cuda")), R,
+     r"k_scale is required with, and only valid with, a float8_e4m3fn kv_cache"),
+    ("mla_decode_ds", lambda a: dict(kv_cache=a["kv_cache"][..., :576]), R,
+     r"kv_cache last dim must be 656 \(ds_mla_fp8\), contiguous"),
+    ("mla_decode_ds", lambda a: dict(split_kernel="narrow16"), V,
+     r"decode kernel 'narrow16' cannot run this case: only rows64 reads a ds_mla_fp8 cache"),
     ("mla_decode_fp8", lambda a: dict(k_scale=a["k_scale"].double()), R,
      r"k_scale must be a float32 tensor of shape \[1\] on q's device"),
     ("mla_decode_fp8", lambda a: dict(k_scale=a["k_scale"].cpu()), R, r"k_scale must be a float32 tensor"),
@@ -325,6 +332,10 @@ CPU_CASES = [
     ("mla_decode", lambda a: dict(q=padded(a["q"])), V, r"q: stride\(1\) = 2308 elements is not a multiple of 16"),
     ("mla_decode", lambda a: dict(block_table=a["block_table"][:1]), V, r"block_table has 1 rows but cache_seqlens has 2"),
     ("mla_decode", lambda a: dict(fp8_mma=True), V, r"fp8_mma=True needs a float8_e4m3fn kv_cache"),
+    ("mla_decode_ds", lambda a: dict(k_scale=torch.ones(1)), V, r"k_scale is not used with a ds_mla_fp8 kv_cache"),
+    ("mla_decode_ds", lambda a: dict(kv_cache=a["kv_cache"][..., :576]), V, r"kv_cache must be \[num_pages, page_size, 656\]"),
+    ("mla_decode_ds", lambda a: dict(split_kernel="narrow16"), V,
+     r"decode kernel 'narrow16' cannot read a ds_mla_fp8 kv_cache; only 'rows64' does"),
     ("mla_decode", lambda a: dict(tile_sched=a["tile_sched"].long()), T, r"metadata.tile_sched must be a contiguous int32"),
     ("mla_decode", lambda a: dict(req_splits=torch.cat([a["req_splits"]] * 2)), V, r"metadata was computed for batch 4"),
     ("mla_decode", lambda a: dict(num_sm_parts=0), V, r"num_sm_parts=0 must be in \[1, num_sms=132\]"),

@@ -11,6 +11,7 @@ import torch
 import mla_attn
 from mla_attn import dequantize_ds_mla_fp8, quantize_ds_mla_fp8
 from mla_attn.kv_cache import ds_mla_fp8_scales
+from mla_attn.reference import mla_decode_ref
 
 OPS = torch.ops.mla_attn
 FP8 = torch.float8_e4m3fn
@@ -278,11 +279,19 @@ def test_errors(op, kw, exc, match, direct):
         fn(*args, **kw)
 
 
-def test_decode_refuses_ds_cache():
-    """mla_decode reads the 576-value formats only: a ds_mla_fp8 cache is a clear TypeError."""
-    q = torch.zeros(1, 1, 4, D, dtype=torch.bfloat16)
-    with pytest.raises(TypeError, match=r"kv_cache dtype torch.uint8 must match q dtype"):
-        mla_attn.mla_decode(q, make_cache(2, 16), BT, torch.tensor([3], dtype=torch.int32), softmax_scale=0.1)
+def test_decode_reads_ds_cache():
+    """mla_decode takes a ds_mla_fp8 cache (the GPU kernel: tests/test_decode_ds_fp8_gpu.py); the CPU op
+    attends over the dequantised rows."""
+    g = torch.Generator().manual_seed(7)
+    cache = make_cache(2, 16)
+    x = torch.randn(20, D, generator=g).bfloat16()
+    mla_attn.write_kv_cache(x[:, :D_C], x[:, D_C:], cache, torch.arange(20))
+    q = torch.randn(1, 1, 4, D, generator=g).bfloat16()
+    lens = torch.tensor([20], dtype=torch.int32)
+    out, lse = mla_attn.mla_decode(q, cache, BT, lens, softmax_scale=0.1, return_lse=True)
+    ref_out, ref_lse = mla_decode_ref(q, dequantize_ds_mla_fp8(cache), BT, lens, softmax_scale=0.1, causal=True)
+    torch.testing.assert_close(out.float(), ref_out.float(), atol=1e-2, rtol=1e-2)
+    torch.testing.assert_close(lse, ref_lse, atol=1e-3, rtol=1e-3)
 
 
 def test_opcheck():

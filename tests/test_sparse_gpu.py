@@ -110,13 +110,13 @@ def test_sparse_decode_fp8_cache(lead, h_q, topk, page_size, lengths, sink, kern
 
 
 DS_CASES = [((4, 2), 16, 2048, 64, True, "finite"), ((7,), 128, 1500, 1, True, None), ((3,), 64, 70, 24, False, "mixed")]
-DS_PARAMS = [pytest.param(*c, kernel) for c in DS_CASES for kernel in [None] + decode_kernels_for(torch.bfloat16, c[1])]
+DS_PARAMS = [pytest.param(*c, kernel) for c in DS_CASES for kernel in [None] + decode_kernels_for(torch.uint8, c[1])]
 
 
 @pytest.mark.parametrize("lead,h_q,topk,page_size,lengths,sink,kernel", DS_PARAMS)
 def test_sparse_decode_ds_mla_fp8_cache(lead, h_q, topk, page_size, lengths, sink, kernel):
-    """DeepSeek-V3.2's 656-byte rows (uint8): dequantised into pages of their own, then the dense
-    kernels; the reference reads the dequantised cache. CUDA-graph replay gives the same result."""
+    """DeepSeek-V3.2's 656-byte rows (uint8), gathered and dequantised by the 64-row kernel; the
+    reference reads the dequantised cache. CUDA-graph replay gives the same result."""
     case = to_device(make_sparse_case(lead, h_q, topk, page_size, lengths=lengths, sink=sink, ds_fp8=True,
                                       seed=topk + h_q), "cuda")
     assert case["kv_cache"].dtype == torch.uint8

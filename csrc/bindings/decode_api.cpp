@@ -11,6 +11,7 @@
 #include <string>
 
 #include "bindings/checks.h"
+#include "common/ds_mla_fp8_layout.h"
 #include "mla_decode/config.h"
 #include "mla_decode/decode.h"
 #include "mla_decode/dispatch.h"
@@ -33,6 +34,8 @@ DecodeKernel resolve_decode_kernel(const std::optional<c10::string_view>& name, 
     for (const auto& entry : kDecodeKernelNames) known += (known.empty() ? "" : ", ") + std::string(entry.name);
     TORCH_CHECK_VALUE(false, "mla_attn: unknown decode kernel '", *name, "'; the kernels are ", known);
   }
+  TORCH_CHECK_VALUE(!problem.ds_mla_fp8_cache || decode_kernel_supports(*kernel, problem), "mla_attn: decode kernel '",
+                    *name, "' cannot run this case: only rows64 reads a ds_mla_fp8 cache");
   TORCH_CHECK_VALUE(decode_kernel_supports(*kernel, problem), "mla_attn: decode kernel '", *name,
                     "' cannot run this case: it needs ", decode_kernel_requirement(*kernel), "; got ",
                     problem.rows(), " query rows per request and a ",
@@ -51,14 +54,16 @@ void mla_decode_cuda_impl(const Tensor& q, const std::optional<Tensor>& q_pe, co
   using namespace mla_decode;
   check_sm90(q, "decode");
   const bool fp8_kv = kv_cache.scalar_type() == at::kFloat8_e4m3fn;
+  // DeepSeek-V3.2's cache: uint8 rows of 656 bytes with their own scales (kv_format "ds_mla_fp8").
+  const bool ds_kv = kv_cache.scalar_type() == at::kByte;
   const bool varlen = cu_seqlens_q.has_value();
   // > 0: the kernels take the block max of unscaled scores (the scale commutes with max only then).
   TORCH_CHECK(softmax_scale > 0 && std::isfinite(softmax_scale), "mla_attn: softmax_scale must be a finite number > 0, got ",
               softmax_scale);
   TORCH_CHECK(q.dim() == (varlen ? 3 : 4), "mla_attn: q must be [B, s_q, h_q, D] or, with cu_seqlens_q, [T, h_q, D]");
   TORCH_CHECK(q.scalar_type() == at::kBFloat16 || q.scalar_type() == at::kHalf, "mla_attn: q must be bf16 or fp16");
-  TORCH_CHECK(fp8_kv || kv_cache.scalar_type() == q.scalar_type(),
-              "mla_attn: kv_cache dtype must equal q dtype, or be float8_e4m3fn (with k_scale)");
+  TORCH_CHECK(fp8_kv || ds_kv || kv_cache.scalar_type() == q.scalar_type(),
+              "mla_attn: kv_cache dtype must equal q dtype, or be float8_e4m3fn (with k_scale) or uint8 (ds_mla_fp8)");
   TORCH_CHECK(fp8_kv == k_scale.has_value(), "mla_attn: k_scale is required with, and only valid with, a float8_e4m3fn kv_cache");
   TORCH_CHECK(fp8_kv || !fp8_mma, "mla_attn: fp8_mma needs a float8_e4m3fn kv_cache");
   if (fp8_kv) {
@@ -73,9 +78,11 @@ void mla_decode_cuda_impl(const Tensor& q, const std::optional<Tensor>& q_pe, co
   const int64_t q_dim = q.size(-1);
   TORCH_CHECK(q_pe.has_value() ? q_dim == kHeadDimV : q_dim == kHeadDimK,
               "mla_attn: q last dim must be 576, or 512 with q_pe given");
+  const int64_t row_elements = ds_kv ? mla_common::kDsRowBytes : kHeadDimK;
   TORCH_CHECK(kv_cache.dim() == 3 || (kv_cache.dim() == 4 && kv_cache.size(2) == 1),
-              "mla_attn: kv_cache must be [pages, page_size, 576] or [pages, page_size, 1, 576]");
-  TORCH_CHECK(kv_cache.size(-1) == kHeadDimK && kv_cache.stride(-1) == 1, "mla_attn: kv_cache last dim must be 576, contiguous");
+              "mla_attn: kv_cache must be [pages, page_size, ", row_elements, "] or [pages, page_size, 1, ", row_elements, "]");
+  TORCH_CHECK(kv_cache.size(-1) == row_elements && kv_cache.stride(-1) == 1, "mla_attn: kv_cache last dim must be ",
+              row_elements, ds_kv ? " (ds_mla_fp8)" : "", ", contiguous");
   const int64_t page_size = kv_cache.size(1);
   TORCH_CHECK(page_size >= 1 && page_size <= 256, "mla_attn: page_size must be in [1, 256]");
   TORCH_CHECK(kv_cache.size(0) * page_size < (int64_t(1) << 31), "mla_attn: the cache must hold fewer than 2^31 slots");
@@ -107,7 +114,7 @@ void mla_decode_cuda_impl(const Tensor& q, const std::optional<Tensor>& q_pe, co
   const int64_t heads = q.size(-2);
   TORCH_CHECK(heads >= 1 && heads <= 128, "mla_attn: h_q must be in [1, 128]");
   TORCH_CHECK(max_seqlen_q >= 1, "mla_attn: max_seqlen_q must be >= 1");
-  const DecodeProblem problem{.fp8_cache = fp8_kv, .max_seqlen_q = max_seqlen_q, .heads_q = heads, .batch = batch,
+  const DecodeProblem problem{.fp8_cache = fp8_kv, .ds_mla_fp8_cache = ds_kv, .max_seqlen_q = max_seqlen_q, .heads_q = heads, .batch = batch,
                               .deterministic = deterministic, .fp8_mma = fp8_mma};
   const DecodeKernel kernel = resolve_decode_kernel(kernel_name, problem);
   const int tiles = int(problem.q_tiles());
@@ -176,7 +183,8 @@ void mla_decode_cuda_impl(const Tensor& q, const std::optional<Tensor>& q_pe, co
   const bool bf16 = q.scalar_type() == at::kBFloat16;
   using mla_common::TmaElement;
   DecodeTma tma;
-  const char* tma_error = make_kv_tma(p, fp8_kv ? TmaElement::kFp8 : bf16 ? TmaElement::kBf16 : TmaElement::kFp16, &tma);
+  const char* tma_error =
+      make_kv_tma(p, fp8_kv || ds_kv ? TmaElement::kFp8 : bf16 ? TmaElement::kBf16 : TmaElement::kFp16, ds_kv, &tma);
   TORCH_CHECK(tma_error == nullptr, "mla_attn: ", tma_error ? tma_error : "");
   tma.q_by_tma = decode_kernel_wants_q_by_tma(kernel, problem) &&
                  make_q_tma(p, varlen ? q.size(0) : q.size(1), varlen ? 1 : batch,
@@ -190,6 +198,7 @@ void mla_decode_cuda_impl(const Tensor& q, const std::optional<Tensor>& q_pe, co
           case DecodeKernel::kNarrow16x3: return run_mla_decode_narrow<Element, kNarrow16Rows, 3, true>(p, tma, stream);
           case DecodeKernel::kNarrow32: return run_mla_decode_narrow<Element, kNarrow32Rows, 2, true>(p, tma, stream);
           case DecodeKernel::kRows64:
+            if (ds_kv) return run_mla_decode_ds_mla_fp8<Element>(p, tma, stream);
             return fp8_kv ? run_mla_decode<Element, true>(p, tma, stream) : run_mla_decode<Element, false>(p, tma, stream);
           case DecodeKernel::kSeesaw: return run_mla_decode_seesaw<Element, false>(p, tma, stream);
           case DecodeKernel::kSeesawSteady: return run_mla_decode_seesaw<Element, true>(p, tma, stream);

@@ -4,6 +4,7 @@
 #include <cuda_runtime.h>
 #include <cstdint>
 
+#include "common/ds_mla_fp8_layout.h"
 #include "common/dtype.h"
 
 namespace mla_kv_cache {
@@ -12,14 +13,12 @@ constexpr int kDimLatent = 512;  // kv_c
 constexpr int kDimRope = 64;     // k_pe
 constexpr int kDimRow = kDimLatent + kDimRope;
 
-// ds_mla_fp8 (DeepSeek-V3.2): one 656-byte row per token, byte offsets below; see ds_mla_fp8_kernel.cuh.
-constexpr int kDsTile = 128;                                 // latent values per scale
-constexpr int kDsNumTiles = kDimLatent / kDsTile;            // 4 fp32 scales
-constexpr int kDsScaleOffset = kDimLatent;                   // [0, 512): e4m3 latent
-constexpr int kDsRopeOffset = kDsScaleOffset + 4 * kDsNumTiles;  // [512, 528): scales
-constexpr int kDsRowBytes = kDsRopeOffset + 2 * kDimRope;    // [528, 656): bf16 rope
-static_assert(kDsRowBytes == 656 && kDsRopeOffset % 16 == 0 && kDsRowBytes % 16 == 0,
-              "16-byte pieces of a row stay 16-byte aligned");
+// ds_mla_fp8 (DeepSeek-V3.2): one 656-byte row per token (common/ds_mla_fp8_layout.h).
+using mla_common::kDsNumTiles;
+using mla_common::kDsRopeOffset;
+using mla_common::kDsRowBytes;
+using mla_common::kDsScaleOffset;
+using mla_common::kDsTile;
 
 // All strides in elements; every row (and the 8-element chunks in it) is 16-byte aligned
 // (8-byte for fp8).

@@ -11,9 +11,9 @@ struct half_t;
 
 namespace mla_decode {
 
-// Builds the TMA descriptor for the paged cache (element: the cache's type); returns an error
-// message or nullptr.
-const char* make_kv_tma(const DecodeParams& params, mla_common::TmaElement element, DecodeTma* tma);
+// Builds the TMA descriptor for the paged cache (element: the cache's type; rows_only: a cache that
+// is always gathered row by row, ds_mla_fp8); returns an error message or nullptr.
+const char* make_kv_tma(const DecodeParams& params, mla_common::TmaElement element, bool rows_only, DecodeTma* tma);
 
 // Builds the Q maps of `tma` (q of [num_batches, num_tokens, h_q, ..], 16-bit elements) for the
 // seesaw kernel; returns whether they could be made (h_q a multiple of 64, TMA-compatible strides),
@@ -25,6 +25,12 @@ bool make_q_tma(const DecodeParams& params, int64_t num_tokens, int64_t num_batc
 // (and out's) type; kFp8Kv: the cache is float8_e4m3fn (dequantized in shared memory, p.k_scale).
 template <typename Element, bool kFp8Kv>
 cudaError_t run_mla_decode(const DecodeParams& params, const DecodeTma& tma, cudaStream_t stream);
+
+// The same (the 64-row kernel) for DeepSeek-V3.2's cache, uint8 rows of 656 bytes (kv_format
+// "ds_mla_fp8": 512 e4m3 values, 4 power-of-two fp32 scales, 64 bf16 rope values), dequantized
+// exactly to fp16 in shared memory; its rows are always gathered (DecodeTma::gather).
+template <typename Element>
+cudaError_t run_mla_decode_ds_mla_fp8(const DecodeParams& params, const DecodeTma& tma, cudaStream_t stream);
 
 // The same for an fp8 cache with fp8 MMAs: Q and P rounded to e4m3 too (fp8mma/kernel.cuh).
 template <typename Element>

@@ -46,6 +46,7 @@ constexpr std::optional<DecodeKernel> parse_decode_kernel(std::string_view name)
 
 struct DecodeProblem {
   bool fp8_cache;        // float8_e4m3fn cache; else the cache has q's 16-bit type
+  bool ds_mla_fp8_cache;  // DeepSeek-V3.2's uint8 rows of 656 bytes (kv_format "ds_mla_fp8")
   int64_t max_seqlen_q;  // query tokens of the longest request
   int64_t heads_q;
   int64_t batch;
@@ -81,6 +82,8 @@ constexpr int64_t kSteadyMinQTiles = 128;
 // then depends on h_q alone (and a seesaw kernel always takes the steady loop, so that a request's
 // path depends on its length alone).
 constexpr DecodeKernel choose_decode_kernel(const DecodeProblem& p) {
+  // Only the 64-row kernel reads ds_mla_fp8 rows (its converter applies their per-128-column scales).
+  if (p.ds_mla_fp8_cache) return DecodeKernel::kRows64;
   const int64_t rows = p.rows();
   const bool narrow16 = !p.deterministic && rows <= kNarrow16Rows;
   if (!p.fp8_cache) {
@@ -114,7 +117,7 @@ constexpr bool decode_partials_fp32(DecodeKernel kernel, const DecodeProblem& p)
 }
 
 // What a kernel needs to run a case at all (for messages): its instantiations and the rows its
-// MMAs hold.
+// MMAs hold. Every kernel but rows64 also needs a cache other than ds_mla_fp8.
 constexpr std::string_view decode_kernel_requirement(DecodeKernel kernel) {
   switch (kernel) {
     case DecodeKernel::kNarrow16: return "at most 16 query rows per request (max_seqlen_q x h_q)";
@@ -129,6 +132,7 @@ constexpr std::string_view decode_kernel_requirement(DecodeKernel kernel) {
 }
 
 constexpr bool decode_kernel_supports(DecodeKernel kernel, const DecodeProblem& p) {
+  if (p.ds_mla_fp8_cache) return kernel == DecodeKernel::kRows64;
   switch (kernel) {
     case DecodeKernel::kNarrow16: return p.rows() <= kNarrow16Rows;
     case DecodeKernel::kNarrow16x3: return p.fp8_cache && p.rows() <= kNarrow16Rows;

@@ -34,6 +34,7 @@ struct DecodeParams {
   // Paged cache [num_pages, page_size, 576]: read by TMA (DecodeTma::kv) where the keys come in runs
   // of 16 rows of one page, else gathered row by row (DecodeTma::gather). An fp8 (e4m3) cache holds
   // stored values; the real value is stored * k_scale[0] (k_scale is nullptr for a 16-bit cache).
+  // A ds_mla_fp8 cache is uint8 [num_pages, page_size, 656] (strides in bytes), always gathered.
   const void* kv;
   const float* k_scale;
   // fp8mma kernel: Q enters its MMAs as e4m3(q / q_scale[0]) when given (vLLM's FP8 path takes a

@@ -66,6 +66,8 @@ def _decode(q: Tensor, q_pe: Optional[Tensor], kv_cache: Tensor, block_table: Te
     check.check_schedule(tile_sched, req_splits, num_sm_parts, batch, q)
     if k_scale is not None:  # FP8 cache: the reference runs on the dequantized values
         kv_cache = kv_cache.float() * k_scale.float()
+    elif kv_cache.dtype == torch.uint8:  # ds_mla_fp8 rows
+        kv_cache = dequantize_ds_mla_fp8(kv_cache)
     if kv_slots:
         kv_cache = _rows(kv_cache).reshape(-1, 1, D_QK)
     # The reference needs no schedule: the split-KV partition only changes the summation order. It

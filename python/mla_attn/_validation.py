@@ -35,6 +35,7 @@ _MERGE_DTYPES = HALF_DTYPES + (torch.float32,)
 _FP8_ONLY_KERNELS = ("narrow16_3wg", "narrow32", "fp8mma")
 _HALF_ONLY_KERNELS = ("seesaw", "seesaw_steady")
 _KERNEL_MAX_ROWS = {"narrow16": 16, "narrow16_3wg": 16, "narrow32": 32}
+_DS_MLA_FP8_KERNEL = "rows64"  # the one kernel that reads ds_mla_fp8 rows (csrc/mla_decode/dispatch.h)
 # the MLAConfig dims the kernels are built for
 LAYER_DIMS = dict(kv_lora_rank=D_V, qk_rope_head_dim=D_PE, qk_nope_head_dim=PREFILL_D_NOPE, v_head_dim=PREFILL_D_V)
 
@@ -219,15 +220,16 @@ def check_decode(q: Tensor, q_pe: Optional[Tensor], kv_cache: Tensor, block_tabl
     check_tensor("kv_cache", kv_cache)
     if q.dtype not in HALF_DTYPES:
         raise TypeError(f"q must be bfloat16 or float16, got {q.dtype}")
-    if kv_cache.dtype not in (q.dtype, FP8):
-        raise TypeError(f"kv_cache dtype {kv_cache.dtype} must match q dtype {q.dtype} or be float8_e4m3fn")
+    if kv_cache.dtype not in (q.dtype, FP8, torch.uint8):
+        raise TypeError(f"kv_cache dtype {kv_cache.dtype} must match q dtype {q.dtype}, or be float8_e4m3fn or "
+                        "uint8 (ds_mla_fp8)")
     want_q = D_QK if q_pe is None else D_V
     if q.dim() not in (3, 4) or q.shape[-1] != want_q:
         raise ValueError(f"q must be [B, s_q, h_q, {want_q}] or varlen [T, h_q, {want_q}]"
                          f"{'' if q_pe is None else ' (with q_pe)'}, got shape {tuple(q.shape)}")
     if q_pe is not None:
         _check_like_q("q_pe", q_pe, q, D_PE)
-    check_kv_cache_shape(kv_cache)
+    check_kv_cache_shape(kv_cache, DS_ROW_BYTES if kv_cache.dtype == torch.uint8 else D_QK)
     page_size = kv_cache.shape[1]
     if not PAGE_SIZE_MIN <= page_size <= PAGE_SIZE_MAX:
         raise ValueError(f"page_size must be in [{PAGE_SIZE_MIN}, {PAGE_SIZE_MAX}], got {page_size}")
@@ -283,6 +285,8 @@ def check_decode_kernel(kernel: Optional[str], cache_dtype: torch.dtype, rows: i
         raise TypeError(f"kernel must be a str or None, got {type(kernel).__name__}")
     if kernel not in DECODE_KERNELS:
         raise ValueError(f"unknown decode kernel {kernel!r}; the kernels are {', '.join(DECODE_KERNELS)}")
+    if cache_dtype == torch.uint8 and kernel != _DS_MLA_FP8_KERNEL:
+        raise ValueError(f"decode kernel {kernel!r} cannot read a ds_mla_fp8 kv_cache; only {_DS_MLA_FP8_KERNEL!r} does")
     if kernel in _FP8_ONLY_KERNELS and cache_dtype != FP8:
         raise ValueError(f"decode kernel {kernel!r} needs a float8_e4m3fn kv_cache, got {cache_dtype}")
     if kernel in _HALF_ONLY_KERNELS and cache_dtype == FP8:

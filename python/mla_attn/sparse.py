@@ -6,8 +6,8 @@ Each query token has its own list of top-k cache slots (from the caller's indexe
   1. compact_sparse_indices writes each row's valid indices (position < topk_length, 0 <= index <
      num_slots) in order to the front of a [R, topk] slot list, and their count;
   2. get_decode_metadata schedules R one-token requests of those counts (causal=False);
-  3. mla_decode(kv_slots=True) gathers the listed cache rows (DeepSeek-V3.2's ds_mla_fp8 cache: the
-     rows are first dequantised into pages of their own, _dequantized_pages, and read as a paged cache);
+  3. mla_decode(kv_slots=True) gathers the listed cache rows (DeepSeek-V3.2's ds_mla_fp8 rows too:
+     the 64-row kernel dequantises them in shared memory);
   4. an attention sink, if given, rescales out with a few elementwise ops.
 Every step runs on the device without a host sync, so the whole call is CUDA-graph capturable and
 traceable by torch.compile. Arguments are checked by _validation (static checks always; value checks on
@@ -23,10 +23,6 @@ from . import _validation as check
 from ._constants import D_V
 from .decode import get_decode_metadata
 from .metadata import SparseDecodeMetadata
-
-# Rows per page of the dequantised ds_mla_fp8 rows: a multiple of 16, so the kernels load them by TMA.
-_DEQUANTIZED_PAGE = 64
-
 
 def _row_lengths(topk_length: Optional[Tensor], indices: Tensor) -> Optional[Tensor]:
     """topk_length per row of the [R, topk] view of indices: a batched call's per-request lengths are
@@ -71,26 +67,6 @@ def get_sparse_decode_metadata(indices: Tensor, kv_cache: Tensor, num_heads_q: i
     return _sparse_metadata(indices, topk_length, kv_cache.shape[0] * kv_cache.shape[1], num_heads_q)
 
 
-def _dequantized_pages(kv_cache: Tensor, slots: Tensor, dtype: torch.dtype) -> tuple[Tensor, Tensor]:
-    """A ds_mla_fp8 cache (uint8 [num_pages, page_size(, 1), 656]) for the dense kernel, which reads 16-bit
-    rows: row i of the [R, topk] slot list, dequantised in order into pages of _DEQUANTIZED_PAGE rows
-    owned by that row (zeros past its valid slots). Returns (cache [R * n, _DEQUANTIZED_PAGE, 576] in
-    dtype, block_table int32 [R, n]), n = ceil(topk / _DEQUANTIZED_PAGE): a buffer of R * n * 64 * 1152
-    bytes for bf16, written and read once per call."""
-    rows, topk = slots.shape
-    pages = -(-topk // _DEQUANTIZED_PAGE)
-    per_row = pages * _DEQUANTIZED_PAGE
-    one_row_pages = kv_cache.view(-1, 1, kv_cache.shape[-1])  # slot s is page s
-    cu_rows = torch.arange(0, (rows + 1) * per_row, per_row, dtype=torch.int32, device=slots.device)
-    # The op, not gather_kv_cache: the cache is checked already, and a row's table (its slot list, -1
-    # after its valid slots, shorter than its pages) is not a valid block table; the gather writes zeros
-    # for both.
-    dense = torch.ops.mla_attn.gather_kv_cache(one_row_pages, slots, cu_rows, rows * per_row, out_dtype=dtype,
-                                               kv_format="ds_mla_fp8")
-    table = torch.arange(rows * pages, dtype=torch.int32, device=slots.device).view(rows, pages)
-    return dense.view(rows * pages, _DEQUANTIZED_PAGE, dense.shape[-1]), table
-
-
 def _apply_sink(out: Tensor, lse: Tensor, attn_sink: Tensor) -> None:
     """out *= exp(lse) / (exp(lse) + exp(sink)) = sigmoid(lse - sink), in place. An empty row (lse
     +inf) has out 0 and keeps it: its factor is set to 0 rather than sigmoid(inf - inf) = NaN."""
@@ -110,8 +86,9 @@ def mla_sparse_decode(q: Tensor, kv_cache: Tensor, indices: Tensor, *, softmax_s
     kv_cache [num_pages, page_size(, 1), 576], page_size 1..256, in q's dtype or float8_e4m3fn with
     k_scale (float32 [1]: value = stored * k_scale); or DeepSeek-V3.2's FP8 layout, uint8 [num_pages,
     page_size(, 1), 656] with its scales in the rows (kv_format "ds_mla_fp8" of write_kv_cache; rows back
-    to back), no k_scale. Such a cache is not read by the attention kernel itself: the listed rows are
-    dequantised into a temporary buffer of q's dtype (R * ceil(topk / 64) * 64 rows of 576) first.
+    to back), no k_scale, read by the 64-row kernel (rows64), which dequantises the gathered rows to fp16
+    in shared memory: exactly for |latent values| up to 57344 (scale <= 2^7) and rope values within
+    fp16's range; larger values overflow.
     indices int32 [B, s_q, topk] (or [T, topk]), topk >= 1: the cache slots (page * page_size + row in
     page) each query token attends to. An index of -1, or any slot outside the cache, is skipped; a
     repeated index counts once per occurrence. topk_length int32 [B] (one per request, for each of its
@@ -127,12 +104,7 @@ def mla_sparse_decode(q: Tensor, kv_cache: Tensor, indices: Tensor, *, softmax_s
     """
     check.check_softmax_scale(softmax_scale)
     rows = check.check_sparse_decode(q, q_pe, kv_cache, indices, topk_length, attn_sink, out)
-    ds_fp8 = kv_cache.dtype == torch.uint8
-    if ds_fp8:  # the kernel reads dequantised 16-bit rows
-        check.check_k_scale(kv_cache, k_scale)
-        check.check_decode_kernel(_kernel, q.dtype, q.shape[-2])
-    else:
-        check.check_decode_options(q, kv_cache, k_scale, False, _kernel, 1)
+    check.check_decode_options(q, kv_cache, k_scale, False, _kernel, 1)
     h_q = q.shape[-2]
     if metadata is None:
         if check.want_value_checks(validate, q.device):
@@ -148,10 +120,9 @@ def mla_sparse_decode(q: Tensor, kv_cache: Tensor, indices: Tensor, *, softmax_s
     q_rows = q.reshape(rows, 1, h_q, q.shape[-1])
     q_pe_rows = None if q_pe is None else q_pe.reshape(rows, 1, h_q, q_pe.shape[-1])
     md = metadata.decode
-    cache, table = (_dequantized_pages(kv_cache, metadata.slots, q.dtype) if ds_fp8 else (kv_cache, metadata.slots))
-    args = (q_rows, q_pe_rows, cache, table, metadata.counts, None, 1, float(softmax_scale), False,
+    args = (q_rows, q_pe_rows, kv_cache, metadata.slots, metadata.counts, None, 1, float(softmax_scale), False,
             md.tile_sched, md.req_splits, md.num_sm_parts)
-    kw = dict(k_scale=k_scale, split_kernel=_kernel, kv_slots=not ds_fp8)
+    kw = dict(k_scale=k_scale, split_kernel=_kernel, kv_slots=True)
     if out is None:
         out, lse = torch.ops.mla_attn.mla_decode(*args, **kw)
         out = out.view(q.shape[:-1] + (D_V,))

@@ -7,8 +7,9 @@
 // Warpgroup roles (384 threads):
 //   WG 2  producer: its warps issue TMA copies of 64-key x 576-dim K tiles (9 swizzle slabs per
 //         page piece, one lane per piece, warp w slabs w, w + 4, w + 8) into a 2-stage ring; one
-//         kv_full mbarrier per slab, one kv_empty per stage. FP8 cache: the slabs land as bytes
-//         in the upper half of the stage.
+//         kv_full mbarrier per slab, one kv_empty per stage; or they gather the rows by cp.async
+//         (kv_producer.cuh). FP8 cache: the slabs land as bytes in the upper part of the stage
+//         (ds_mla_fp8, DeepSeek-V3.2's 656-byte rows: gathered only, rope and scales beside them).
 //   WG 0,1 math: KV blocks alternate between them (FP8: both first convert a block's tile in place
 //         to 16 bit, Fp8SlabConverter). The owner of a block computes S = Q K^T for all 64 keys, the
 //         online-softmax step and P = exp2(S - m), and hands P and the new row max to the other
@@ -48,17 +49,24 @@ using mla_common::named_barrier_sync;
 // WGMMAs read, slab by slab as the slabs land; the owner issues each slab group's QK^T before
 // converting the next (the WGMMAs run while it converts). Math thread t converts 16-byte chunk t of
 // every slab (key row t / 4, columns 16 (t % 4) ... + 15); rows past the sequence end become zeros
-// (never loaded, or slots past L), so no tail zeroing is needed. e4m3 values are exact in fp16; the
-// scale is applied to the scores and the output.
+// (never loaded, or slots past L), so no tail zeroing is needed. e4m3 values are exact in fp16; a
+// per-tensor scale is applied to the scores and the output. ds_mla_fp8: each 128-column group of a
+// row is multiplied by its power-of-two scale in fp16, exact for the scales 2^-13 (the quantiser's
+// smallest) to 2^7 (|values| up to 57344; larger overflow fp16), and the bf16 rope slab becomes fp16
+// in place (exact within fp16's range).
 //
-// In place: 16-bit slab s overwrites the staged bytes of slabs 2s - 9 and 2s - 8 (if >= 0), so a
-// barrier must separate every read of those from the writes of s: slabs are converted in the
-// groups {0-3} {4, 5} {6} {7, and slab 8 read} {8 written}, with a barrier over both warpgroups
-// after each group, which also makes the group visible to the WGMMAs.
+// In place: 16-bit slab s overwrites the staged bytes of slabs 2s - kFp8Slabs and 2s - kFp8Slabs + 1
+// (if >= 0), so a barrier must separate every read of those from the writes of s: slabs are
+// converted in the groups {0-3} {4, 5} {6} {7, and slab 8 read} {8 written} (e4m3 cache: 9 staged
+// slabs), or {0-3, with the row scales} {4, 5} {6, and slab 7 read} {7 written, rope} (ds_mla_fp8:
+// 8), with a barrier over both warpgroups after each group, which also makes the group visible to
+// the WGMMAs.
 template <typename Traits>
 struct Fp8SlabConverter {
   static_assert(std::is_same_v<typename Traits::MmaElement, cutlass::half_t>, "e4m3 converts to the fp16 tile");
   static_assert(kFp8SlabBytes / 16 == 256, "one 16-byte chunk of a slab per math thread");
+  static constexpr int k16BitSlabBytes = kBlockN * kTmaColumns * int(sizeof(typename Traits::MmaElement));
+  static_assert(k16BitSlabBytes == 8192, "a 16-bit slab is 8 KB");
 
   // Reads this thread's chunk of staged slab `slab`.
   __device__ __forceinline__ static uint4 read(const typename Traits::SharedStorage& ss, int stage, int slab, int tid) {
@@ -73,18 +81,35 @@ struct Fp8SlabConverter {
     const int row = tid / 4, chunk = (tid % 4) * 2;
     return row * 128 + ((chunk ^ (row % 8)) << 4);
   }
-  // Writes this thread's chunk, converted, to the 16-bit slab `slab` of the tile at tile_addr (zeros
-  // for rows >= valid_keys: the e4m3 bytes are zeroed before the conversion, 4 selects, not 8).
-  __device__ __forceinline__ static void write(uint32_t tile_addr, uint32_t offset, int slab, bool zero, uint4 in) {
-    const uint32_t slab_addr = tile_addr + slab * 8192;
-    static_assert(kBlockN * kTmaColumns * sizeof(typename Traits::MmaElement) == 8192, "a 16-bit slab is 8 KB");
+  // Writes this thread's chunk, converted (times `scale` with kScaled), to the 16-bit slab `slab` of
+  // the tile at tile_addr (zeros for rows >= valid_keys: the e4m3 bytes are zeroed before the
+  // conversion, 4 selects, not 8).
+  template <bool kScaled = false>
+  __device__ __forceinline__ static void write(uint32_t tile_addr, uint32_t offset, int slab, bool zero, uint4 in,
+                                               __half2 scale = {}) {
+    const uint32_t slab_addr = tile_addr + slab * k16BitSlabBytes;
     if (zero) in = make_uint4(0, 0, 0, 0);
     const uint32_t words[4] = {in.x, in.y, in.z, in.w};
     uint32_t out[8];
 #pragma unroll
     for (int w = 0; w < 4; ++w) e4m3x4_to_f16x2(words[w], out[2 * w], out[2 * w + 1]);
+    if constexpr (kScaled) {
+#pragma unroll
+      for (int i = 0; i < 8; ++i) out[i] = hmul2_bits(out[i], scale);
+    }
     mla_common::st_shared_16(slab_addr + offset, make_uint4(out[0], out[1], out[2], out[3]));
     mla_common::st_shared_16(slab_addr + (offset ^ 16), make_uint4(out[4], out[5], out[6], out[7]));
+  }
+  // ds_mla_fp8: this thread's 16 rope values, bf16 -> fp16 where they landed (bytes no other thread
+  // reads or writes: no barrier before).
+  __device__ __forceinline__ static void convert_rope(uint32_t tile_addr, uint32_t offset, bool zero) {
+    const uint32_t slab_addr = tile_addr + Traits::kDsRopeSlabOffset;
+#pragma unroll
+    for (uint32_t half : {0u, 16u}) {
+      const uint4 in = zero ? make_uint4(0, 0, 0, 0) : mla_common::ld_shared_16(slab_addr + (offset ^ half));
+      mla_common::st_shared_16(slab_addr + (offset ^ half), make_uint4(bf16x2_to_f16x2(in.x), bf16x2_to_f16x2(in.y),
+                                                                     bf16x2_to_f16x2(in.z), bf16x2_to_f16x2(in.w)));
+    }
   }
   // Converts the tile of `stage`, calling on_group(first_slab, end_slab) after each group is
   // visible to WGMMA. The slabs of a group are waited for, then all read, then all written, so that
@@ -101,30 +126,56 @@ struct Fp8SlabConverter {
     const uint32_t tile_addr = mla_common::smem_addr(ss.k[mla_common::warp_uniform(stage)]);
     const uint32_t offset = write_offset(tid);
     const bool zero = tid / 4 >= valid_keys;
-    // Converts slabs [first_slab, end_slab); with read_next, also reads slab end_slab (returned).
-    auto convert = [&](int first_slab, int end_slab, bool read_next) {
-      uint4 staged[5] = {};
-      const int extra_reads = read_next;
+    auto wait = [&](int first_slab, int end_slab) {
 #pragma unroll
-      for (int slab = first_slab; slab < end_slab + extra_reads; ++slab) {
-        cutlass::arch::ClusterBarrier::wait(&ss.kv_full[stage][slab], phase);
-      }
-#pragma unroll
-      for (int slab = first_slab; slab < end_slab + extra_reads; ++slab) staged[slab - first_slab] = read(ss, stage, slab, tid);
-#pragma unroll
-      for (int slab = first_slab; slab < end_slab; ++slab) write(tile_addr, offset, slab, zero, staged[slab - first_slab]);
-      return staged[end_slab - first_slab];
+      for (int slab = first_slab; slab < end_slab; ++slab) cutlass::arch::ClusterBarrier::wait(&ss.kv_full[stage][slab], phase);
     };
-    convert(0, 4, false);
-    publish(0, 4);
-    convert(4, 6, false);
-    publish(4, 6);
-    convert(6, 7, false);
-    publish(6, 7);
-    const uint4 staged8 = convert(7, 8, true);  // slab 8 overwrites its own staged bytes: read before the barrier
-    publish(7, 8);
-    write(tile_addr, offset, 8, zero, staged8);
-    publish(8, 9);
+    // Reads staged slabs [first_slab, first_slab + count) (count <= 4) once they have landed.
+    auto read_group = [&](int first_slab, int count, uint4 (&staged)[4]) {
+      wait(first_slab, first_slab + count);
+#pragma unroll
+      for (int i = 0; i < count; ++i) staged[i] = read(ss, stage, first_slab + i, tid);
+    };
+    uint4 staged[4];
+    if constexpr (Traits::kDsMlaFp8) {
+      read_group(0, 4, staged);  // slab 0's barrier also covers the scales
+      const uint4 raw = mla_common::ld_shared_16(tile_addr + Traits::ds_scales_offset(tid / 4));
+      const __half2 scales[4] = {__float2half2_rn(__uint_as_float(raw.x)), __float2half2_rn(__uint_as_float(raw.y)),
+                                 __float2half2_rn(__uint_as_float(raw.z)), __float2half2_rn(__uint_as_float(raw.w))};
+      static_assert(mla_common::kDsTile == 2 * kTmaColumns, "one scale per two slabs");
+      __syncwarp();  // this warp's rows' scales are read before it writes over them (slab 0)
+#pragma unroll
+      for (int slab = 0; slab < 4; ++slab) write<true>(tile_addr, offset, slab, zero, staged[slab], scales[slab / 2]);
+      publish(0, 4);
+      read_group(4, 2, staged);
+      write<true>(tile_addr, offset, 4, zero, staged[0], scales[2]);
+      write<true>(tile_addr, offset, 5, zero, staged[1], scales[2]);
+      publish(4, 6);
+      read_group(6, 2, staged);  // slab 7 overwrites its own staged bytes: read before the barrier
+      write<true>(tile_addr, offset, 6, zero, staged[0], scales[3]);
+      publish(6, 7);
+      write<true>(tile_addr, offset, 7, zero, staged[1], scales[3]);
+      wait(kSlabs - 1, kSlabs);
+      convert_rope(tile_addr, offset, zero);
+      publish(7, 9);
+    } else {
+      read_group(0, 4, staged);
+#pragma unroll
+      for (int slab = 0; slab < 4; ++slab) write(tile_addr, offset, slab, zero, staged[slab]);
+      publish(0, 4);
+      read_group(4, 2, staged);
+      write(tile_addr, offset, 4, zero, staged[0]);
+      write(tile_addr, offset, 5, zero, staged[1]);
+      publish(4, 6);
+      read_group(6, 1, staged);
+      write(tile_addr, offset, 6, zero, staged[0]);
+      publish(6, 7);
+      read_group(7, 2, staged);  // slab 8 overwrites its own staged bytes: read before the barrier
+      write(tile_addr, offset, 7, zero, staged[0]);
+      publish(7, 8);
+      write(tile_addr, offset, 8, zero, staged[1]);
+      publish(8, 9);
+    }
   }
 };
 
@@ -159,8 +210,9 @@ __device__ void consume_kv_tiles(const DecodeParams& p, typename Traits::SharedS
   // accumulator ((2 columns, 2 row halves, N/8), ...) belongs to row r0 + 8 * row_half(e).
   const int r0 = get<0>(tScS(0));
   auto row_half = [](int e) { return (e >> 1) & 1; };
-  // fp8: the scale multiplies every score and every output value (the tile holds stored values).
-  const float k_scale = Traits::kFp8Kv ? *p.k_scale : 1.f;
+  // e4m3 cache: the scale multiplies every score and every output value (the tile holds stored
+  // values; a ds_mla_fp8 tile holds real ones).
+  const float k_scale = Traits::kFp8Kv && !Traits::kDsMlaFp8 ? *p.k_scale : 1.f;
   const float scale_log2 = p.scale_log2 * k_scale;
 
   // ---- kScaledQ (bf16 q, fp8 cache): each thread rescales the chunks it copied (its own cp.async
@@ -368,6 +420,11 @@ struct Rows64Kernel : KvRingKernel<Traits> {
 template <typename Element, bool kFp8Kv>
 cudaError_t run_mla_decode(const DecodeParams& params, const DecodeTma& tma, cudaStream_t stream) {
   return launch_split_and_combine<Rows64Kernel<Rows64Traits<Element, kFp8Kv>>>(params, tma, stream);
+}
+
+template <typename Element>
+cudaError_t run_mla_decode_ds_mla_fp8(const DecodeParams& params, const DecodeTma& tma, cudaStream_t stream) {
+  return launch_split_and_combine<Rows64Kernel<Rows64Traits<Element, true, true>>>(params, tma, stream);
 }
 
 }  // namespace mla_decode

@@ -12,12 +12,20 @@
 namespace mla_decode {
 using namespace cute;
 
-template <typename Element_, bool kFp8Kv_>
+template <typename Element_, bool kFp8Kv_, bool kDsMlaFp8_ = false>
 struct Rows64Traits {
   using Element = Element_;  // cutlass::bfloat16_t or cutlass::half_t: q and out
-  // fp8 (e4m3) cache: each K tile arrives as fp8 bytes in the upper half of its stage buffer and is
-  // converted in place to the 16-bit tile below (by the math warpgroups).
+  // fp8 (e4m3) cache: each K tile arrives as fp8 bytes in the upper part of its stage buffer and is
+  // converted in place to the 16-bit tile (by the math warpgroups).
   static constexpr bool kFp8Kv = kFp8Kv_;
+  // DeepSeek-V3.2's cache (common/ds_mla_fp8_layout.h; implies kFp8Kv): rows are gathered one by one
+  // (no TMA map), the 8 latent slabs stage as e4m3 bytes, the rope slab lands as bf16 in its 16-bit
+  // place (converted in place to fp16), and each row's 4 power-of-two scales in 16-bit slab 0, where
+  // the converter reads them before it writes there (Fp8SlabConverter).
+  static constexpr bool kDsMlaFp8 = kDsMlaFp8_;
+  static_assert(kFp8Kv || !kDsMlaFp8, "a ds_mla_fp8 cache is an fp8 cache");
+  static constexpr bool kGatherOnly = kDsMlaFp8;
+  static constexpr int kFp8Slabs = kDsMlaFp8 ? kHeadDimV / kTmaColumns : kSlabs;  // slabs staged as e4m3
   // The type of the Q, K and P tiles in smem and of the MMAs: q's type, or fp16 with an fp8 cache
   // (e4m3 -> fp16 is one cvt per pair, -> bf16 four; a bf16 Q row is stored scaled, fp16_row_scale).
   using MmaElement = std::conditional_t<kFp8Kv, cutlass::half_t, Element>;
@@ -61,13 +69,22 @@ struct Rows64Traits {
     uint64_t kv_empty[kStages];                  // both math warpgroups are done with a K tile
   };
   // fp8 staging: slab s of a tile sits at this byte offset of the stage buffer + s * kFp8SlabBytes
-  // (shared/fp8_dequant.cuh). Converting slabs in order never overwrites bytes not yet read (slab s
-  // of the 16-bit tile overlaps only staged slabs <= 2s - 8), given a barrier between the reads
-  // and the writes of each slab.
-  static constexpr int kFp8StagingOffset = int(sizeof(MmaElement)) * kBlockN * kHeadDimK / 2;
+  // (shared/fp8_dequant.cuh), the staged slabs ending where the 16-bit slabs that are not staged
+  // begin (the ds_mla_fp8 rope). Converting slabs in order never overwrites bytes not yet read
+  // (16-bit slab s overlaps only staged slabs 2s - kFp8Slabs and 2s - kFp8Slabs + 1), given a
+  // barrier between the reads and the writes of each slab.
+  static constexpr int kFp8StagingOffset = kFp8Slabs * kFp8SlabBytes;
+  // ds_mla_fp8: byte offsets in a stage of the rope slab (16-bit, where the WGMMAs read it) and of key
+  // row r's 4 scales: rows 8w..8w+7 share row 8w of 16-bit slab 0, which only warp w of the math
+  // warpgroups writes when it converts (thread t converts key row t / 4), so that warp orders its
+  // reads of them before its writes there by itself (__syncwarp).
+  static constexpr int kDsRopeSlabOffset = (kSlabs - 1) * kBlockN * kTmaColumns * int(sizeof(MmaElement));
+  __device__ static constexpr int ds_scales_offset(int row) {
+    return (row / 8) * (8 * kTmaColumns * int(sizeof(MmaElement))) + (row % 8) * 16;
+  }
   // Where the producer's copy of rows [row, row + rows_per_copy) of a slab lands.
   __device__ static void* kv_copy_dst(SharedStorage& ss, int stage, int slab, int row) {
-    if constexpr (kFp8Kv) {
+    if constexpr (kFp8Kv) {  // a staged slab (ds_mla_fp8: slab < kFp8Slabs)
       return reinterpret_cast<char*>(ss.k[stage]) + kFp8StagingOffset + slab * kFp8SlabBytes + row * kTmaColumns;
     } else {
       Tensor sK = make_tensor(make_smem_ptr(ss.k[stage]), SmemLayoutK{});

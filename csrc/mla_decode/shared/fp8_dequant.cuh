@@ -7,6 +7,7 @@
 // consecutive rows at one logical chunk (an ldmatrix of V^T) and 8 rows x 4 chunks (LDS of K) hit
 // distinct banks. Needs each slab 512-byte aligned.
 #pragma once
+#include <cuda_bf16.h>
 #include <cuda_fp16.h>
 #include <cstdint>
 
@@ -28,6 +29,18 @@ __device__ __forceinline__ void e4m3x4_to_f16x2(uint32_t four_bytes, uint32_t& l
   asm("{\n.reg .b16 l, h;\nmov.b32 {l, h}, %2;\ncvt.rn.f16x2.e4m3x2 %0, l;\ncvt.rn.f16x2.e4m3x2 %1, h;\n}"
       : "=r"(lo), "=r"(hi)
       : "r"(four_bytes));
+}
+
+// f16x2 bits times `scale` (HMUL2).
+__device__ __forceinline__ uint32_t hmul2_bits(uint32_t f16x2, __half2 scale) {
+  const __half2 product = __hmul2(*reinterpret_cast<const __half2*>(&f16x2), scale);
+  return *reinterpret_cast<const uint32_t*>(&product);
+}
+
+// bf16x2 bits -> f16x2 bits, rounded to nearest (exact within fp16's normal range).
+__device__ __forceinline__ uint32_t bf16x2_to_f16x2(uint32_t bf16x2) {
+  const __half2 h = __float22half2_rn(__bfloat1622float2(*reinterpret_cast<const __nv_bfloat162*>(&bf16x2)));
+  return *reinterpret_cast<const uint32_t*>(&h);
 }
 
 // The power of two a 16-bit Q row whose largest |value| is row_max (>= 0) is stored times as fp16,

@@ -1,13 +1,14 @@
 // The producer of the decode kernels: walks a CTA's schedule and loads its K tiles, slab by slab,
 // into a ring of Traits::kStages stages: by TMA where keys come in runs of >= 16 rows of one page
 // (BlockCopies), else row by row by cp.async into the same swizzled layout (GatheredRows: page sizes
-// that are not a multiple of 16, and the sparse key lists of kv_slots).
+// that are not a multiple of 16, the sparse key lists of kv_slots, and the ds_mla_fp8 cache).
 #pragma once
 #include <cute/tensor.hpp>
 #include <cute/arch/copy_sm90_tma.hpp>
 #include <cutlass/arch/barrier.h>
 
 #include "common/device_utils.cuh"
+#include "common/ds_mla_fp8_layout.h"
 #include "mla_decode/config.h"
 #include "mla_decode/params.h"
 #include "mla_decode/shared/fp8_dequant.cuh"
@@ -59,16 +60,23 @@ struct BlockCopies {
   }
 };
 
+// Whether Traits reads DeepSeek-V3.2's cache (Traits::kDsMlaFp8; kernels without the member do not).
+template <typename Traits>
+inline constexpr bool kReadsDsMlaFp8 = requires { requires Traits::kDsMlaFp8; };
+
 // The cp.async gather of one KV block, as seen by one lane of a producer warp. A lane holds the cache
 // byte offsets of key rows lane and lane + 32 of the block (-1: past the sequence end, zero-filled);
 // the lanes that copy a row get its offset by shuffles. Each slab is issued by one warp, whose 32
 // lanes then arrive on its kv_full barrier (count 32) when their copies have landed (.noinc: the
 // arrival is the cp.async completion's, as CUTLASS's cp.async GMMA pipelines do).
+// ds_mla_fp8 rows (656 bytes): the latent slabs stage like an e4m3 cache's; the rope slab and the
+// row scales go where Traits puts them (kDsRopeSlabOffset, ds_scales_offset), in the same passes.
 template <typename Traits>
 struct GatheredRows {
   static constexpr int kRowBytes = Traits::kFp8Kv ? kTmaColumns : kTmaColumns * 2;  // of a slab
   static constexpr int kChunksPerRow = kRowBytes / 16;
   static constexpr int kRowsPerPass = 32 / kChunksPerRow;  // rows one warp instruction covers
+  static constexpr int kStagedSlabs = kReadsDsMlaFp8<Traits> ? kHeadDimV / kTmaColumns : kSlabs;  // rows of kRowBytes
   int64_t offset[2];
 
   // Never reads past the cache: a slot or page outside it is clamped (the Python layer checks them).
@@ -111,14 +119,36 @@ struct GatheredRows {
                        int slab_step, int end_slab, int lane) const {
     const int chunk = lane % kChunksPerRow;
     const uint8_t* kv = static_cast<const uint8_t*>(p.kv) + chunk * 16;
+    // ds_mla_fp8: the bf16 rope values (128 bytes of a row, chunks `chunk` and `chunk` + 4) straight
+    // into the 16-bit rope slab, by the warp that issues that slab; the row's 4 fp32 scales (16 bytes)
+    // by the warp that issues slab 0, whose kv_full barrier the converter waits on before reading them.
+    constexpr int kRopeSlab = kSlabs - 1;
+    const bool copies_rope = kReadsDsMlaFp8<Traits> && kRopeSlab >= first_slab && kRopeSlab < end_slab &&
+                             (kRopeSlab - first_slab) % slab_step == 0;
+    const bool copies_scales = kReadsDsMlaFp8<Traits> && first_slab == 0 && chunk == 0;
     // Not unrolled: the producer runs on 24-40 registers.
 #pragma unroll 1
     for (int j = 0; j < kBlockN / kRowsPerPass; ++j) {
       const int row = lane / kChunksPerRow + j * kRowsPerPass;
       const int64_t src = __shfl_sync(0xffffffff, j * kRowsPerPass < 32 ? offset[0] : offset[1], row % 32);
-      for (int slab = first_slab; slab < end_slab; slab += slab_step) {
+      for (int slab = first_slab; slab < min(end_slab, kStagedSlabs); slab += slab_step) {
         mla_common::cp_async_16(chunk_dst(ss, stage, slab, row, chunk), kv + max(src, int64_t(0)) + slab * kRowBytes,
                                 src >= 0);
+      }
+      if constexpr (kReadsDsMlaFp8<Traits>) {
+        static_assert(kChunksPerRow == 4, "a lane copies rope chunks chunk and chunk + 4 of its row");
+        const uint32_t tile = mla_common::smem_addr(ss.k[stage]);
+        const uint8_t* row_src = kv + max(src, int64_t(0)) - chunk * 16;
+        if (copies_rope) {
+#pragma unroll
+          for (int c = chunk; c < 8; c += 4) {
+            mla_common::cp_async_16(tile + Traits::kDsRopeSlabOffset + row * 128 + ((c ^ (row % 8)) << 4),
+                                    row_src + mla_common::kDsRopeOffset + c * 16, src >= 0);
+          }
+        }
+        if (copies_scales) {
+          mla_common::cp_async_16(tile + Traits::ds_scales_offset(row), row_src + mla_common::kDsScaleOffset, src >= 0);
+        }
       }
     }
 #ifdef MLA_ATTN_RACECHECK
@@ -133,6 +163,7 @@ struct GatheredRows {
     }
 #endif
   }
+
 };
 
 // kv_full arrivals per slab and phase: one arrive_and_expect_tx (TMA), or the 32 lanes of the warp

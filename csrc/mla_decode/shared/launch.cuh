@@ -13,13 +13,21 @@
 
 namespace mla_decode {
 
+// Whether a kernel's cache can only be gathered row by row (Traits::kGatherOnly: ds_mla_fp8 rows have
+// no TMA map); the caller then sets DecodeTma::gather.
+template <typename Traits>
+inline constexpr bool kGathersOnly = requires { requires Traits::kGatherOnly; };
+
 // Launches the split kernel (grid: q-tiles x parts; its gathering variant where DecodeTma::gather)
 // and, when any request is split, the combine kernel chained with PDL. kMayStoreFp32Partials: the
 // kernel writes fp32 partials where DecodeParams::partials_fp32 (the combine is instantiated for them).
 template <typename Kernel, bool kMayStoreFp32Partials = false>
 cudaError_t launch_split_and_combine(const DecodeParams& params, const DecodeTma& tma, cudaStream_t stream) {
   using Element = typename Kernel::Traits::Element;
-  const auto kernel = tma.gather ? mla_decode_split_kernel<Kernel, true> : mla_decode_split_kernel<Kernel, false>;
+  const auto kernel = [&] {
+    if constexpr (kGathersOnly<typename Kernel::Traits>) return mla_decode_split_kernel<Kernel, true>;
+    else return tma.gather ? mla_decode_split_kernel<Kernel, true> : mla_decode_split_kernel<Kernel, false>;
+  }();
   constexpr int smem = Kernel::Traits::kSmemBytes + 1024;  // + slack to align the map to 1024 bytes
   const cudaError_t attr =
       cudaFuncSetAttribute(kernel, cudaFuncAttributeMaxDynamicSharedMemorySize, smem);
