@@ -1,6 +1,7 @@
 """A small subset of calls for compute-sanitizer (scripts/sanitize.sh), small enough to run under
 memcheck and racecheck in seconds. Decode: split and unsplit requests, tail blocks, empty requests,
-varlen causal, page sizes 16, 32 and 64 (TMA) and 1 and 24 (cp.async gather), q_pe split, each with a 16-bit and an FP8 cache and through
+varlen causal, page sizes 16, 32 and 64 (TMA) and 1 and 24 (cp.async gather), q_pe split, each with a 16-bit, an FP8 and a
+ds_mla_fp8 cache and through
 every split kernel that can run it. Prefill: partial and causal-diagonal blocks, empty
 rows, k_pe split. Then an LSE merge and a KV-cache write + gather round trip."""
 import os
@@ -12,7 +13,7 @@ sys.path.insert(0, os.path.join(os.path.dirname(__file__), "..", "tests"))
 import mla_attn  # noqa: E402
 from cases import make_decode_case, make_prefill_case  # noqa: E402
 from conftest import decode_kernels_for  # noqa: E402
-from fp8_cases import dequantized, to_fp8_case  # noqa: E402
+from fp8_cases import dequantized, to_ds_case, to_fp8_case  # noqa: E402
 from mla_attn._ops import prefill_cpu  # noqa: E402
 from mla_attn.reference import mla_decode_ref  # noqa: E402
 
@@ -79,13 +80,13 @@ def check_merge_and_cache():
 
 def check_decode():
     """Every case through every split kernel that can run it (mla_decode's private _kernel), with a
-    16-bit and an FP8 cache."""
+    16-bit, an FP8 and a ds_mla_fp8 cache."""
     worst = {False: 0.0, True: 0.0}  # by e4m3 MMAs
-    for (lens, s_q, h_q, page, varlen, split_pe), fp8 in [(c, f) for c in CASES for f in (False, True)]:
+    for (lens, s_q, h_q, page, varlen, split_pe), fmt in [(c, f) for c in CASES for f in ("16-bit", "fp8", "ds")]:
         c = cuda(make_decode_case(lens, s_q, h_q, page, varlen=varlen, split_pe=split_pe))
-        c = to_fp8_case(c) if fp8 else {**c, "k_scale": None}
+        c = to_fp8_case(c) if fmt == "fp8" else {**(to_ds_case(c) if fmt == "ds" else c), "k_scale": None}
         kw = dict(max_seqlen_q=c["max_seqlen_q"]) if varlen else {}
-        r = dequantized(c) if fp8 else c
+        r = c if fmt == "16-bit" else dequantized(c)
         ref, _ = mla_decode_ref(r["q"], r["kv_cache"], r["block_table"], r["cache_seqlens"],
                                 cu_seqlens_q=r["cu_seqlens_q"], q_pe=r["q_pe"],
                                 softmax_scale=r["softmax_scale"], causal=True)
@@ -95,7 +96,7 @@ def check_decode():
                                       softmax_scale=c["softmax_scale"], causal=True, _kernel=kernel, **kw)
             err = (out.float() - ref).abs().max().item()
             worst[kernel == "fp8mma"] = max(worst[kernel == "fp8mma"], err)
-            print(f"lens={lens} s_q={s_q} h_q={h_q} page={page} fp8={fp8} {kernel}: max |err| {err:.2e}",
+            print(f"lens={lens} s_q={s_q} h_q={h_q} page={page} cache={fmt} {kernel}: max |err| {err:.2e}",
                   flush=True)
     # Whole requests of 40 and 33 blocks per CTA (deterministic): the seesaw kernel's steady loop.
     c = cuda(make_decode_case([2500, 2111], 2, 128, 64))
