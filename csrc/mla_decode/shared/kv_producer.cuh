@@ -163,7 +163,6 @@ struct GatheredRows {
     }
 #endif
   }
-
 };
 
 // kv_full arrivals per slab and phase: one arrive_and_expect_tx (TMA), or the 32 lanes of the warp
