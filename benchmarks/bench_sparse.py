@@ -16,7 +16,7 @@ For every config (h_q, s_q, batch; top-k 2048, bf16 cache [pages, 64, 576]):
 Formulas (R = b * s_q query tokens, V = the valid indices of all tokens = R * TOPK here, t = op cold):
   TFLOP/s = 2 * h_q * V * (576 + 512) / t        (QK^T over 576 dims, PV over 512)
   GB/s    = (V * e + R * h_q * (576 + 512) * 2) / t   (listed cache rows + q + out; e = 1152 bytes per
-            bf16 row, 656 per ds_mla_fp8 row: the bytes the cache holds, not the temporary buffer)
+            bf16 row, 656 per ds_mla_fp8 row: the bytes the cache holds)
 
 --kv-format ds_mla_fp8: the same values in DeepSeek-V3.2's 656-byte FP8 rows (quantize_ds_mla_fp8);
 the reference reads the dequantised rows.
