@@ -194,9 +194,13 @@ def test_metadata_matches_cpu_schedule_extremes():
              (torch.randint(0, 9000, (50000,), generator=g, dtype=torch.int32), (2, num_sms))]
     cases += [(torch.randint(0, 20000, (batch,), generator=g, dtype=torch.int32), range(1, num_sms + 1))
               for batch in (1, 33)]
-    # Short requests (a split walk meets a request start every few parts) and a mixed batch of 128.
+    # Short requests (a split walk meets a request start every few parts) and a mixed batch of 128;
+    # uniform batches, where a walk lands on a request start every part, every few requests or
+    # hardly ever (sparse decode's one-token rows of 2048 keys among them).
     cases += [(torch.randint(0, 200, (300,), generator=g, dtype=torch.int32), range(1, num_sms + 1, 7)),
               (torch.randint(0, 5000, (128,), generator=g, dtype=torch.int32), range(1, num_sms + 1, 5))]
+    cases += [(torch.full((batch,), length, dtype=torch.int32), range(1, num_sms + 1, 3))
+              for batch, length in ((128, 1024), (128, 2048), (256, 2048), (128, 16384), (700, 64))]
     for (lens, parts_list), det in itertools.product(cases, (False, True)):
         for parts in parts_list:
             tile_sched, req_splits = torch.ops.mla_attn.get_decode_metadata(lens.cuda(), None, 1, 16, True, parts,

@@ -12,14 +12,10 @@
 //                                      y - kFixedSplitCost - S_e blocks when that is positive (a
 //                                      cut piece pays the fixed cost again, hence the shift);
 //   S_max(b+1, e)                      whole requests (x = S_b): requests up to e, at least one.
-// A split walk moves x by piece = C - kFixedSplitCost while no part ends at a request start; a part
-// that does (S_e in (y - kFixedSplitCost, y]) moves every later start by S_e - (y - kFixedSplitCost),
-// 1 to kFixedSplitCost. So a warp places 32 parts per round (fewer only where the walk ends), stops
-// or not (walk_split_parts): lane l takes part p + l at x + l piece + shift, shift being what the
-// stops before it added; each stop costs a ballot, not a search.
-// A whole walk moves from request to request, so a warp finds the next request of 32 consecutive
-// ones at once and follows the chain through them (walk_whole_parts). Every output follows from the
-// part starts in parallel.
+// Each walk is a chain over request starts (walk_parts): a part starting at a request start fixes
+// every part up to the next one the walk lands on, so 32 request starts are resolved at once and
+// pointer doubling follows the chain through them. Every output follows from the part starts in
+// parallel.
 #include <climits>
 #include "mla_decode/config.h"
 #include "mla_decode/decode.h"
@@ -80,96 +76,154 @@ __device__ __forceinline__ T block_inclusive_scan(T v, T* warp_sums, T* total) {
   return before + v;
 }
 
-// The first request start above v (total if none): t = incl[k] = S_k+1, k moving forward only.
-__device__ __forceinline__ void first_start_above(const long long* incl, int batch, long long total,
-                                                  long long v, int& k, long long& t) {
-  while (k < batch && t <= v) {
-    ++k;
-    t = k < batch ? incl[k] : total;
+// A walk as a chain over request starts (nodes). A part that starts at S_r starts the next part
+// at S_r + piece while no request start lies in (cut, cut + kFixedSplitCost], cut = S_r + j piece
+// being its j-th cut (j >= 1); the first request e that one does catches the walk: the next part
+// starts at S_e. Node r thus gives next(r) (e, or batch when the walk ends first) and parts(r) (j,
+// or the parts until y = cut + kFixedSplitCost reaches total). A whole-request walk has one part
+// per node: next(r) = max(r + 1, the request holding S_r + C). Request starts are kFixedSplitCost
+// or more apart, so a cut catches at most one; and e catches at the smallest j >= 1 with j piece in
+// [d - kFixedSplitCost, d - 1], d = S_e - S_r, which never decreases with e: the first e that can be
+// caught is the one that is.
+struct WalkNode {
+  int next;   // the next node on the chain (batch: the walk ends); -1 while unknown
+  int parts;  // parts from S_r to S_next, at most kMaxSmParts + 1 (more cannot fit)
+};
+
+// Split walk: whether e catches a walk at node r (S_r = s_r), and at which part count.
+__device__ __forceinline__ bool catches(long long s_r, long long s_e, long long piece, double inv_piece, int& parts) {
+  const long long d = s_e - s_r, a = d - kFixedSplitCost;
+  long long j = 1;
+  if (a > piece) {  // ceil(a / piece) from the reciprocal, exact after one step either way (a < 2^52)
+    j = (long long)(double(a) * inv_piece);
+    if (j * piece < a) ++j;
+    if ((j - 1) * piece >= a) --j;
   }
+  parts = int(min(j, (long long)kMaxSmParts + 1));
+  return j * piece <= d - 1;
 }
 
-// One round of a split walk from x: lane l places part l (of at most max_parts) at starts[l]. Part l
-// starts at x + l piece + shift and ends at y = cut + kFixedSplitCost, cut = x + (l + 1) piece + shift:
-// the next part starts at cut, or at the request start in (cut, y] if there is one (the part stops
-// there; S_e <= y < S_e+1 and y - kFixedSplitCost < S_e), or takes the rest (y >= total). shift, 0
-// at first, grows by 1 to kFixedSplitCost at each stop, so each lane keeps the first request start
-// above its cut (t) and moves it forward when the shift grows (past one start at most). Each stop
-// costs a ballot and a shuffle, not a search. Returns the parts placed; x becomes the next start.
-__device__ __forceinline__ int split_round(const long long* incl, int batch, long long total, long long C,
-                                           int max_parts, long long& x, long long* starts) {
-  const int lane = threadIdx.x % 32;
-  const long long piece = C - kFixedSplitCost;  // >= 1: C > kFixedSplitCost on every split walk
-  const long long cut0 = x + (lane + 1) * piece;  // this lane's cut before any shift
-  int k = count_le(incl, batch, cut0);
-  long long t = k < batch ? incl[k] : total;
-  const int last = min(31, max_parts - 1);  // the last lane that may place a part
-  long long shift = 0, start = 0;
-  int placed = 0;
-  for (int first = 0;;) {  // lanes [first, last] have the current shift
-    const bool live = lane >= first && lane <= last;
-    const long long cut = cut0 + shift, y = cut + kFixedSplitCost;
-    if (live) first_start_above(incl, batch, total, cut, k, t);
-    const unsigned stopping = __ballot_sync(kFullMask, live && (y >= total || t <= y));
-    const int stop = stopping ? __ffs(stopping) - 1 : last + 1;  // lanes [first, stop) end at their cut
-    if (live && lane <= stop) start = cut - piece;
-    if (stop > last) {
-      placed = last + 1;
-      x += placed * piece + shift;
-      break;
-    }
-    const long long next = __shfl_sync(kFullMask, y >= total ? total : t, stop);
-    first = stop + 1;
-    if (next == total || first > last) {
-      placed = first;
-      x = next;
-      break;
-    }
-    shift = next - (x + first * piece);  // part `first` starts at the request start `next`
+__device__ __forceinline__ int parts_until_end(long long s_r, long long total, long long piece) {
+  const long long a = total - kFixedSplitCost - s_r;  // the first j with s_r + j piece + F >= total
+  return a <= piece ? 1 : int(min((a + piece - 1) / piece, (long long)kMaxSmParts + 1));
+}
+
+// Node r of a walk of part cost C (piece = C - kFixedSplitCost on a split walk), as one lane sees
+// it in a window: a split node looks for its catch among the next kNodeScan requests only and
+// stays unknown (next -1) past them.
+constexpr int kNodeScan = 8;
+__device__ __forceinline__ WalkNode window_node(const long long* incl, int batch, long long total, long long C,
+                                                bool whole, long long piece, double inv_piece, int r) {
+  const long long s_r = r > 0 ? incl[r - 1] : 0;
+  if (whole) {
+    if (s_r + C >= total) return {batch, 1};
+    return {max(count_le(incl, batch, s_r + C), r + 1), 1};
   }
-  if (lane < placed) starts[lane] = start;
-  return placed;
+  const int scan_end = min(batch, r + 1 + kNodeScan);
+  for (int e = r + 1; e < scan_end; ++e) {
+    int parts;
+    if (catches(s_r, incl[e - 1], piece, inv_piece, parts)) return {e, parts};
+  }
+  if (scan_end == batch) return {batch, parts_until_end(s_r, total, piece)};
+  return {-1, 0};
 }
 
-// One warp walks num_sm_parts parts of cost C and writes the part starts to starts[0, num_sm_parts)
-// (total for a part with no request); returns whether the parts took every request (schedule_cpu's
-// last part, which takes the rest, walked like the others). incl[b] = S_b+1.
-__device__ __forceinline__ bool walk_split_parts(const long long* incl, int batch, long long total,
-                                                 int num_sm_parts, long long C, long long* starts) {
+// Node r resolved by the whole warp. Whole-request walk: the request holding S_r + C, looked for
+// among the next 32 requests, then by a search. Split walk: lane l takes the part count j = j0 + l + 1
+// (cut S_r + j piece) and checks whether that part stops the run: it reaches total, or the first
+// request start above its cut lies within kFixedSplitCost (the catch).
+__device__ __forceinline__ WalkNode warp_node(const long long* incl, int batch, long long total, long long C,
+                                              bool whole, long long piece, int r) {
   const int lane = threadIdx.x % 32;
-  long long x = 0;
-  int p = 0;
-  while (p < num_sm_parts && x < total) p += split_round(incl, batch, total, C, num_sm_parts - p, x, starts + p);
-  for (int q = p + lane; q < num_sm_parts; q += 32) starts[q] = total;
-  return x == total;
+  const long long s_r = r > 0 ? incl[r - 1] : 0;
+  if (whole) {
+    const long long v = s_r + C;
+    if (v >= total) return {batch, 1};
+    const int e = r + 1 + lane;  // S_e > v first: request e - 1 holds v (S_batch = total > v)
+    const unsigned hits = __ballot_sync(kFullMask, e <= batch && incl[e - 1] > v);
+    const int holder = hits ? r + __ffs(hits) - 1 : count_le(incl, batch, v);
+    return {max(holder, r + 1), 1};
+  }
+  for (int j0 = 0; j0 <= kMaxSmParts; j0 += 32) {
+    const int j = j0 + lane + 1;
+    const long long cut = s_r + j * piece, y = cut + kFixedSplitCost;
+    const int above = count_le(incl, batch, cut) + 1;  // the first request start above the cut
+    const bool ends = y >= total;
+    const unsigned stops = __ballot_sync(kFullMask, ends || (above < batch && incl[above - 1] <= y));
+    if (stops) {
+      const int l = __ffs(stops) - 1;
+      return {__shfl_sync(kFullMask, ends ? batch : above, l), j0 + l + 1};
+    }
+  }
+  return {batch, kMaxSmParts + 1};  // more parts than any walk places
 }
 
-// Whole requests: a part starting at request r ends before next(r) = max(e, r + 1), e the request
-// holding S_r + C (batch: it takes the rest). Lane l holds next(b + l); the chain from b is followed
-// by shuffles while it stays among those 32 requests.
-__device__ __forceinline__ bool walk_whole_parts(const long long* incl, int batch, long long total,
-                                                 int num_sm_parts, long long C, long long* starts) {
+// One warp walks parts of cost C from request 0 and writes the first num_sm_parts part starts to
+// starts[] (total past the last part); returns whether the walk took every request within them.
+// The warp resolves the chain's node and writes its parts; where the chain moved by few requests
+// (dense: many nodes to come close together) it then takes the next 32 nodes at once: each lane
+// computes its node, pointer doubling over the window gives every lane the last chain node at or
+// before it and the parts before that, and the chain leaves the window at its last node there
+// (resolved by the warp next if the lane could not).
+__device__ __forceinline__ bool walk_parts(const long long* incl, int batch, long long total, int num_sm_parts,
+                                           long long C, bool whole, long long* starts) {
   const int lane = threadIdx.x % 32;
-  int b = 0, p = 0;
-  while (p < num_sm_parts && b < batch) {
-    const int r = b + lane;
-    const long long s_r = r > 0 && r <= batch ? incl[r - 1] : 0;
-    int next = batch;
-    if (r < batch && s_r + C < total) next = max(count_le(incl, batch, s_r + C), r + 1);
-    for (int cur = 0;;) {
-      if (lane == cur) starts[p] = s_r;
-      ++p;
-      const int n = __shfl_sync(kFullMask, next, cur);
-      if (n < batch && n - b < 32 && p < num_sm_parts) {
-        cur = n - b;
-      } else {
-        b = n;
-        break;
+  const long long piece = whole ? 0 : C - kFixedSplitCost;
+  const double inv_piece = whole ? 0.0 : 1.0 / double(piece);
+  int node = 0, placed = 0;  // the chain's current node and the parts before it
+  while (node < batch && placed < num_sm_parts) {
+    const WalkNode head = warp_node(incl, batch, total, C, whole, piece, node);
+    const long long s_head = node > 0 ? incl[node - 1] : 0;
+    for (int j = lane; j < min(head.parts, num_sm_parts - placed); j += 32) starts[placed + j] = s_head + j * piece;
+    placed += head.parts;
+    const bool dense = head.next - node <= kNodeScan;
+    node = head.next;
+    if (!dense || node >= batch || placed >= num_sm_parts) continue;
+
+    const int r = node + lane;
+    WalkNode w = r < batch ? window_node(incl, batch, total, C, whole, piece, inv_piece, r) : WalkNode{batch, 0};
+    // jump[k] / jump_parts[k]: the lane 2^k chain steps ahead within the window (itself once the
+    // chain leaves the window or reaches an unknown node there) and the parts over those steps.
+    int jump[5], jump_parts[5];
+    const bool inside = w.next >= 0 && w.next < node + 32 && w.next < batch;
+    jump[0] = inside ? w.next - node : lane;
+    jump_parts[0] = inside ? w.parts : 0;
+#pragma unroll
+    for (int k = 1; k < 5; ++k) {
+      jump[k] = __shfl_sync(kFullMask, jump[k - 1], jump[k - 1]);
+      jump_parts[k] = jump_parts[k - 1] + __shfl_sync(kFullMask, jump_parts[k - 1], jump[k - 1]);
+    }
+    int at = 0, before = 0;  // the last chain node at or before this lane, the parts before it
+#pragma unroll
+    for (int k = 4; k >= 0; --k) {
+      const int to = __shfl_sync(kFullMask, jump[k], at);
+      const int add = __shfl_sync(kFullMask, jump_parts[k], at);
+      if (to <= lane) {
+        at = to;
+        before += add;
       }
     }
+    const bool on_chain = at == lane;
+    const int last = 31 - __clz(__ballot_sync(kFullMask, on_chain && jump[0] == lane));
+    const bool last_known = __shfl_sync(kFullMask, w.next, last) >= 0;
+    // Each known chain node writes its parts' starts (a long run: the warp).
+    const long long s_r = r > 0 && r <= batch ? incl[r - 1] : 0;
+    const int first_part = placed + before;
+    const int own = on_chain && (lane < last || last_known) ? max(0, min(w.parts, num_sm_parts - first_part)) : 0;
+    if (own <= 4) {
+      for (int j = 0; j < own; ++j) starts[first_part + j] = s_r + j * piece;
+    }
+    for (unsigned long_runs = __ballot_sync(kFullMask, own > 4); long_runs; long_runs &= long_runs - 1) {
+      const int l = __ffs(long_runs) - 1;
+      const int p0 = __shfl_sync(kFullMask, first_part, l), n = __shfl_sync(kFullMask, own, l);
+      const long long s = __shfl_sync(kFullMask, s_r, l);
+      for (int j = lane; j < n; j += 32) starts[p0 + j] = s + j * piece;
+    }
+    placed = __shfl_sync(kFullMask, first_part + (last_known ? w.parts : 0), last);
+    node = last_known ? __shfl_sync(kFullMask, w.next, last) : node + last;
   }
-  for (int q = p + lane; q < num_sm_parts; q += 32) starts[q] = total;
-  return b == batch;
+  for (int q = placed + lane; q < num_sm_parts; q += 32) starts[q] = total;
+  return node == batch && placed <= num_sm_parts;
 }
 
 // deterministic: a part never cuts a request; a part that is still empty takes its next request
@@ -235,7 +289,7 @@ __global__ void __launch_bounds__(kMetadataThreads, 1)
     long long* starts = walk_starts + warp * P;
     bool fits = false;
     if (C >= 0) {
-      fits = whole ? walk_whole_parts(incl, batch, total, P, C, starts) : walk_split_parts(incl, batch, total, P, C, starts);
+      fits = walk_parts(incl, batch, total, P, C, whole, starts);
     }
     if (lane == 0) walk_fits[warp] = fits;
   }
