@@ -112,6 +112,8 @@ __device__ __forceinline__ int parts_until_end(long long s_r, long long total, l
 // it in a window: a split node looks for its catch among the next kNodeScan requests only and
 // stays unknown (next -1) past them.
 constexpr int kNodeScan = 8;
+// A window whose chain stops before this lane did not pay for itself: the walk goes on without.
+constexpr int kMinWindowAdvance = 4;
 __device__ __forceinline__ WalkNode window_node(const long long* incl, int batch, long long total, long long C,
                                                 bool whole, long long piece, double inv_piece, int r) {
   const long long s_r = r > 0 ? incl[r - 1] : 0;
@@ -164,13 +166,14 @@ __device__ __forceinline__ WalkNode warp_node(const long long* incl, int batch, 
 // (dense: many nodes to come close together) it then takes the next 32 nodes at once: each lane
 // computes its node, pointer doubling over the window gives every lane the last chain node at or
 // before it and the parts before that, and the chain leaves the window at its last node there
-// (resolved by the warp next if the lane could not).
+// (resolved by the warp next if the lane could not). Windows stop once one moves the chain by few nodes.
 __device__ __forceinline__ bool walk_parts(const long long* incl, int batch, long long total, int num_sm_parts,
                                            long long C, bool whole, long long* starts) {
   const int lane = threadIdx.x % 32;
   const long long piece = whole ? 0 : C - kFixedSplitCost;
   const double inv_piece = whole ? 0.0 : 1.0 / double(piece);
   int node = 0, placed = 0;  // the chain's current node and the parts before it
+  bool windows = true;  // off once a window moved the chain by few nodes (catches too far apart)
   while (node < batch && placed < num_sm_parts) {
     const WalkNode head = warp_node(incl, batch, total, C, whole, piece, node);
     const long long s_head = node > 0 ? incl[node - 1] : 0;
@@ -178,7 +181,7 @@ __device__ __forceinline__ bool walk_parts(const long long* incl, int batch, lon
     placed += head.parts;
     const bool dense = head.next - node <= kNodeScan;
     node = head.next;
-    if (!dense || node >= batch || placed >= num_sm_parts) continue;
+    if (!windows || !dense || node >= batch || placed >= num_sm_parts) continue;
 
     const int r = node + lane;
     WalkNode w = r < batch ? window_node(incl, batch, total, C, whole, piece, inv_piece, r) : WalkNode{batch, 0};
@@ -220,6 +223,7 @@ __device__ __forceinline__ bool walk_parts(const long long* incl, int batch, lon
       for (int j = lane; j < n; j += 32) starts[p0 + j] = s + j * piece;
     }
     placed = __shfl_sync(kFullMask, first_part + (last_known ? w.parts : 0), last);
+    windows = last >= kMinWindowAdvance;
     node = last_known ? __shfl_sync(kFullMask, w.next, last) : node + last;
   }
   for (int q = placed + lane; q < num_sm_parts; q += 32) starts[q] = total;
