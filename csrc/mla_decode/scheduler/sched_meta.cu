@@ -131,11 +131,12 @@ __device__ __forceinline__ WalkNode window_node(const long long* incl, int batch
 }
 
 // Node r resolved by the whole warp. Whole-request walk: the request holding S_r + C, looked for
-// among the next 32 requests, then by a search. Split walk: lane l takes the part count j = j0 + l + 1
+// among the next 32 requests, then by a search. Split walk: the catch among the next 32 requests,
+// else lane l takes the part count j = j0 + l + 1
 // (cut S_r + j piece) and checks whether that part stops the run: it reaches total, or the first
 // request start above its cut lies within kFixedSplitCost (the catch).
 __device__ __forceinline__ WalkNode warp_node(const long long* incl, int batch, long long total, long long C,
-                                              bool whole, long long piece, int r) {
+                                              bool whole, long long piece, double inv_piece, int r) {
   const int lane = threadIdx.x % 32;
   const long long s_r = r > 0 ? incl[r - 1] : 0;
   if (whole) {
@@ -145,6 +146,15 @@ __device__ __forceinline__ WalkNode warp_node(const long long* incl, int batch, 
     const unsigned hits = __ballot_sync(kFullMask, e <= batch && incl[e - 1] > v);
     const int holder = hits ? r + __ffs(hits) - 1 : count_le(incl, batch, v);
     return {max(holder, r + 1), 1};
+  }
+  {  // a catch among the next 32 requests comes before the run ends
+    const int e = r + 1 + lane;
+    int parts = 0;
+    const unsigned hits = __ballot_sync(kFullMask, e < batch && catches(s_r, incl[e - 1], piece, inv_piece, parts));
+    if (hits) {
+      const int l = __ffs(hits) - 1;
+      return {r + 1 + l, __shfl_sync(kFullMask, parts, l)};
+    }
   }
   for (int j0 = 0; j0 <= kMaxSmParts; j0 += 32) {
     const int j = j0 + lane + 1;
@@ -175,7 +185,7 @@ __device__ __forceinline__ bool walk_parts(const long long* incl, int batch, lon
   int node = 0, placed = 0;  // the chain's current node and the parts before it
   bool windows = true;  // off once a window moved the chain by few nodes (catches too far apart)
   while (node < batch && placed < num_sm_parts) {
-    const WalkNode head = warp_node(incl, batch, total, C, whole, piece, node);
+    const WalkNode head = warp_node(incl, batch, total, C, whole, piece, inv_piece, node);
     const long long s_head = node > 0 ? incl[node - 1] : 0;
     for (int j = lane; j < min(head.parts, num_sm_parts - placed); j += 32) starts[placed + j] = s_head + j * piece;
     placed += head.parts;
