@@ -117,11 +117,15 @@ constexpr int kMinWindowAdvance = 4;
 __device__ __forceinline__ WalkNode window_node(const long long* incl, int batch, long long total, long long C,
                                                 bool whole, long long piece, double inv_piece, int r) {
   const long long s_r = r > 0 ? incl[r - 1] : 0;
-  if (whole) {
-    if (s_r + C >= total) return {batch, 1};
-    return {max(count_le(incl, batch, s_r + C), r + 1), 1};
-  }
   const int scan_end = min(batch, r + 1 + kNodeScan);
+  if (whole) {  // the request holding S_r + C: in a dense window one of the next few, else searched
+    const long long v = s_r + C;
+    if (v >= total) return {batch, 1};
+    for (int e = r + 1; e < scan_end; ++e) {
+      if (incl[e - 1] > v) return {max(e - 1, r + 1), 1};
+    }
+    return {max(count_le(incl, batch, v), r + 1), 1};
+  }
   for (int e = r + 1; e < scan_end; ++e) {
     int parts;
     if (catches(s_r, incl[e - 1], piece, inv_piece, parts)) return {e, parts};
