@@ -1,6 +1,6 @@
 """The split-KV scheduler's whole-request partition (metadata.py: whole_request_capacity), on the CPU
 twin; test_decode_gpu.py checks the device kernel against it bit for bit. The schedule's row layout:
-the same fields in C++ and Python."""
+the same fields in C++ and Python. The device kernel's chain formulation of a walk against the twin."""
 import re
 from pathlib import Path
 
@@ -99,3 +99,59 @@ def test_whole_request_partition_is_tight():
         if capacity > max(max(n) + FIXED_COST, -(-sum(k + FIXED_COST for k in n) // parts)):
             assert whole_request_capacity(n, parts, capacity - 1 - NO_SPLIT_SLACK) is None
     assert taken > 20, "the sample exercises the rule"
+
+
+def _chain_walk(num_blocks, parts, C, whole):
+    """The device kernel's formulation of a walk (sched_meta.cu: walk_parts): a chain over request
+    starts, where node r (a part starting at S_r) yields the next request start the walk lands on and
+    the parts until then. Returns the first `parts` part starts (total past the last) and whether the
+    walk took every request within them."""
+    S = [0]
+    for k in num_blocks:
+        S.append(S[-1] + k + FIXED_COST)
+    B, total, piece = len(num_blocks), S[-1], C - FIXED_COST
+
+    def next_node(r):
+        if whole:
+            if S[r] + C >= total:
+                return B, 1
+            holder = max(b for b in range(B) if S[b] <= S[r] + C)
+            return max(holder, r + 1), 1
+        for e in range(r + 1, B):  # the first request start a cut lands within FIXED_COST before
+            d = S[e] - S[r]
+            j = max(1, -(-(d - FIXED_COST) // piece))
+            if j * piece <= d - 1:
+                return e, j
+        return B, max(1, -(-(total - FIXED_COST - S[r]) // piece))
+
+    starts, node, placed = [], 0, 0
+    while node < B and placed < parts:
+        nxt, count = next_node(node)
+        starts += [S[node] + j * piece for j in range(count)]
+        placed, node = placed + count, nxt
+    return (starts + [total] * parts)[:parts], node == B and placed <= parts
+
+
+def test_chain_walk_matches_the_contract():
+    """The device scheduler walks chains over request starts; on random batches that formulation gives
+    the contract's fits (every split candidate) and the chosen schedule's part starts."""
+    g = torch.Generator().manual_seed(5)
+    for trial in range(300):
+        B = int(torch.randint(1, 40, (1,), generator=g))
+        P = int(torch.randint(1, 70, (1,), generator=g))
+        top = [8, 300, 5000][trial % 3]
+        lens = torch.randint(0, top, (B,), generator=g, dtype=torch.int32)
+        n = [-(-int(x) // BLOCK_N) for x in lens]
+        base = -(-(sum(n) + B * FIXED_COST) // P)
+        for C in range(max(FIXED_COST + 1, base), base + FIXED_COST + 1):
+            assert _chain_walk(n, P, C, False)[1] == _split_walk_fits(n, P, C), (n, P, C)
+        payload = split_payload(n, P)
+        capacity = whole_request_capacity(n, P, payload)
+        C, whole = (capacity, True) if capacity is not None else (payload, False)
+        tile_sched, _ = schedule_cpu(lens, None, 1, 16, P, 132)
+        S = [0]
+        for k in n:
+            S.append(S[-1] + k + FIXED_COST)
+        expected = [S[r.first_request] + r.first_block if r.last_request >= r.first_request else S[-1]
+                    for r in (ScheduleRow(*row) for row in tile_sched[:P].tolist())]
+        assert _chain_walk(n, P, C, whole)[0] == expected, (n, P, C, whole)

@@ -136,9 +136,9 @@ __device__ __forceinline__ WalkNode window_node(const long long* incl, int batch
 
 // Node r resolved by the whole warp. Whole-request walk: the request holding S_r + C, looked for
 // among the next 32 requests, then by a search. Split walk: the catch among the next 32 requests,
-// else lane l takes the part count j = j0 + l + 1
-// (cut S_r + j piece) and checks whether that part stops the run: it reaches total, or the first
-// request start above its cut lies within kFixedSplitCost (the catch).
+// else lane l takes the part count j = j0 + l + 1 (cut S_r + j piece) and checks whether that part
+// stops the run: it reaches total, or the first request start above its cut lies within
+// kFixedSplitCost (the catch).
 __device__ __forceinline__ WalkNode warp_node(const long long* incl, int batch, long long total, long long C,
                                               bool whole, long long piece, double inv_piece, int r) {
   const int lane = threadIdx.x % 32;
