@@ -292,42 +292,44 @@ __global__ void __launch_bounds__(kMetadataThreads, 1)
   const long long base = (total + P - 1) / P, upper = base + kFixedSplitCost;
   const long long search_lo = max(base, min((long long)(kMinSearchedPiece + kFixedSplitCost), upper));
   const long long capacity_lo = max((long long)max_cost, base);
-  if (warp < kNumWalks) {
-    long long C = -1;
-    bool whole = true;
-    if (warp < kSplitWalks) {
-      if (!deterministic && search_lo + warp < upper) C = search_lo + warp;
-      whole = false;
-    } else if (warp == kUpperWalk) {
-      C = upper;
-      whole = deterministic;
-    } else if (batch > 0 && capacity_lo + (warp - kFirstCapacityWalk) <= upper + kNoSplitSlack) {
-      C = capacity_lo + (warp - kFirstCapacityWalk);
-    }
-    long long* starts = walk_starts + warp * P;
-    bool fits = false;
-    if (C >= 0) {
-      fits = walk_parts(incl, batch, total, P, C, whole, starts);
-    }
+  // Whole-request walks first (the capacity candidates; deterministic: the upper end too). When one
+  // fits within kNoSplitSlack of the split search's lower end it is chosen whatever the split walks
+  // find, so they run only otherwise (fewer walks sharing the SM's issue slots).
+  const auto run_walk = [&](long long C, bool whole) {
+    const bool fits = C >= 0 && walk_parts(incl, batch, total, P, C, whole, walk_starts + warp * P);
     if (lane == 0) walk_fits[warp] = fits;
+  };
+  if (warp >= kFirstCapacityWalk && warp < kNumWalks) {
+    const long long C = capacity_lo + (warp - kFirstCapacityWalk);
+    run_walk(batch > 0 && C <= upper + kNoSplitSlack ? C : -1, true);
+  } else if (warp == kUpperWalk && deterministic) {
+    run_walk(upper, true);
   }
   __syncthreads();
+  int capacity_walk = -1;  // the smallest whole-request capacity that fits
+  for (int k = 0; k < kCapacityWalks && capacity_walk < 0; ++k) {
+    if (walk_fits[kFirstCapacityWalk + k]) capacity_walk = k;
+  }
+  const bool splits_matter =
+      !deterministic && (capacity_walk < 0 || capacity_lo + capacity_walk > search_lo + kNoSplitSlack);
+  if (splits_matter) {
+    if (warp < kSplitWalks) run_walk(search_lo + warp < upper ? search_lo + warp : -1, false);
+    else if (warp == kUpperWalk) run_walk(upper, false);
+    __syncthreads();
+  }
   // The smallest split cost that fits, else the upper end; then the smallest whole-request capacity
   // that fits within kNoSplitSlack of it (no request is cut), if any.
   int chosen = kUpperWalk;
   long long payload = upper;
-  for (int k = 0; k < kSplitWalks; ++k) {
+  for (int k = 0; splits_matter && k < kSplitWalks; ++k) {
     if (walk_fits[k]) {
       chosen = k;
       payload = search_lo + k;
       break;
     }
   }
-  for (int k = 0; k < kCapacityWalks; ++k) {
-    if (walk_fits[kFirstCapacityWalk + k] && capacity_lo + k <= payload + kNoSplitSlack) {
-      chosen = kFirstCapacityWalk + k;
-      break;
-    }
+  if (capacity_walk >= 0 && capacity_lo + capacity_walk <= payload + kNoSplitSlack) {
+    chosen = kFirstCapacityWalk + capacity_walk;
   }
   const long long* x = walk_starts + chosen * P;  // ascending; total once the requests run out
 
