@@ -9,10 +9,9 @@
 //         page piece, one lane per piece, warp w slabs w, w + 4, w + 8) into a 2-stage ring; one
 //         kv_full mbarrier per slab, one kv_empty per stage; or they gather the rows by cp.async
 //         (kv_producer.cuh). FP8 cache: the slabs land as bytes in the upper part of the stage
-//         (ds_mla_fp8, DeepSeek-V3.2's 656-byte rows: gathered only, rope and scales beside them),
-//         and the producer converts them in place to 16 bit (fp8_producer.cuh), one kv_converted
-//         mbarrier per slab.
-//   WG 0,1 math: KV blocks alternate between them. The owner of a block computes S = Q K^T for all 64 keys, the
+//         (ds_mla_fp8, DeepSeek-V3.2's 656-byte rows: gathered only, rope and scales beside them).
+//   WG 0,1 math: KV blocks alternate between them (FP8: both first convert a block's tile in place
+//         to 16 bit, Fp8SlabConverter). The owner of a block computes S = Q K^T for all 64 keys, the
 //         online-softmax step and P = exp2(S - m), and hands P and the new row max to the other
 //         through shared memory; both then add P V to their half of O (256 columns), with V read
 //         from the same K tile (its first 512 columns).
@@ -31,7 +30,6 @@
 #include "common/device_utils.cuh"
 #include "mla_decode/config.h"
 #include "mla_decode/params.h"
-#include "mla_decode/rows64/fp8_producer.cuh"
 #include "mla_decode/rows64/traits.h"
 #include "mla_decode/shared/causal_mask.cuh"
 #include "mla_decode/shared/epilogue.cuh"
@@ -46,6 +44,140 @@
 namespace mla_decode {
 using namespace cute;
 using mla_common::named_barrier_sync;
+
+// fp8 cache: both math warpgroups convert a block's staged e4m3 tile to the fp16 tile the
+// WGMMAs read, slab by slab as the slabs land; the owner issues each slab group's QK^T before
+// converting the next (the WGMMAs run while it converts). Math thread t converts 16-byte chunk t of
+// every slab (key row t / 4, columns 16 (t % 4) ... + 15); rows past the sequence end become zeros
+// (never loaded, or slots past L), so no tail zeroing is needed. e4m3 values are exact in fp16; a
+// per-tensor scale is applied to the scores and the output. ds_mla_fp8: each 128-column group of a
+// row is multiplied by its power-of-two scale in fp16, exact for the scales 2^-13 (the quantiser's
+// smallest) to 2^7 (|values| up to 57344; larger overflow fp16), and the bf16 rope slab becomes fp16
+// in place (exact within fp16's range).
+//
+// In place: 16-bit slab s overwrites the staged bytes of slabs 2s - kFp8Slabs and 2s - kFp8Slabs + 1
+// (if >= 0), so a barrier must separate every read of those from the writes of s: slabs are
+// converted in the groups {0-3} {4, 5} {6} {7, and slab 8 read} {8 written} (e4m3 cache: 9 staged
+// slabs), or {0-3, with the row scales} {4, 5} {6, and slab 7 read} {7 written, rope} (ds_mla_fp8:
+// 8), with a barrier over both warpgroups after each group, which also makes the group visible to
+// the WGMMAs.
+template <typename Traits>
+struct Fp8SlabConverter {
+  static_assert(std::is_same_v<typename Traits::MmaElement, cutlass::half_t>, "e4m3 converts to the fp16 tile");
+  static_assert(kFp8SlabBytes / 16 == 256, "one 16-byte chunk of a slab per math thread");
+  static constexpr int k16BitSlabBytes = kBlockN * kTmaColumns * int(sizeof(typename Traits::MmaElement));
+  static_assert(k16BitSlabBytes == 8192, "a 16-bit slab is 8 KB");
+
+  // Reads this thread's chunk of staged slab `slab`.
+  __device__ __forceinline__ static uint4 read(const typename Traits::SharedStorage& ss, int stage, int slab, int tid) {
+    const char* slab_bytes = reinterpret_cast<const char*>(ss.k[stage]) + Traits::kFp8StagingOffset + slab * kFp8SlabBytes;
+    return *reinterpret_cast<const uint4*>(slab_bytes + fp8_slab_offset(tid / 4, tid % 4));
+  }
+  // Byte offset, within any 16-bit slab ([64 rows][128 B], 128-byte swizzle: 16-byte chunk c of row r
+  // at c ^ (r % 8)), of the first of the two 16-byte chunks this thread writes (key row tid / 4,
+  // columns 16 (tid % 4) ... + 15); the second is at this offset ^ 16. The same in every slab, so a
+  // slab's two stores are these offsets plus an immediate: computed once per tile, not per slab.
+  __device__ __forceinline__ static uint32_t write_offset(int tid) {
+    const int row = tid / 4, chunk = (tid % 4) * 2;
+    return row * 128 + ((chunk ^ (row % 8)) << 4);
+  }
+  // Writes this thread's chunk, converted (times `scale` with kScaled), to the 16-bit slab `slab` of
+  // the tile at tile_addr (zeros for rows >= valid_keys: the e4m3 bytes are zeroed before the
+  // conversion, 4 selects, not 8).
+  template <bool kScaled = false>
+  __device__ __forceinline__ static void write(uint32_t tile_addr, uint32_t offset, int slab, bool zero, uint4 in,
+                                               __half2 scale = {}) {
+    const uint32_t slab_addr = tile_addr + slab * k16BitSlabBytes;
+    if (zero) in = make_uint4(0, 0, 0, 0);
+    const uint32_t words[4] = {in.x, in.y, in.z, in.w};
+    uint32_t out[8];
+#pragma unroll
+    for (int w = 0; w < 4; ++w) e4m3x4_to_f16x2(words[w], out[2 * w], out[2 * w + 1]);
+    if constexpr (kScaled) {
+#pragma unroll
+      for (int i = 0; i < 8; ++i) out[i] = hmul2_bits(out[i], scale);
+    }
+    mla_common::st_shared_16(slab_addr + offset, make_uint4(out[0], out[1], out[2], out[3]));
+    mla_common::st_shared_16(slab_addr + (offset ^ 16), make_uint4(out[4], out[5], out[6], out[7]));
+  }
+  // ds_mla_fp8: this thread's 16 rope values, bf16 -> fp16 where they landed (bytes no other thread
+  // reads or writes: no barrier before).
+  __device__ __forceinline__ static void convert_rope(uint32_t tile_addr, uint32_t offset, bool zero) {
+    const uint32_t slab_addr = tile_addr + Traits::kDsRopeSlabOffset;
+#pragma unroll
+    for (uint32_t half : {0u, 16u}) {
+      const uint4 in = zero ? make_uint4(0, 0, 0, 0) : mla_common::ld_shared_16(slab_addr + (offset ^ half));
+      mla_common::st_shared_16(slab_addr + (offset ^ half), make_uint4(bf16x2_to_f16x2(in.x), bf16x2_to_f16x2(in.y),
+                                                                     bf16x2_to_f16x2(in.z), bf16x2_to_f16x2(in.w)));
+    }
+  }
+  // Converts the tile of `stage`, calling on_group(first_slab, end_slab) after each group is
+  // visible to WGMMA. The slabs of a group are waited for, then all read, then all written, so that
+  // their loads are in flight together.
+  template <typename OnGroup>
+  __device__ __forceinline__ static void convert_tile(typename Traits::SharedStorage& ss, int stage, uint32_t phase,
+                                                      int tid, int valid_keys, OnGroup&& on_group) {
+    auto publish = [&](int first_slab, int end_slab) {
+      cutlass::arch::fence_view_async_shared();
+      mla_common::named_barrier_sync<int(Rows64Barrier::kFp8Converted), 256>();
+      on_group(first_slab, end_slab);
+    };
+    // The tile's base from a warp-uniform stage, this thread's offset in a slab, its row's zeroing.
+    const uint32_t tile_addr = mla_common::smem_addr(ss.k[mla_common::warp_uniform(stage)]);
+    const uint32_t offset = write_offset(tid);
+    const bool zero = tid / 4 >= valid_keys;
+    auto wait = [&](int first_slab, int end_slab) {
+#pragma unroll
+      for (int slab = first_slab; slab < end_slab; ++slab) cutlass::arch::ClusterBarrier::wait(&ss.kv_full[stage][slab], phase);
+    };
+    // Reads staged slabs [first_slab, first_slab + count) (count <= 4) once they have landed.
+    auto read_group = [&](int first_slab, int count, uint4 (&staged)[4]) {
+      wait(first_slab, first_slab + count);
+#pragma unroll
+      for (int i = 0; i < count; ++i) staged[i] = read(ss, stage, first_slab + i, tid);
+    };
+    uint4 staged[4];
+    if constexpr (Traits::kDsMlaFp8) {
+      read_group(0, 4, staged);  // slab 0's barrier also covers the scales
+      const uint4 raw = mla_common::ld_shared_16(tile_addr + Traits::ds_scales_offset(tid / 4));
+      const __half2 scales[4] = {__float2half2_rn(__uint_as_float(raw.x)), __float2half2_rn(__uint_as_float(raw.y)),
+                                 __float2half2_rn(__uint_as_float(raw.z)), __float2half2_rn(__uint_as_float(raw.w))};
+      static_assert(mla_common::kDsTile == 2 * kTmaColumns, "one scale per two slabs");
+      __syncwarp();  // this warp's rows' scales are read before it writes over them (slab 0)
+#pragma unroll
+      for (int slab = 0; slab < 4; ++slab) write<true>(tile_addr, offset, slab, zero, staged[slab], scales[slab / 2]);
+      publish(0, 4);
+      read_group(4, 2, staged);
+      write<true>(tile_addr, offset, 4, zero, staged[0], scales[2]);
+      write<true>(tile_addr, offset, 5, zero, staged[1], scales[2]);
+      publish(4, 6);
+      read_group(6, 2, staged);  // slab 7 overwrites its own staged bytes: read before the barrier
+      write<true>(tile_addr, offset, 6, zero, staged[0], scales[3]);
+      publish(6, 7);
+      write<true>(tile_addr, offset, 7, zero, staged[1], scales[3]);
+      wait(kSlabs - 1, kSlabs);
+      convert_rope(tile_addr, offset, zero);
+      publish(7, 9);
+    } else {
+      read_group(0, 4, staged);
+#pragma unroll
+      for (int slab = 0; slab < 4; ++slab) write(tile_addr, offset, slab, zero, staged[slab]);
+      publish(0, 4);
+      read_group(4, 2, staged);
+      write(tile_addr, offset, 4, zero, staged[0]);
+      write(tile_addr, offset, 5, zero, staged[1]);
+      publish(4, 6);
+      read_group(6, 1, staged);
+      write(tile_addr, offset, 6, zero, staged[0]);
+      publish(6, 7);
+      read_group(7, 2, staged);  // slab 8 overwrites its own staged bytes: read before the barrier
+      write(tile_addr, offset, 7, zero, staged[0]);
+      publish(7, 8);
+      write(tile_addr, offset, 8, zero, staged[1]);
+      publish(8, 9);
+    }
+  }
+};
 
 // The math warpgroups. KV blocks of a segment alternate between them: the owner of a block
 // computes its full S = Q K^T (64 x 64), the online-softmax step and P, and publishes P and the new
@@ -143,7 +275,7 @@ __device__ void consume_kv_tiles(const DecodeParams& p, typename Traits::SharedS
       const int valid_keys = max(seg.seqlen_k - blk * kBlockN, 0);
       if (!Traits::kFp8Kv && valid_keys < kBlockN) {
         Tensor sK = make_tensor(make_smem_ptr(ss.k[stage]), typename Traits::SmemLayoutK{});
-        for (int slab = 0; slab < kSlabs; ++slab) cutlass::arch::ClusterBarrier::wait(Traits::slab_ready(ss, stage, slab), phase);
+        for (int slab = 0; slab < kSlabs; ++slab) cutlass::arch::ClusterBarrier::wait(&ss.kv_full[stage][slab], phase);
         constexpr int kChunks = kHeadDimK / 8;
         for (int i = tid; i < (kBlockN - valid_keys) * kChunks; i += 256) {
           mla_common::st_shared_zero16(&sK(valid_keys + i / kChunks, i % kChunks * 8));
@@ -152,9 +284,9 @@ __device__ void consume_kv_tiles(const DecodeParams& p, typename Traits::SharedS
         named_barrier_sync<int(Rows64Barrier::kTailZeroed), 256>();
       }
       if (owner == warpgroup) {
-        // -- S = Q K^T, one WGMMA commit group per slab, each issued as soon as the slab has landed
-        // (16-bit cache) or been converted (fp8); a barrier wait inside a group makes the compiler
-        // serialize the MMAs.
+        // -- S = Q K^T, one WGMMA commit group per slab group, each issued as soon as its slabs
+        // have landed (16-bit cache) or been converted (fp8); a barrier wait inside a group makes
+        // the compiler serialize the MMAs.
         constexpr int kStepsPerSlab = kTmaColumns / 16;
         warpgroup_fence_operand(tSrS);
         mma_qk.accumulate_ = GMMA::ScaleOut::Zero;
@@ -176,17 +308,21 @@ __device__ void consume_kv_tiles(const DecodeParams& p, typename Traits::SharedS
         // released it before its P V). With one q-tile (16-bit cache) the CTA's loads are what
         // bounds it: release right after the first QK group, so that the next block's load starts
         // while the rest of QK^T runs (measured faster with one q-tile, slower with two).
-        const bool release_early = p.num_q_tiles == 1;
+        const bool release_early = !Traits::kFp8Kv && p.num_q_tiles == 1;
         auto release_previous_stage = [&] {
           if (blk > seg.blk_lo && (kEveryThreadReleases || tid_in_wg == 0)) cutlass::arch::ClusterBarrier::arrive(&ss.kv_empty[(iteration - 1) % kStages]);
         };
+        if constexpr (Traits::kFp8Kv) {
+          Fp8SlabConverter<Traits>::convert_tile(ss, stage, phase, tid, valid_keys, issue_qk);
+        } else {
 #pragma unroll
-        for (int slab = 0; slab < kSlabs; ++slab) {
-          cutlass::arch::ClusterBarrier::wait(Traits::slab_ready(ss, stage, slab), phase);
-          issue_qk(slab, slab + 1);
-          if (slab == 0 && release_early) {
-            warpgroup_wait<1>();  // the PV group issued before this first QK group
-            release_previous_stage();
+          for (int slab = 0; slab < kSlabs; ++slab) {
+            cutlass::arch::ClusterBarrier::wait(&ss.kv_full[stage][slab], phase);
+            issue_qk(slab, slab + 1);
+            if (slab == 0 && release_early) {
+              warpgroup_wait<1>();  // the PV group issued before this first QK group
+              release_previous_stage();
+            }
           }
         }
         warpgroup_wait<0>();  // S, and this WG's PV of the previous block
@@ -216,14 +352,22 @@ __device__ void consume_kv_tiles(const DecodeParams& p, typename Traits::SharedS
         cutlass::arch::fence_view_async_shared();
         named_barrier_sync<int(Rows64Barrier::kPReady0), 256>(warpgroup);
       } else {
+        // fp8: first help convert the block (while this WG's previous PV runs), before kPFree,
+        // which the owner reaches only after its QK^T.
+        if constexpr (Traits::kFp8Kv) {
+          Fp8SlabConverter<Traits>::convert_tile(ss, stage, phase, tid, valid_keys, [](int, int) {});
+        }
         warpgroup_wait<0>();  // this WG's PV of the previous block: it no longer reads P
         if (blk > seg.blk_lo && (kEveryThreadReleases || tid_in_wg == 0)) {
           cutlass::arch::ClusterBarrier::arrive(&ss.kv_empty[(iteration - 1) % kStages]);
         }
         if (blk > seg.blk_lo) named_barrier_sync<int(Rows64Barrier::kPFree0), 256>(owner);
-        // V of this block is observed through the owner's hand-off, and directly here.
-        for (int slab = 0; slab < kHeadDimV / kTmaColumns; ++slab) {
-          cutlass::arch::ClusterBarrier::wait(Traits::slab_ready(ss, stage, slab), phase);
+        // V of this block is observed through the owner's hand-off, and directly here (16-bit
+        // cache; an fp8 tile was converted above).
+        if constexpr (!Traits::kFp8Kv) {
+          for (int slab = 0; slab < kHeadDimV / kTmaColumns; ++slab) {
+            cutlass::arch::ClusterBarrier::wait(&ss.kv_full[stage][slab], phase);
+          }
         }
         named_barrier_sync<int(Rows64Barrier::kPReady0), 256>(owner);
         adopt_row_max(ss.row_max, r0, row_max, row_sum, rescale);
@@ -267,26 +411,6 @@ __device__ void consume_kv_tiles(const DecodeParams& p, typename Traits::SharedS
 // The kernel's policy for the shared shell (shared/kernel_shell.cuh).
 template <typename Traits>
 struct Rows64Kernel : KvRingKernel<Traits> {
-  // fp8: the converting producer holds two chunks of four staged slabs and their row scales.
-  static constexpr int kMathRegisters = Traits::kFp8Kv ? 224 : mla_decode::kMathRegisters;
-  static constexpr int kProducerRegisters = Traits::kFp8Kv ? 56 : mla_decode::kProducerRegisters;
-  static_assert(2 * kMathRegisters + kProducerRegisters <= 512, "3 warpgroups x 128 threads in 64K registers");
-  template <bool kGather>
-  __device__ __forceinline__ static void init_barriers(typename Traits::SharedStorage& ss) {
-    KvRingKernel<Traits>::template init_barriers<kGather>(ss);
-    if (Traits::kFp8Kv && threadIdx.x == 0) {
-      for (int s = 0; s < Traits::kStages; ++s) {
-        for (int slab = 0; slab < kSlabs; ++slab) cutlass::arch::ClusterBarrier::init(&ss.kv_converted[s][slab], 128);
-      }
-      cutlass::arch::fence_barrier_init();
-    }
-  }
-  template <bool kGather>
-  __device__ __forceinline__ static void produce(const DecodeParams& p, const DecodeTma& tma,
-                                                 typename Traits::SharedStorage& ss, const PartRange& range, int warp) {
-    if constexpr (Traits::kFp8Kv) produce_converted_kv_tiles<Traits, kGather>(p, tma, ss, range, blockIdx.x);
-    else KvRingKernel<Traits>::template produce<kGather>(p, tma, ss, range, warp);
-  }
   __device__ __forceinline__ static void consume(const DecodeParams& p, const DecodeTma&,
                                                  typename Traits::SharedStorage& ss, const PartRange& range, int) {
     consume_kv_tiles<Traits>(p, ss, range, blockIdx.x);

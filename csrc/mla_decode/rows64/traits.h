@@ -16,12 +16,12 @@ template <typename Element_, bool kFp8Kv_, bool kDsMlaFp8_ = false>
 struct Rows64Traits {
   using Element = Element_;  // cutlass::bfloat16_t or cutlass::half_t: q and out
   // fp8 (e4m3) cache: each K tile arrives as fp8 bytes in the upper part of its stage buffer and is
-  // converted in place to the 16-bit tile by the producer warpgroup (rows64/fp8_producer.cuh).
+  // converted in place to the 16-bit tile (by the math warpgroups).
   static constexpr bool kFp8Kv = kFp8Kv_;
   // DeepSeek-V3.2's cache (common/ds_mla_fp8_layout.h; implies kFp8Kv): rows are gathered one by one
   // (no TMA map), the 8 latent slabs stage as e4m3 bytes, the rope slab lands as bf16 in its 16-bit
   // place (converted in place to fp16), and each row's 4 power-of-two scales in 16-bit slab 0, where
-  // the converter reads them before it writes there (Fp8TileConverter).
+  // the converter reads them before it writes there (Fp8SlabConverter).
   static constexpr bool kDsMlaFp8 = kDsMlaFp8_;
   static_assert(kFp8Kv || !kDsMlaFp8, "a ds_mla_fp8 cache is an fp8 cache");
   static constexpr bool kGatherOnly = kDsMlaFp8;
@@ -67,14 +67,7 @@ struct Rows64Traits {
     float row_sum[kNumMathWarpgroups][kBlockM];  // per-warpgroup softmax denominators (epilogue)
     uint64_t kv_full[kStages][kSlabs];           // TMA bytes of one 64-column slab have landed
     uint64_t kv_empty[kStages];                  // both math warpgroups are done with a K tile
-    uint64_t kv_converted[kFp8Kv ? kStages : 1][kSlabs];  // fp8: the producer converted a slab
   };
-  // The barrier the math warpgroups wait on before reading slab `slab` of a stage: the copy's, or
-  // with an fp8 cache the producer's conversion's.
-  __device__ static uint64_t* slab_ready(SharedStorage& ss, int stage, int slab) {
-    if constexpr (kFp8Kv) return &ss.kv_converted[stage][slab];
-    else return &ss.kv_full[stage][slab];
-  }
   // fp8 staging: slab s of a tile sits at this byte offset of the stage buffer + s * kFp8SlabBytes
   // (shared/fp8_dequant.cuh), the staged slabs ending where the 16-bit slabs that are not staged
   // begin (the ds_mla_fp8 rope). Converting slabs in order never overwrites bytes not yet read
@@ -102,8 +95,7 @@ struct Rows64Traits {
   static_assert(kSmemBytes <= 227 * 1024, "shared memory map exceeds the sm_90 limit");
 };
 
-// Named barriers (id 0 is __syncthreads). Each guards one hand-off between the math warpgroups, but
-// kFp8StagingRead, which orders the producer's in-place conversion.
+// Named barriers (id 0 is __syncthreads). Each guards one hand-off between the math warpgroups.
 // Hand-offs between the math warpgroups are full bar.sync on both sides (a bar.arrive producer side
 // would save little: the other side is already waiting). "0"/"1" variants belong to the warpgroup
 // that owns the block.
@@ -115,8 +107,8 @@ enum class Rows64Barrier : int {
   kPFree1 = 5,
   kRowSum = 6,       // both partial denominators are in row_sum
   kTailZeroed = 7,   // the key rows past the sequence end are zeroed and fenced for WGMMA
-  kFp8StagingRead = 8,  // fp8 cache, producer warpgroup (128 threads): the staged bytes a slab group
-                        // read are read before a later group's 16-bit slabs overwrite them
+  kFp8Converted = 8,  // fp8 cache: a converted slab group is fenced for WGMMA (and, in place, its
+                      // staged bytes are read before a later slab overwrites them)
   kStaged0 = 9,      // (+ warpgroup, 128 threads) its output rows are in shared memory / copied out
 };
 

@@ -181,14 +181,16 @@ __device__ __forceinline__ WalkNode warp_node(const long long* incl, int batch, 
 // computes its node, pointer doubling over the window gives every lane the last chain node at or
 // before it and the parts before that, and the chain leaves the window at its last node there
 // (resolved by the warp next if the lane could not). Windows stop once one moves the chain by few nodes.
+// moot (shared, may be null): once set, the walk's result no longer matters and it stops (unfit).
 __device__ __forceinline__ bool walk_parts(const long long* incl, int batch, long long total, int num_sm_parts,
-                                           long long C, bool whole, long long* starts) {
+                                           long long C, bool whole, long long* starts, const volatile bool* moot) {
   const int lane = threadIdx.x % 32;
   const long long piece = whole ? 0 : C - kFixedSplitCost;
   const double inv_piece = whole ? 0.0 : 1.0 / double(piece);
   int node = 0, placed = 0;  // the chain's current node and the parts before it
   bool windows = true;  // off once a window moved the chain by few nodes (catches too far apart)
   while (node < batch && placed < num_sm_parts) {
+    if (moot && __any_sync(kFullMask, *moot)) return false;
     const WalkNode head = warp_node(incl, batch, total, C, whole, piece, inv_piece, node);
     const long long s_head = node > 0 ? incl[node - 1] : 0;
     for (int j = lane; j < min(head.parts, num_sm_parts - placed); j += 32) starts[placed + j] = s_head + j * piece;
@@ -264,6 +266,7 @@ __global__ void __launch_bounds__(kMetadataThreads, 1)
   __shared__ long long warp_sums[kMetadataWarps];
   __shared__ int warp_ints[kMetadataWarps];
   __shared__ bool walk_fits[kNumWalks];
+  __shared__ volatile bool splits_moot;  // a whole-request capacity fits that the split walks cannot beat
   const int tid = threadIdx.x, lane = tid % 32, warp = tid / 32;
   const auto S = [incl](int b) { return b > 0 ? incl[b - 1] : 0ll; };
 
@@ -285,6 +288,7 @@ __global__ void __launch_bounds__(kMetadataThreads, 1)
   for (int part = num_sm_parts + tid; part < num_sms; part += kMetadataThreads) {
     tile_sched[part] = ScheduleRow{.last_request = -1};  // no request; the rest 0
   }
+  if (tid == 0) splits_moot = false;
   __syncthreads();
   for (int w = 0; w < kMetadataWarps; ++w) max_cost = max(max_cost, warp_ints[w]);
 
@@ -292,44 +296,49 @@ __global__ void __launch_bounds__(kMetadataThreads, 1)
   const long long base = (total + P - 1) / P, upper = base + kFixedSplitCost;
   const long long search_lo = max(base, min((long long)(kMinSearchedPiece + kFixedSplitCost), upper));
   const long long capacity_lo = max((long long)max_cost, base);
-  // Whole-request walks first (the capacity candidates; deterministic: the upper end too). When one
-  // fits within kNoSplitSlack of the split search's lower end it is chosen whatever the split walks
-  // find, so they run only otherwise (fewer walks sharing the SM's issue slots).
-  const auto run_walk = [&](long long C, bool whole) {
-    const bool fits = C >= 0 && walk_parts(incl, batch, total, P, C, whole, walk_starts + warp * P);
-    if (lane == 0) walk_fits[warp] = fits;
-  };
-  if (warp >= kFirstCapacityWalk && warp < kNumWalks) {
-    const long long C = capacity_lo + (warp - kFirstCapacityWalk);
-    run_walk(batch > 0 && C <= upper + kNoSplitSlack ? C : -1, true);
-  } else if (warp == kUpperWalk && deterministic) {
-    run_walk(upper, true);
+  if (warp < kNumWalks) {
+    long long C = -1;
+    bool whole = true;
+    if (warp < kSplitWalks) {
+      if (!deterministic && search_lo + warp < upper) C = search_lo + warp;
+      whole = false;
+    } else if (warp == kUpperWalk) {
+      C = upper;
+      whole = deterministic;
+    } else if (batch > 0 && capacity_lo + (warp - kFirstCapacityWalk) <= upper + kNoSplitSlack) {
+      C = capacity_lo + (warp - kFirstCapacityWalk);
+    }
+    // A whole-request capacity within kNoSplitSlack of the split search's lower end is chosen (or a
+    // smaller one) whatever the split walks find: once one fits, they stop (the sparse case and many
+    // uniform batches), and the SM's issue slots go to the walks still running.
+    long long* starts = walk_starts + warp * P;
+    const bool split_walk = !whole;
+    bool fits = false;
+    if (C >= 0) {
+      fits = walk_parts(incl, batch, total, P, C, whole, starts, split_walk && !deterministic ? &splits_moot : nullptr);
+    }
+    if (lane == 0) {
+      walk_fits[warp] = fits;
+      if (fits && !split_walk && !deterministic && C <= search_lo + kNoSplitSlack) splits_moot = true;
+    }
   }
   __syncthreads();
-  int capacity_walk = -1;  // the smallest whole-request capacity that fits
-  for (int k = 0; k < kCapacityWalks && capacity_walk < 0; ++k) {
-    if (walk_fits[kFirstCapacityWalk + k]) capacity_walk = k;
-  }
-  const bool splits_matter =
-      !deterministic && (capacity_walk < 0 || capacity_lo + capacity_walk > search_lo + kNoSplitSlack);
-  if (splits_matter) {
-    if (warp < kSplitWalks) run_walk(search_lo + warp < upper ? search_lo + warp : -1, false);
-    else if (warp == kUpperWalk) run_walk(upper, false);
-    __syncthreads();
-  }
   // The smallest split cost that fits, else the upper end; then the smallest whole-request capacity
   // that fits within kNoSplitSlack of it (no request is cut), if any.
   int chosen = kUpperWalk;
   long long payload = upper;
-  for (int k = 0; splits_matter && k < kSplitWalks; ++k) {
+  for (int k = 0; k < kSplitWalks; ++k) {
     if (walk_fits[k]) {
       chosen = k;
       payload = search_lo + k;
       break;
     }
   }
-  if (capacity_walk >= 0 && capacity_lo + capacity_walk <= payload + kNoSplitSlack) {
-    chosen = kFirstCapacityWalk + capacity_walk;
+  for (int k = 0; k < kCapacityWalks; ++k) {
+    if (walk_fits[kFirstCapacityWalk + k] && capacity_lo + k <= payload + kNoSplitSlack) {
+      chosen = kFirstCapacityWalk + k;
+      break;
+    }
   }
   const long long* x = walk_starts + chosen * P;  // ascending; total once the requests run out
 

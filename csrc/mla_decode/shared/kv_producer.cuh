@@ -193,13 +193,7 @@ __device__ __forceinline__ void racecheck_acquire_stage(typename Traits::SharedS
 #ifdef MLA_ATTN_RACECHECK
   const int stage = iteration % Traits::kStages;
   const uint32_t phase = (iteration / Traits::kStages) & 1;
-  for (int slab = 0; slab < kSlabs; ++slab) {
-    if constexpr (requires { Traits::slab_ready(ss, stage, slab); }) {
-      cutlass::arch::ClusterBarrier::wait(Traits::slab_ready(ss, stage, slab), phase);  // the last writer's
-    } else {
-      cutlass::arch::ClusterBarrier::wait(&ss.kv_full[stage][slab], phase);
-    }
-  }
+  for (int slab = 0; slab < kSlabs; ++slab) cutlass::arch::ClusterBarrier::wait(&ss.kv_full[stage][slab], phase);
 #else
   (void)ss, (void)iteration;
 #endif
