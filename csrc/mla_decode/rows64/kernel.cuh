@@ -305,15 +305,21 @@ __device__ void consume_kv_tiles(const DecodeParams& p, typename Traits::SharedS
           warpgroup_commit_batch();
         };
         // The previous block's stage is free once this WG's PV of it completes (the other WG
-        // released it before its P V). With one q-tile (16-bit cache) the CTA's loads are what
-        // bounds it: release right after the first QK group, so that the next block's load starts
-        // while the rest of QK^T runs (measured faster with one q-tile, slower with two).
-        const bool release_early = !Traits::kFp8Kv && p.num_q_tiles == 1;
+        // released it before its P V). With one q-tile the CTA's loads are what bounds it: release
+        // right after the first QK group, so that the next block's load starts while the rest of
+        // QK^T runs (measured faster with one q-tile, slower with two; fp8: its first converted group).
+        const bool release_early = p.num_q_tiles == 1;
         auto release_previous_stage = [&] {
           if (blk > seg.blk_lo && (kEveryThreadReleases || tid_in_wg == 0)) cutlass::arch::ClusterBarrier::arrive(&ss.kv_empty[(iteration - 1) % kStages]);
         };
         if constexpr (Traits::kFp8Kv) {
-          Fp8SlabConverter<Traits>::convert_tile(ss, stage, phase, tid, valid_keys, issue_qk);
+          Fp8SlabConverter<Traits>::convert_tile(ss, stage, phase, tid, valid_keys, [&](int first_slab, int end_slab) {
+            issue_qk(first_slab, end_slab);
+            if (first_slab == 0 && release_early) {
+              warpgroup_wait<1>();  // the PV group issued before this first QK group
+              release_previous_stage();
+            }
+          });
         } else {
 #pragma unroll
           for (int slab = 0; slab < kSlabs; ++slab) {

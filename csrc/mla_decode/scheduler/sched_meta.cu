@@ -181,16 +181,14 @@ __device__ __forceinline__ WalkNode warp_node(const long long* incl, int batch, 
 // computes its node, pointer doubling over the window gives every lane the last chain node at or
 // before it and the parts before that, and the chain leaves the window at its last node there
 // (resolved by the warp next if the lane could not). Windows stop once one moves the chain by few nodes.
-// moot (shared, may be null): once set, the walk's result no longer matters and it stops (unfit).
 __device__ __forceinline__ bool walk_parts(const long long* incl, int batch, long long total, int num_sm_parts,
-                                           long long C, bool whole, long long* starts, const volatile bool* moot) {
+                                           long long C, bool whole, long long* starts) {
   const int lane = threadIdx.x % 32;
   const long long piece = whole ? 0 : C - kFixedSplitCost;
   const double inv_piece = whole ? 0.0 : 1.0 / double(piece);
   int node = 0, placed = 0;  // the chain's current node and the parts before it
   bool windows = true;  // off once a window moved the chain by few nodes (catches too far apart)
   while (node < batch && placed < num_sm_parts) {
-    if (moot && __any_sync(kFullMask, *moot)) return false;
     const WalkNode head = warp_node(incl, batch, total, C, whole, piece, inv_piece, node);
     const long long s_head = node > 0 ? incl[node - 1] : 0;
     for (int j = lane; j < min(head.parts, num_sm_parts - placed); j += 32) starts[placed + j] = s_head + j * piece;
@@ -266,7 +264,6 @@ __global__ void __launch_bounds__(kMetadataThreads, 1)
   __shared__ long long warp_sums[kMetadataWarps];
   __shared__ int warp_ints[kMetadataWarps];
   __shared__ bool walk_fits[kNumWalks];
-  __shared__ volatile bool splits_moot;  // a whole-request capacity fits that the split walks cannot beat
   const int tid = threadIdx.x, lane = tid % 32, warp = tid / 32;
   const auto S = [incl](int b) { return b > 0 ? incl[b - 1] : 0ll; };
 
@@ -288,7 +285,6 @@ __global__ void __launch_bounds__(kMetadataThreads, 1)
   for (int part = num_sm_parts + tid; part < num_sms; part += kMetadataThreads) {
     tile_sched[part] = ScheduleRow{.last_request = -1};  // no request; the rest 0
   }
-  if (tid == 0) splits_moot = false;
   __syncthreads();
   for (int w = 0; w < kMetadataWarps; ++w) max_cost = max(max_cost, warp_ints[w]);
 
@@ -308,19 +304,12 @@ __global__ void __launch_bounds__(kMetadataThreads, 1)
     } else if (batch > 0 && capacity_lo + (warp - kFirstCapacityWalk) <= upper + kNoSplitSlack) {
       C = capacity_lo + (warp - kFirstCapacityWalk);
     }
-    // A whole-request capacity within kNoSplitSlack of the split search's lower end is chosen (or a
-    // smaller one) whatever the split walks find: once one fits, they stop (the sparse case and many
-    // uniform batches), and the SM's issue slots go to the walks still running.
     long long* starts = walk_starts + warp * P;
-    const bool split_walk = !whole;
     bool fits = false;
     if (C >= 0) {
-      fits = walk_parts(incl, batch, total, P, C, whole, starts, split_walk && !deterministic ? &splits_moot : nullptr);
+      fits = walk_parts(incl, batch, total, P, C, whole, starts);
     }
-    if (lane == 0) {
-      walk_fits[warp] = fits;
-      if (fits && !split_walk && !deterministic && C <= search_lo + kNoSplitSlack) splits_moot = true;
-    }
+    if (lane == 0) walk_fits[warp] = fits;
   }
   __syncthreads();
   // The smallest split cost that fits, else the upper end; then the smallest whole-request capacity
