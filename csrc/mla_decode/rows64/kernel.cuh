@@ -188,6 +188,11 @@ __device__ void consume_kv_tiles(const DecodeParams& p, typename Traits::SharedS
                                  const PartRange& range, int m_block) {
   using Element = typename Traits::Element;
   using MmaElement = typename Traits::MmaElement;
+  // ds_mla_fp8: its row gather bounds the kernel at every head count, so each warpgroup hands the
+  // previous block's stage back as soon as its PV of it completes, before it waits for the next
+  // block: that block's loads are then in flight while the current one's still land (a 16-bit cache
+  // measured no faster so, and slower at h_q 64).
+  constexpr bool kReleaseFirst = Traits::kDsMlaFp8;
   const int tid = threadIdx.x;          // 0..255 over the two math warpgroups
   const int warpgroup = mla_common::warp_uniform(tid / 128);
   const int tid_in_wg = tid % 128;
@@ -308,10 +313,15 @@ __device__ void consume_kv_tiles(const DecodeParams& p, typename Traits::SharedS
         // released it before its P V). With one q-tile the CTA's loads are what bounds it: release
         // right after the first QK group, so that the next block's load starts while the rest of
         // QK^T runs (measured faster with one q-tile, slower with two; fp8: its first converted group).
-        const bool release_early = p.num_q_tiles == 1;
+        // kReleaseFirst: before this block's slabs are waited for.
+        const bool release_early = !kReleaseFirst && p.num_q_tiles == 1;
         auto release_previous_stage = [&] {
           if (blk > seg.blk_lo && (kEveryThreadReleases || tid_in_wg == 0)) cutlass::arch::ClusterBarrier::arrive(&ss.kv_empty[(iteration - 1) % kStages]);
         };
+        if constexpr (kReleaseFirst) {
+          warpgroup_wait<0>();  // this WG's PV of the previous block
+          release_previous_stage();
+        }
         if constexpr (Traits::kFp8Kv) {
           Fp8SlabConverter<Traits>::convert_tile(ss, stage, phase, tid, valid_keys, [&](int first_slab, int end_slab) {
             issue_qk(first_slab, end_slab);
@@ -332,7 +342,7 @@ __device__ void consume_kv_tiles(const DecodeParams& p, typename Traits::SharedS
           }
         }
         warpgroup_wait<0>();  // S, and this WG's PV of the previous block
-        if (!release_early) release_previous_stage();
+        if (!kReleaseFirst && !release_early) release_previous_stage();
         warpgroup_fence_operand(tSrS);
 
         // -- Online softmax in log2 units over the 64 keys of the block.
@@ -358,15 +368,19 @@ __device__ void consume_kv_tiles(const DecodeParams& p, typename Traits::SharedS
         cutlass::arch::fence_view_async_shared();
         named_barrier_sync<int(Rows64Barrier::kPReady0), 256>(warpgroup);
       } else {
-        // fp8: first help convert the block (while this WG's previous PV runs), before kPFree,
-        // which the owner reaches only after its QK^T.
+        // fp8: help convert the block before kPFree, which the owner reaches only after its QK^T
+        // (while this WG's previous PV runs; kReleaseFirst: after it, the stage released).
+        auto release_previous_stage = [&] {
+          warpgroup_wait<0>();  // this WG's PV of the previous block: it no longer reads P
+          if (blk > seg.blk_lo && (kEveryThreadReleases || tid_in_wg == 0)) {
+            cutlass::arch::ClusterBarrier::arrive(&ss.kv_empty[(iteration - 1) % kStages]);
+          }
+        };
+        if constexpr (kReleaseFirst) release_previous_stage();
         if constexpr (Traits::kFp8Kv) {
           Fp8SlabConverter<Traits>::convert_tile(ss, stage, phase, tid, valid_keys, [](int, int) {});
         }
-        warpgroup_wait<0>();  // this WG's PV of the previous block: it no longer reads P
-        if (blk > seg.blk_lo && (kEveryThreadReleases || tid_in_wg == 0)) {
-          cutlass::arch::ClusterBarrier::arrive(&ss.kv_empty[(iteration - 1) % kStages]);
-        }
+        if constexpr (!kReleaseFirst) release_previous_stage();
         if (blk > seg.blk_lo) named_barrier_sync<int(Rows64Barrier::kPFree0), 256>(owner);
         // V of this block is observed through the owner's hand-off, and directly here (16-bit
         // cache; an fp8 tile was converted above).
