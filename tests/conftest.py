@@ -51,11 +51,11 @@ def to_device(case, device="cuda"):
 
 
 # ---------------------------------------------------------------------------------------- decode
-def decode_kernels_for(cache_dtype, rows):
-    """The decode kernels that run a call with this cache dtype and rows = max_seqlen_q * h_q: the
-    tests' own statement of the rule mla_decode(_kernel=) enforces."""
-    if cache_dtype == torch.uint8:  # ds_mla_fp8 rows: the 64-row kernel only
-        return ["rows64"]
+def decode_kernels_for(cache_dtype, rows, varlen=False):
+    """The decode kernels that run a call with this cache dtype, rows = max_seqlen_q * h_q and (varlen)
+    cu_seqlens_q: the tests' own statement of the rule mla_decode(_kernel=) enforces."""
+    if cache_dtype == torch.uint8:  # ds_mla_fp8 rows: the 64-row kernel, paired with 2, 4, .. q-tiles
+        return ["rows64"] + (["rows64_paired"] if -(-rows // 64) % 2 == 0 and not varlen else [])
     fp8 = cache_dtype == FP8
     runs = {
         "narrow16": rows <= 16,
@@ -79,7 +79,7 @@ def decode_case_params(cases, cache_dtype):
     for i, case in enumerate(cases):
         params += [pytest.param(*case, None, dtype, causal) for dtype, causal in combos]
         params += [pytest.param(*case, kernel, *combos[(i + j) % len(combos)])
-                   for j, kernel in enumerate(decode_kernels_for(cache_dtype, case[1] * case[2]))]
+                   for j, kernel in enumerate(decode_kernels_for(cache_dtype, case[1] * case[2], case[4]))]
     return params
 
 

@@ -109,7 +109,8 @@ def test_sparse_decode_fp8_cache(lead, h_q, topk, page_size, lengths, sink, kern
     (check_fp8_mma if kernel == "fp8mma" else check_sparse)(case, out, lse)
 
 
-DS_CASES = [((4, 2), 16, 2048, 64, True, "finite"), ((7,), 128, 1500, 1, True, None), ((3,), 64, 70, 24, False, "mixed")]
+DS_CASES = [((4, 2), 16, 2048, 64, True, "finite"), ((7,), 128, 1500, 1, True, None), ((3,), 64, 70, 24, False, "mixed"),
+            ((3, 2), 128, 2048, 64, True, "finite"), ((5,), 100, 333, 16, False, None)]
 DS_PARAMS = [pytest.param(*c, kernel) for c in DS_CASES for kernel in [None] + decode_kernels_for(torch.uint8, c[1])]
 
 

@@ -89,6 +89,23 @@ __device__ __forceinline__ void cp_async_16(void* smem, const void* gmem, bool v
 }
 __device__ __forceinline__ void cp_async_wait_all() { asm volatile("cp.async.wait_all;" ::: "memory"); }
 
+// The shared-window address `addr` of this CTA as seen in CTA `rank` of the cluster (mapa): the same
+// variable there, addressable by the shared::cluster instructions below.
+__device__ __forceinline__ uint32_t peer_smem_addr(uint32_t addr, uint32_t rank) {
+  uint32_t peer;
+  asm volatile("mapa.shared::cluster.u32 %0, %1, %2;" : "=r"(peer) : "r"(addr), "r"(rank));
+  return peer;
+}
+
+// Copies `bytes` (a multiple of 16, both addresses 16-byte aligned) of this CTA's shared memory to the
+// shared::cluster address `dst`; the copy completes `bytes` of transaction on the mbarrier at the
+// shared::cluster address `bar`, in the destination CTA. Reads its source in the async proxy.
+__device__ __forceinline__ void bulk_copy_to_peer(uint32_t dst, uint32_t src, uint32_t bytes, uint32_t bar) {
+  asm volatile("cp.async.bulk.shared::cluster.shared::cta.mbarrier::complete_tx::bytes [%0], [%1], %2, [%3];"
+               ::"r"(dst), "r"(src), "r"(bytes), "r"(bar)
+               : "memory");
+}
+
 // 16-byte shared-memory load (shared-window address).
 __device__ __forceinline__ uint4 ld_shared_16(uint32_t addr) {
   uint4 v;

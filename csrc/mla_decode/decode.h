@@ -32,6 +32,11 @@ cudaError_t run_mla_decode(const DecodeParams& params, const DecodeTma& tma, cud
 template <typename Element>
 cudaError_t run_mla_decode_ds_mla_fp8(const DecodeParams& params, const DecodeTma& tma, cudaStream_t stream);
 
+// The same with q-tiles paired in clusters of two CTAs that share the gathered rows (each gathers half of
+// a block and copies it to the other): num_q_tiles even, no cu_seqlens_q (rows64/paired_gather.cuh).
+template <typename Element>
+cudaError_t run_mla_decode_ds_mla_fp8_paired(const DecodeParams& params, const DecodeTma& tma, cudaStream_t stream);
+
 // The same for an fp8 cache with fp8 MMAs: Q and P rounded to e4m3 too (fp8mma/kernel.cuh).
 template <typename Element>
 cudaError_t run_mla_decode_fp8mma(const DecodeParams& params, const DecodeTma& tma, cudaStream_t stream);

@@ -42,7 +42,7 @@ struct DecodeParams {
   const float* q_scale;
   int64_t kv_page_stride, kv_token_stride;
   int num_pages, page_size, max_pages;
-  int keys_per_table_entry;  // page_size, or 1 with kv_slots
+  int max_keys;  // keys a block-table row can hold: max_pages x page_size, or max_pages with kv_slots
 
   int batch, num_heads_q, max_seqlen_q;
   float scale_log2;  // softmax_scale * log2(e)

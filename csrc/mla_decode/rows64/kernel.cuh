@@ -30,6 +30,7 @@
 #include "common/device_utils.cuh"
 #include "mla_decode/config.h"
 #include "mla_decode/params.h"
+#include "mla_decode/rows64/paired_gather.cuh"
 #include "mla_decode/rows64/traits.h"
 #include "mla_decode/shared/causal_mask.cuh"
 #include "mla_decode/shared/epilogue.cuh"
@@ -143,6 +144,9 @@ struct Fp8SlabConverter {
       const __half2 scales[4] = {__float2half2_rn(__uint_as_float(raw.x)), __float2half2_rn(__uint_as_float(raw.y)),
                                  __float2half2_rn(__uint_as_float(raw.z)), __float2half2_rn(__uint_as_float(raw.w))};
       static_assert(mla_common::kDsTile == 2 * kTmaColumns, "one scale per two slabs");
+      // Paired: this CTA's half is copied out of the stage by the peer's bulk copies: they must have read
+      // it before the first write over it (slab 0 holds the scales).
+      if constexpr (Traits::kPairedQTiles) cutlass::arch::ClusterBarrier::wait(&ss.kv_sent[stage], phase);
       __syncwarp();  // this warp's rows' scales are read before it writes over them (slab 0)
 #pragma unroll
       for (int slab = 0; slab < 4; ++slab) write<true>(tile_addr, offset, slab, zero, staged[slab], scales[slab / 2]);
@@ -219,6 +223,13 @@ __device__ void consume_kv_tiles(const DecodeParams& p, typename Traits::SharedS
   // values; a ds_mla_fp8 tile holds real ones).
   const float k_scale = Traits::kFp8Kv && !Traits::kDsMlaFp8 ? *p.k_scale : 1.f;
   const float scale_log2 = p.scale_log2 * k_scale;
+  // This warpgroup hands a stage back (paired: in both CTAs, since the peer copies into it too).
+  auto release_stage = [&](int stage) {
+    if (kEveryThreadReleases || tid_in_wg == 0) {
+      if constexpr (Traits::kPairedQTiles) release_paired_stage(&ss.kv_empty[stage]);
+      else cutlass::arch::ClusterBarrier::arrive(&ss.kv_empty[stage]);
+    }
+  };
 
   // ---- kScaledQ (bf16 q, fp8 cache): each thread rescales the chunks it copied (its own cp.async
   // writes, visible after cp_async_wait_all) in place from bf16 to fp16 times fp16_row_scale of the
@@ -316,7 +327,7 @@ __device__ void consume_kv_tiles(const DecodeParams& p, typename Traits::SharedS
         // kReleaseFirst: before this block's slabs are waited for.
         const bool release_early = !kReleaseFirst && p.num_q_tiles == 1;
         auto release_previous_stage = [&] {
-          if (blk > seg.blk_lo && (kEveryThreadReleases || tid_in_wg == 0)) cutlass::arch::ClusterBarrier::arrive(&ss.kv_empty[(iteration - 1) % kStages]);
+          if (blk > seg.blk_lo) release_stage((iteration - 1) % kStages);
         };
         if constexpr (kReleaseFirst) {
           warpgroup_wait<0>();  // this WG's PV of the previous block
@@ -372,9 +383,7 @@ __device__ void consume_kv_tiles(const DecodeParams& p, typename Traits::SharedS
         // (while this WG's previous PV runs; kReleaseFirst: after it, the stage released).
         auto release_previous_stage = [&] {
           warpgroup_wait<0>();  // this WG's PV of the previous block: it no longer reads P
-          if (blk > seg.blk_lo && (kEveryThreadReleases || tid_in_wg == 0)) {
-            cutlass::arch::ClusterBarrier::arrive(&ss.kv_empty[(iteration - 1) % kStages]);
-          }
+          if (blk > seg.blk_lo) release_stage((iteration - 1) % kStages);
         };
         if constexpr (kReleaseFirst) release_previous_stage();
         if constexpr (Traits::kFp8Kv) {
@@ -419,7 +428,7 @@ __device__ void consume_kv_tiles(const DecodeParams& p, typename Traits::SharedS
                                            mla_common::smem_addr(ss.k[last_stage]) + warpgroup * kStagingBytes,
                                            tid_in_wg, 256 * warpgroup, tOrO, warpgroup_sync);
       warpgroup_sync();
-      if (kEveryThreadReleases || tid_in_wg == 0) cutlass::arch::ClusterBarrier::arrive(&ss.kv_empty[last_stage]);
+      release_stage(last_stage);
     } else {  // no key block was loaded: no stage to stage through
       store_empty_output_tile<Element>(p, seg, m_block);
     }
@@ -428,9 +437,23 @@ __device__ void consume_kv_tiles(const DecodeParams& p, typename Traits::SharedS
   }
 }
 
-// The kernel's policy for the shared shell (shared/kernel_shell.cuh).
+// The kernel's policy for the shared shell (shared/kernel_shell.cuh); paired q-tiles run as clusters of
+// two CTAs with their own producer (rows64/paired_gather.cuh).
 template <typename Traits>
 struct Rows64Kernel : KvRingKernel<Traits> {
+  static constexpr int kClusterSize = Traits::kPairedQTiles ? kPairSize : 1;
+
+  template <bool kGather>
+  __device__ __forceinline__ static void init_barriers(typename Traits::SharedStorage& ss) {
+    if constexpr (Traits::kPairedQTiles) init_paired_ring<Traits>(ss);
+    else KvRingKernel<Traits>::template init_barriers<kGather>(ss);
+  }
+  template <bool kGather>
+  __device__ __forceinline__ static void produce(const DecodeParams& p, const DecodeTma& tma,
+                                                 typename Traits::SharedStorage& ss, const PartRange& range, int warp) {
+    if constexpr (Traits::kPairedQTiles) produce_paired_tiles<Traits>(p, tma, ss, range, warp);
+    else KvRingKernel<Traits>::template produce<kGather>(p, tma, ss, range, warp);
+  }
   __device__ __forceinline__ static void consume(const DecodeParams& p, const DecodeTma&,
                                                  typename Traits::SharedStorage& ss, const PartRange& range, int) {
     consume_kv_tiles<Traits>(p, ss, range, blockIdx.x);
@@ -445,6 +468,11 @@ cudaError_t run_mla_decode(const DecodeParams& params, const DecodeTma& tma, cud
 template <typename Element>
 cudaError_t run_mla_decode_ds_mla_fp8(const DecodeParams& params, const DecodeTma& tma, cudaStream_t stream) {
   return launch_split_and_combine<Rows64Kernel<Rows64Traits<Element, true, true>>>(params, tma, stream);
+}
+
+template <typename Element>
+cudaError_t run_mla_decode_ds_mla_fp8_paired(const DecodeParams& params, const DecodeTma& tma, cudaStream_t stream) {
+  return launch_split_and_combine<Rows64Kernel<Rows64Traits<Element, true, true, true>>>(params, tma, stream);
 }
 
 }  // namespace mla_decode

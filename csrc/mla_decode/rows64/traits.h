@@ -12,7 +12,7 @@
 namespace mla_decode {
 using namespace cute;
 
-template <typename Element_, bool kFp8Kv_, bool kDsMlaFp8_ = false>
+template <typename Element_, bool kFp8Kv_, bool kDsMlaFp8_ = false, bool kPairedQTiles_ = false>
 struct Rows64Traits {
   using Element = Element_;  // cutlass::bfloat16_t or cutlass::half_t: q and out
   // fp8 (e4m3) cache: each K tile arrives as fp8 bytes in the upper part of its stage buffer and is
@@ -25,6 +25,10 @@ struct Rows64Traits {
   static constexpr bool kDsMlaFp8 = kDsMlaFp8_;
   static_assert(kFp8Kv || !kDsMlaFp8, "a ds_mla_fp8 cache is an fp8 cache");
   static constexpr bool kGatherOnly = kDsMlaFp8;
+  // The two CTAs of a cluster run q-tiles 2i and 2i + 1 of the same requests and share the gathered
+  // rows: each gathers half of every block and copies it into the other's stage (rows64/paired_gather.cuh).
+  static constexpr bool kPairedQTiles = kPairedQTiles_;
+  static_assert(kDsMlaFp8 || !kPairedQTiles, "only the ds_mla_fp8 form pairs its q-tiles");
   static constexpr int kFp8Slabs = kDsMlaFp8 ? kHeadDimV / kTmaColumns : kSlabs;  // slabs staged as e4m3
   // The type of the Q, K and P tiles in smem and of the MMAs: q's type, or fp16 with an fp8 cache
   // (e4m3 -> fp16 is one cvt per pair, -> bf16 four; a bf16 Q row is stored scaled, fp16_row_scale).
@@ -66,7 +70,9 @@ struct Rows64Traits {
     float row_max[kBlockM];                      // running row max after the block in sP
     float row_sum[kNumMathWarpgroups][kBlockM];  // per-warpgroup softmax denominators (epilogue)
     uint64_t kv_full[kStages][kSlabs];           // TMA bytes of one 64-column slab have landed
-    uint64_t kv_empty[kStages];                  // both math warpgroups are done with a K tile
+    uint64_t kv_empty[kStages];                  // both math warpgroups (of both CTAs, paired) are done with a K tile
+    uint64_t kv_landed[kStages];                 // paired: this CTA's half of the rows has landed
+    uint64_t kv_sent[kStages];                   // paired: the peer holds that half (its copies read it)
   };
   // fp8 staging: slab s of a tile sits at this byte offset of the stage buffer + s * kFp8SlabBytes
   // (shared/fp8_dequant.cuh), the staged slabs ending where the 16-bit slabs that are not staged

@@ -64,29 +64,43 @@ struct BlockCopies {
 template <typename Traits>
 inline constexpr bool kReadsDsMlaFp8 = requires { requires Traits::kDsMlaFp8; };
 
-// The cp.async gather of one KV block, as seen by one lane of a producer warp. A lane holds the cache
-// byte offsets of key rows lane and lane + 32 of the block (-1: past the sequence end, zero-filled);
-// the lanes that copy a row get its offset by shuffles. Each slab is issued by one warp, whose 32
-// lanes then arrive on its kv_full barrier (count 32) when their copies have landed (.noinc: the
-// arrival is the cp.async completion's, as CUTLASS's cp.async GMMA pipelines do).
+// Arrives on the mbarrier at `bar` once this thread's cp.async copies issued so far have landed (.noinc:
+// the arrival is the completion's, as CUTLASS's cp.async GMMA pipelines do). Racecheck builds
+// (MLA_ATTN_RACECHECK=1, scripts/sanitize.sh) wait for the copies and arrive plainly: racecheck does not
+// take the completion's arrival as the end of the copies.
+__device__ __forceinline__ void arrive_when_copies_land(uint64_t* bar) {
+#ifdef MLA_ATTN_RACECHECK
+  mla_common::cp_async_wait_all();
+  cutlass::arch::ClusterBarrier::arrive(bar);
+#else
+  cutlass::arch::cpasync_barrier_arrive_noinc(bar);
+#endif
+}
+
+// The cp.async gather of rows [first_row, first_row + kRows) of one KV block (all 64, or a paired
+// CTA's half), as seen by one lane of a producer warp. A lane holds the cache byte offsets of key rows
+// first_row + lane (+ 32) of the block (-1: past the sequence end, zero-filled); the lanes that copy a
+// row get its offset by shuffles. Each slab is issued by one warp, whose 32 lanes then arrive on its
+// kv_full barrier (32 of its arrivals) when their copies have landed.
 // ds_mla_fp8 rows (656 bytes): the latent slabs stage like an e4m3 cache's; the rope slab and the
 // row scales go where Traits puts them (kDsRopeSlabOffset, ds_scales_offset), in the same passes.
-template <typename Traits>
+template <typename Traits, int kRows = kBlockN>
 struct GatheredRows {
   static constexpr int kRowBytes = Traits::kFp8Kv ? kTmaColumns : kTmaColumns * 2;  // of a slab
   static constexpr int kChunksPerRow = kRowBytes / 16;
   static constexpr int kRowsPerPass = 32 / kChunksPerRow;  // rows one warp instruction covers
   static constexpr int kStagedSlabs = kReadsDsMlaFp8<Traits> ? kHeadDimV / kTmaColumns : kSlabs;  // rows of kRowBytes
-  int64_t offset[2];
+  static_assert(kRows % 32 == 0 && kRows <= kBlockN, "whole warps of rows");
+  int64_t offset[kRows / 32];
 
   // Never reads past the cache: a slot or page outside it is clamped (the Python layer checks them).
   __device__ static GatheredRows plan(const DecodeParams& p, const DecodeTma& tma, const int* table,
-                                      const Segment& seg, int blk, int lane) {
+                                      const Segment& seg, int blk, int lane, int first_row = 0) {
     constexpr int kElementBytes = Traits::kFp8Kv ? 1 : 2;
     GatheredRows g;
 #pragma unroll
-    for (int i = 0; i < 2; ++i) {
-      const int key = blk * kBlockN + lane + 32 * i;
+    for (int i = 0; i < kRows / 32; ++i) {
+      const int key = blk * kBlockN + first_row + lane + 32 * i;
       g.offset[i] = -1;
       if (key < seg.seqlen_k) {
         int page, row;
@@ -113,10 +127,10 @@ struct GatheredRows {
     else return slab_base + row * kRowBytes + ((chunk ^ (row & 7)) << 4);
   }
 
-  // Copies slabs first_slab, first_slab + slab_step, ... < end_slab of all 64 rows; the calling warp
-  // then arrives on their barriers.
+  // Copies slabs first_slab, first_slab + slab_step, ... < end_slab of the rows (first_row as planned);
+  // the calling warp then arrives on their barriers.
   __device__ void copy(const DecodeParams& p, typename Traits::SharedStorage& ss, int stage, int first_slab,
-                       int slab_step, int end_slab, int lane) const {
+                       int slab_step, int end_slab, int lane, int first_row = 0) const {
     const int chunk = lane % kChunksPerRow;
     const uint8_t* kv = static_cast<const uint8_t*>(p.kv) + chunk * 16;
     // ds_mla_fp8: the bf16 rope values (128 bytes of a row, chunks `chunk` and `chunk` + 4) straight
@@ -128,9 +142,11 @@ struct GatheredRows {
     const bool copies_scales = kReadsDsMlaFp8<Traits> && first_slab == 0 && chunk == 0;
     // Not unrolled: the producer runs on 24-40 registers.
 #pragma unroll 1
-    for (int j = 0; j < kBlockN / kRowsPerPass; ++j) {
-      const int row = lane / kChunksPerRow + j * kRowsPerPass;
-      const int64_t src = __shfl_sync(0xffffffff, j * kRowsPerPass < 32 ? offset[0] : offset[1], row % 32);
+    for (int j = 0; j < kRows / kRowsPerPass; ++j) {
+      const int row_in_range = lane / kChunksPerRow + j * kRowsPerPass;
+      const int row = first_row + row_in_range;
+      const int64_t src = __shfl_sync(0xffffffff, kRows == 32 || row_in_range < 32 ? offset[0] : offset[kRows / 32 - 1],
+                                      row_in_range % 32);
       for (int slab = first_slab; slab < min(end_slab, kStagedSlabs); slab += slab_step) {
         mla_common::cp_async_16(chunk_dst(ss, stage, slab, row, chunk), kv + max(src, int64_t(0)) + slab * kRowBytes,
                                 src >= 0);
@@ -151,17 +167,7 @@ struct GatheredRows {
         }
       }
     }
-#ifdef MLA_ATTN_RACECHECK
-    // Only for compute-sanitizer (MLA_ATTN_RACECHECK=1, scripts/sanitize.sh): racecheck does not take
-    // the completion arrival below as the end of the copies, so this build waits for them and arrives
-    // plainly (the same 32 arrivals, later).
-    mla_common::cp_async_wait_all();
-    for (int slab = first_slab; slab < end_slab; slab += slab_step) cutlass::arch::ClusterBarrier::arrive(&ss.kv_full[stage][slab]);
-#else
-    for (int slab = first_slab; slab < end_slab; slab += slab_step) {
-      cutlass::arch::cpasync_barrier_arrive_noinc(&ss.kv_full[stage][slab]);
-    }
-#endif
+    for (int slab = first_slab; slab < end_slab; slab += slab_step) arrive_when_copies_land(&ss.kv_full[stage][slab]);
   }
 };
 

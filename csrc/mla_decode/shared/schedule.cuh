@@ -47,7 +47,7 @@ struct PartRange {
     seg.seqlen_q = p.cu_seqlens_q ? p.cu_seqlens_q[b + 1] - seg.first_token : p.max_seqlen_q;
     if (m_block * kBlockM >= seg.seqlen_q * p.num_heads_q) return false;
     const int seqlen = b == begin_b ? begin_seqlen : p.cache_seqlens[b];
-    seg.seqlen_k = min(max(seqlen, 0), p.max_pages * p.keys_per_table_entry);
+    seg.seqlen_k = min(max(seqlen, 0), p.max_keys);
     seg.blk_lo = b == begin_b ? begin_blk : 0;
     seg.blk_hi = b == last_b ? last_hi : mla_common::ceil_div(max(seqlen, 0), kBlockN);
     seg.split = b == begin_b ? begin_split : 0;
