@@ -89,21 +89,23 @@ __device__ __forceinline__ void cp_async_16(void* smem, const void* gmem, bool v
 }
 __device__ __forceinline__ void cp_async_wait_all() { asm volatile("cp.async.wait_all;" ::: "memory"); }
 
-// The shared-window address `addr` of this CTA as seen in CTA `rank` of the cluster (mapa): the same
-// variable there, addressable by the shared::cluster instructions below.
-__device__ __forceinline__ uint32_t peer_smem_addr(uint32_t addr, uint32_t rank) {
-  uint32_t peer;
-  asm volatile("mapa.shared::cluster.u32 %0, %1, %2;" : "=r"(peer) : "r"(addr), "r"(rank));
-  return peer;
+// Bulk copy (the TMA unit, no tensor map) of `bytes` (a multiple of 16, both addresses 16-byte
+// aligned) from global memory to this CTA's shared memory at `dst`, completing `bytes` of transaction
+// on the mbarrier at `bar`.
+__device__ __forceinline__ void bulk_copy_g2s(uint32_t dst, const void* src, uint32_t bytes, uint32_t bar) {
+  asm volatile("cp.async.bulk.shared::cluster.global.mbarrier::complete_tx::bytes [%0], [%1], %2, [%3];"
+               ::"r"(dst), "l"(src), "r"(bytes), "r"(bar)
+               : "memory");
 }
 
-// Copies `bytes` (a multiple of 16, both addresses 16-byte aligned) of this CTA's shared memory to the
-// shared::cluster address `dst`; the copy completes `bytes` of transaction on the mbarrier at the
-// shared::cluster address `bar`, in the destination CTA. Reads its source in the async proxy.
-__device__ __forceinline__ void bulk_copy_to_peer(uint32_t dst, uint32_t src, uint32_t bytes, uint32_t bar) {
-  asm volatile("cp.async.bulk.shared::cluster.shared::cta.mbarrier::complete_tx::bytes [%0], [%1], %2, [%3];"
-               ::"r"(dst), "r"(src), "r"(bytes), "r"(bar)
-               : "memory");
+// The same into every CTA of the cluster named in `cta_mask`, at the same offsets (`dst` and `bar`
+// are this CTA's addresses): each destination's mbarrier at `bar` receives the bytes.
+__device__ __forceinline__ void bulk_copy_g2s_multicast(uint32_t dst, const void* src, uint32_t bytes, uint32_t bar,
+                                                        uint16_t cta_mask) {
+  asm volatile(
+      "cp.async.bulk.shared::cluster.global.mbarrier::complete_tx::bytes.multicast::cluster [%0], [%1], %2, [%3], %4;"
+      ::"r"(dst), "l"(src), "r"(bytes), "r"(bar), "h"(cta_mask)
+      : "memory");
 }
 
 // 16-byte shared-memory load (shared-window address).

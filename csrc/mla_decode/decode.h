@@ -32,8 +32,8 @@ cudaError_t run_mla_decode(const DecodeParams& params, const DecodeTma& tma, cud
 template <typename Element>
 cudaError_t run_mla_decode_ds_mla_fp8(const DecodeParams& params, const DecodeTma& tma, cudaStream_t stream);
 
-// The same with q-tiles paired in clusters of two CTAs that share the gathered rows (each gathers half of
-// a block and copies it to the other): num_q_tiles even, no cu_seqlens_q (rows64/paired_gather.cuh).
+// The same with q-tiles paired in clusters of two CTAs that share the key rows (each copies half of a
+// block into both): num_q_tiles even, no cu_seqlens_q (rows64/ds_row_copies.cuh).
 template <typename Element>
 cudaError_t run_mla_decode_ds_mla_fp8_paired(const DecodeParams& params, const DecodeTma& tma, cudaStream_t stream);
 

@@ -30,7 +30,7 @@
 #include "common/device_utils.cuh"
 #include "mla_decode/config.h"
 #include "mla_decode/params.h"
-#include "mla_decode/rows64/paired_gather.cuh"
+#include "mla_decode/rows64/ds_row_copies.cuh"
 #include "mla_decode/rows64/traits.h"
 #include "mla_decode/shared/causal_mask.cuh"
 #include "mla_decode/shared/epilogue.cuh"
@@ -56,17 +56,17 @@ using mla_common::named_barrier_sync;
 // smallest) to 2^7 (|values| up to 57344; larger overflow fp16), and the bf16 rope slab becomes fp16
 // in place (exact within fp16's range).
 //
-// In place: 16-bit slab s overwrites the staged bytes of slabs 2s - kFp8Slabs and 2s - kFp8Slabs + 1
-// (if >= 0), so a barrier must separate every read of those from the writes of s: slabs are
-// converted in the groups {0-3} {4, 5} {6} {7, and slab 8 read} {8 written} (e4m3 cache: 9 staged
-// slabs), or {0-3, with the row scales} {4, 5} {6, and slab 7 read} {7 written, rope} (ds_mla_fp8:
-// 8), with a barrier over both warpgroups after each group, which also makes the group visible to
-// the WGMMAs.
+// In place, e4m3 cache: 16-bit slab s overwrites the staged bytes of slabs 2s - 9 and 2s - 8 (if >= 0),
+// so a barrier must separate every read of those from the writes of s: slabs are converted in the
+// groups {0-3} {4, 5} {6} {7, and slab 8 read} {8 written}. ds_mla_fp8 (whole staged rows): the
+// 16-bit slabs below the staging {0-2} first, then every other staged byte is read before slabs 3-7
+// are written {3-7, rope}. A barrier over both warpgroups follows each group, which also makes the
+// group visible to the WGMMAs.
 template <typename Traits>
 struct Fp8SlabConverter {
   static_assert(std::is_same_v<typename Traits::MmaElement, cutlass::half_t>, "e4m3 converts to the fp16 tile");
   static_assert(kFp8SlabBytes / 16 == 256, "one 16-byte chunk of a slab per math thread");
-  static constexpr int k16BitSlabBytes = kBlockN * kTmaColumns * int(sizeof(typename Traits::MmaElement));
+  static constexpr int k16BitSlabBytes = Traits::k16BitSlabBytes;
   static_assert(k16BitSlabBytes == 8192, "a 16-bit slab is 8 KB");
 
   // Reads this thread's chunk of staged slab `slab`.
@@ -101,15 +101,21 @@ struct Fp8SlabConverter {
     mla_common::st_shared_16(slab_addr + offset, make_uint4(out[0], out[1], out[2], out[3]));
     mla_common::st_shared_16(slab_addr + (offset ^ 16), make_uint4(out[4], out[5], out[6], out[7]));
   }
-  // ds_mla_fp8: this thread's 16 rope values, bf16 -> fp16 where they landed (bytes no other thread
-  // reads or writes: no barrier before).
-  __device__ __forceinline__ static void convert_rope(uint32_t tile_addr, uint32_t offset, bool zero) {
+  // ds_mla_fp8: this thread's 16 rope values, bf16 -> fp16, from where they landed (unswizzled: bytes
+  // 32 (tid % 4) ... + 31 of the row) to where the WGMMAs read them (swizzled: `offset`, `offset` ^ 16).
+  // Only the row's 4 threads, lanes of one warp, read and write that row.
+  __device__ __forceinline__ static void convert_rope(uint32_t tile_addr, uint32_t offset, bool zero, int tid) {
     const uint32_t slab_addr = tile_addr + Traits::kDsRopeSlabOffset;
+    const uint32_t landed = slab_addr + (tid / 4) * 128 + (tid % 4) * 32;
+    uint4 in[2];
 #pragma unroll
-    for (uint32_t half : {0u, 16u}) {
-      const uint4 in = zero ? make_uint4(0, 0, 0, 0) : mla_common::ld_shared_16(slab_addr + (offset ^ half));
-      mla_common::st_shared_16(slab_addr + (offset ^ half), make_uint4(bf16x2_to_f16x2(in.x), bf16x2_to_f16x2(in.y),
-                                                                     bf16x2_to_f16x2(in.z), bf16x2_to_f16x2(in.w)));
+    for (int i = 0; i < 2; ++i) in[i] = zero ? make_uint4(0, 0, 0, 0) : mla_common::ld_shared_16(landed + 16 * i);
+    __syncwarp();  // the row's other threads have read their bytes before this one writes over them
+#pragma unroll
+    for (int i = 0; i < 2; ++i) {
+      mla_common::st_shared_16(slab_addr + (offset ^ (16 * i)),
+                               make_uint4(bf16x2_to_f16x2(in[i].x), bf16x2_to_f16x2(in[i].y), bf16x2_to_f16x2(in[i].z),
+                                          bf16x2_to_f16x2(in[i].w)));
     }
   }
   // Converts the tile of `stage`, calling on_group(first_slab, end_slab) after each group is
@@ -139,29 +145,30 @@ struct Fp8SlabConverter {
     };
     uint4 staged[4];
     if constexpr (Traits::kDsMlaFp8) {
-      read_group(0, 4, staged);  // slab 0's barrier also covers the scales
-      const uint4 raw = mla_common::ld_shared_16(tile_addr + Traits::ds_scales_offset(tid / 4));
+      cutlass::arch::ClusterBarrier::wait(&ss.kv_full[stage][0], phase);  // the whole block
+      const uint32_t staged_row = tile_addr + Traits::kDsStagingOffset + (tid / 4) * Traits::kDsStagingStride;
+      auto read_slab = [&](int slab) { return mla_common::ld_shared_16(staged_row + slab * kTmaColumns + (tid % 4) * 16); };
+      // A row past the sequence end was not copied: zero scales (stale ones could be inf or NaN).
+      const uint4 raw = zero ? make_uint4(0, 0, 0, 0) : mla_common::ld_shared_16(staged_row + mla_common::kDsScaleOffset);
       const __half2 scales[4] = {__float2half2_rn(__uint_as_float(raw.x)), __float2half2_rn(__uint_as_float(raw.y)),
                                  __float2half2_rn(__uint_as_float(raw.z)), __float2half2_rn(__uint_as_float(raw.w))};
       static_assert(mla_common::kDsTile == 2 * kTmaColumns, "one scale per two slabs");
-      // Paired: this CTA's half is copied out of the stage by the peer's bulk copies: they must have read
-      // it before the first write over it (slab 0 holds the scales).
-      if constexpr (Traits::kPairedQTiles) cutlass::arch::ClusterBarrier::wait(&ss.kv_sent[stage], phase);
-      __syncwarp();  // this warp's rows' scales are read before it writes over them (slab 0)
+      constexpr int kFirst = Traits::kDsSlabsBelowStaging, kLatent = kHeadDimV / kTmaColumns;
+      static_assert(kFirst == 3 && kLatent - kFirst == 5, "the groups below");
 #pragma unroll
-      for (int slab = 0; slab < 4; ++slab) write<true>(tile_addr, offset, slab, zero, staged[slab], scales[slab / 2]);
-      publish(0, 4);
-      read_group(4, 2, staged);
-      write<true>(tile_addr, offset, 4, zero, staged[0], scales[2]);
-      write<true>(tile_addr, offset, 5, zero, staged[1], scales[2]);
-      publish(4, 6);
-      read_group(6, 2, staged);  // slab 7 overwrites its own staged bytes: read before the barrier
-      write<true>(tile_addr, offset, 6, zero, staged[0], scales[3]);
-      publish(6, 7);
-      write<true>(tile_addr, offset, 7, zero, staged[1], scales[3]);
-      wait(kSlabs - 1, kSlabs);
-      convert_rope(tile_addr, offset, zero);
-      publish(7, 9);
+      for (int slab = 0; slab < kFirst; ++slab) staged[slab] = read_slab(slab);
+#pragma unroll
+      for (int slab = 0; slab < kFirst; ++slab) write<true>(tile_addr, offset, slab, zero, staged[slab], scales[slab / 2]);
+      uint4 rest[kLatent - kFirst];
+#pragma unroll
+      for (int i = 0; i < kLatent - kFirst; ++i) rest[i] = read_slab(kFirst + i);
+      publish(0, kFirst);  // also: every thread has read the staging, which slabs 3-7 overwrite
+#pragma unroll
+      for (int i = 0; i < kLatent - kFirst; ++i) {
+        write<true>(tile_addr, offset, kFirst + i, zero, rest[i], scales[(kFirst + i) / 2]);
+      }
+      convert_rope(tile_addr, offset, zero, tid);
+      publish(kFirst, kSlabs);
     } else {
       read_group(0, 4, staged);
 #pragma unroll
@@ -226,7 +233,7 @@ __device__ void consume_kv_tiles(const DecodeParams& p, typename Traits::SharedS
   // This warpgroup hands a stage back (paired: in both CTAs, since the peer copies into it too).
   auto release_stage = [&](int stage) {
     if (kEveryThreadReleases || tid_in_wg == 0) {
-      if constexpr (Traits::kPairedQTiles) release_paired_stage(&ss.kv_empty[stage]);
+      if constexpr (Traits::kDsMlaFp8) release_ds_stage<Traits>(&ss.kv_empty[stage]);
       else cutlass::arch::ClusterBarrier::arrive(&ss.kv_empty[stage]);
     }
   };
@@ -437,21 +444,21 @@ __device__ void consume_kv_tiles(const DecodeParams& p, typename Traits::SharedS
   }
 }
 
-// The kernel's policy for the shared shell (shared/kernel_shell.cuh); paired q-tiles run as clusters of
-// two CTAs with their own producer (rows64/paired_gather.cuh).
+// The kernel's policy for the shared shell (shared/kernel_shell.cuh); the ds_mla_fp8 form has its own
+// producer (rows64/ds_row_copies.cuh), and with paired q-tiles runs as clusters of two CTAs.
 template <typename Traits>
 struct Rows64Kernel : KvRingKernel<Traits> {
   static constexpr int kClusterSize = Traits::kPairedQTiles ? kPairSize : 1;
 
   template <bool kGather>
   __device__ __forceinline__ static void init_barriers(typename Traits::SharedStorage& ss) {
-    if constexpr (Traits::kPairedQTiles) init_paired_ring<Traits>(ss);
+    if constexpr (Traits::kDsMlaFp8) init_ds_row_ring<Traits>(ss);
     else KvRingKernel<Traits>::template init_barriers<kGather>(ss);
   }
   template <bool kGather>
   __device__ __forceinline__ static void produce(const DecodeParams& p, const DecodeTma& tma,
                                                  typename Traits::SharedStorage& ss, const PartRange& range, int warp) {
-    if constexpr (Traits::kPairedQTiles) produce_paired_tiles<Traits>(p, tma, ss, range, warp);
+    if constexpr (Traits::kDsMlaFp8) produce_ds_rows<Traits>(p, tma, ss, range, warp);
     else KvRingKernel<Traits>::template produce<kGather>(p, tma, ss, range, warp);
   }
   __device__ __forceinline__ static void consume(const DecodeParams& p, const DecodeTma&,

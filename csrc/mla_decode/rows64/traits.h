@@ -6,6 +6,7 @@
 #include <cutlass/arch/barrier.h>
 #include <type_traits>
 
+#include "common/ds_mla_fp8_layout.h"
 #include "mla_decode/config.h"
 #include "mla_decode/shared/fp8_dequant.cuh"
 
@@ -18,18 +19,17 @@ struct Rows64Traits {
   // fp8 (e4m3) cache: each K tile arrives as fp8 bytes in the upper part of its stage buffer and is
   // converted in place to the 16-bit tile (by the math warpgroups).
   static constexpr bool kFp8Kv = kFp8Kv_;
-  // DeepSeek-V3.2's cache (common/ds_mla_fp8_layout.h; implies kFp8Kv): rows are gathered one by one
-  // (no TMA map), the 8 latent slabs stage as e4m3 bytes, the rope slab lands as bf16 in its 16-bit
-  // place (converted in place to fp16), and each row's 4 power-of-two scales in 16-bit slab 0, where
-  // the converter reads them before it writes there (Fp8SlabConverter).
+  // DeepSeek-V3.2's cache (common/ds_mla_fp8_layout.h; implies kFp8Kv): each key row arrives whole by
+  // two bulk copies (rows64/ds_row_copies.cuh; no TMA map), its e4m3 latent values and power-of-two
+  // scales into staging rows and its bf16 rope into the rope slab, and is converted in place to the
+  // fp16 tile (Fp8SlabConverter).
   static constexpr bool kDsMlaFp8 = kDsMlaFp8_;
   static_assert(kFp8Kv || !kDsMlaFp8, "a ds_mla_fp8 cache is an fp8 cache");
   static constexpr bool kGatherOnly = kDsMlaFp8;
-  // The two CTAs of a cluster run q-tiles 2i and 2i + 1 of the same requests and share the gathered
-  // rows: each gathers half of every block and copies it into the other's stage (rows64/paired_gather.cuh).
+  // The two CTAs of a cluster run q-tiles 2i and 2i + 1 of the same requests and share the key rows:
+  // each copies half of every block's rows into both (rows64/ds_row_copies.cuh).
   static constexpr bool kPairedQTiles = kPairedQTiles_;
   static_assert(kDsMlaFp8 || !kPairedQTiles, "only the ds_mla_fp8 form pairs its q-tiles");
-  static constexpr int kFp8Slabs = kDsMlaFp8 ? kHeadDimV / kTmaColumns : kSlabs;  // slabs staged as e4m3
   // The type of the Q, K and P tiles in smem and of the MMAs: q's type, or fp16 with an fp8 cache
   // (e4m3 -> fp16 is one cvt per pair, -> bf16 four; a bf16 Q row is stored scaled, fp16_row_scale).
   using MmaElement = std::conditional_t<kFp8Kv, cutlass::half_t, Element>;
@@ -69,28 +69,30 @@ struct Rows64Traits {
     float q_scale[kBlockM];                      // kScaledQ: the power of two Q row r is stored times
     float row_max[kBlockM];                      // running row max after the block in sP
     float row_sum[kNumMathWarpgroups][kBlockM];  // per-warpgroup softmax denominators (epilogue)
-    uint64_t kv_full[kStages][kSlabs];           // TMA bytes of one 64-column slab have landed
+    uint64_t kv_full[kStages][kSlabs];           // TMA bytes of one 64-column slab have landed (ds_mla_fp8: [0], the block)
     uint64_t kv_empty[kStages];                  // both math warpgroups (of both CTAs, paired) are done with a K tile
-    uint64_t kv_landed[kStages];                 // paired: this CTA's half of the rows has landed
-    uint64_t kv_sent[kStages];                   // paired: the peer holds that half (its copies read it)
   };
-  // fp8 staging: slab s of a tile sits at this byte offset of the stage buffer + s * kFp8SlabBytes
-  // (shared/fp8_dequant.cuh), the staged slabs ending where the 16-bit slabs that are not staged
-  // begin (the ds_mla_fp8 rope). Converting slabs in order never overwrites bytes not yet read
-  // (16-bit slab s overlaps only staged slabs 2s - kFp8Slabs and 2s - kFp8Slabs + 1), given a
-  // barrier between the reads and the writes of each slab.
-  static constexpr int kFp8StagingOffset = kFp8Slabs * kFp8SlabBytes;
-  // ds_mla_fp8: byte offsets in a stage of the rope slab (16-bit, where the WGMMAs read it) and of key
-  // row r's 4 scales: rows 8w..8w+7 share row 8w of 16-bit slab 0, which only warp w of the math
-  // warpgroups writes when it converts (thread t converts key row t / 4), so that warp orders its
-  // reads of them before its writes there by itself (__syncwarp).
-  static constexpr int kDsRopeSlabOffset = (kSlabs - 1) * kBlockN * kTmaColumns * int(sizeof(MmaElement));
-  __device__ static constexpr int ds_scales_offset(int row) {
-    return (row / 8) * (8 * kTmaColumns * int(sizeof(MmaElement))) + (row % 8) * 16;
-  }
+  // e4m3 staging: slab s of a tile sits at this byte offset of the stage buffer + s * kFp8SlabBytes
+  // (shared/fp8_dequant.cuh), the staged slabs ending where the stage does. Converting slabs in order
+  // never overwrites bytes not yet read (16-bit slab s overlaps only staged slabs 2s - 9 and 2s - 8),
+  // given a barrier between the reads and the writes of each slab.
+  static constexpr int kFp8StagingOffset = kSlabs * kFp8SlabBytes;
+  // ds_mla_fp8 staging: key row r's 512 e4m3 values and 4 scales (528 bytes, as in the cache) at
+  // kDsStagingOffset + r * kDsStagingStride, its 64 bf16 rope values unswizzled at kDsRopeSlabOffset +
+  // r * 128, in the 16-bit rope slab. The stride puts the 64-byte pieces of rows r and r + 1 in the two
+  // halves of the 128-byte bank window (a quarter-warp of the converter reads such a pair). The staging
+  // ends where the rope slab begins; 16-bit slabs below kDsStagingOffset are written before the rest is
+  // read.
+  static constexpr int k16BitSlabBytes = kBlockN * kTmaColumns * int(sizeof(MmaElement));
+  static constexpr int kDsStagingStride = 576;
+  static constexpr int kDsRopeSlabOffset = (kSlabs - 1) * k16BitSlabBytes;
+  static constexpr int kDsStagingOffset = kDsRopeSlabOffset - kBlockN * kDsStagingStride;
+  static constexpr int kDsSlabsBelowStaging = kDsStagingOffset / k16BitSlabBytes;
+  static_assert(kDsStagingStride % 128 == 64 && kDsStagingStride >= mla_common::kDsRopeOffset &&
+                kDsStagingOffset % 16 == 0, "staging rows: 16-byte aligned, bank-spread, room for a row");
   // Where the producer's copy of rows [row, row + rows_per_copy) of a slab lands.
   __device__ static void* kv_copy_dst(SharedStorage& ss, int stage, int slab, int row) {
-    if constexpr (kFp8Kv) {  // a staged slab (ds_mla_fp8: slab < kFp8Slabs)
+    if constexpr (kFp8Kv) {  // a staged e4m3 slab
       return reinterpret_cast<char*>(ss.k[stage]) + kFp8StagingOffset + slab * kFp8SlabBytes + row * kTmaColumns;
     } else {
       Tensor sK = make_tensor(make_smem_ptr(ss.k[stage]), SmemLayoutK{});

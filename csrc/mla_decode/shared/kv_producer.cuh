@@ -1,14 +1,14 @@
 // The producer of the decode kernels: walks a CTA's schedule and loads its K tiles, slab by slab,
 // into a ring of Traits::kStages stages: by TMA where keys come in runs of >= 16 rows of one page
 // (BlockCopies), else row by row by cp.async into the same swizzled layout (GatheredRows: page sizes
-// that are not a multiple of 16, the sparse key lists of kv_slots, and the ds_mla_fp8 cache).
+// that are not a multiple of 16, the sparse key lists of kv_slots). The ds_mla_fp8 cache has its own
+// (rows64/ds_row_copies.cuh).
 #pragma once
 #include <cute/tensor.hpp>
 #include <cute/arch/copy_sm90_tma.hpp>
 #include <cutlass/arch/barrier.h>
 
 #include "common/device_utils.cuh"
-#include "common/ds_mla_fp8_layout.h"
 #include "mla_decode/config.h"
 #include "mla_decode/params.h"
 #include "mla_decode/shared/fp8_dequant.cuh"
@@ -64,57 +64,44 @@ struct BlockCopies {
 template <typename Traits>
 inline constexpr bool kReadsDsMlaFp8 = requires { requires Traits::kDsMlaFp8; };
 
-// Arrives on the mbarrier at `bar` once this thread's cp.async copies issued so far have landed (.noinc:
-// the arrival is the completion's, as CUTLASS's cp.async GMMA pipelines do). Racecheck builds
-// (MLA_ATTN_RACECHECK=1, scripts/sanitize.sh) wait for the copies and arrive plainly: racecheck does not
-// take the completion's arrival as the end of the copies.
-__device__ __forceinline__ void arrive_when_copies_land(uint64_t* bar) {
-#ifdef MLA_ATTN_RACECHECK
-  mla_common::cp_async_wait_all();
-  cutlass::arch::ClusterBarrier::arrive(bar);
-#else
-  cutlass::arch::cpasync_barrier_arrive_noinc(bar);
-#endif
+// The cache element offset of key `key` (< the request's length) of a request whose block-table row
+// is `table`: a page id per page_size keys, or a cache slot per key (kv_slots). Never past the cache:
+// a slot or page outside it is clamped (the Python layer checks them).
+__device__ __forceinline__ int64_t cache_row_offset(const DecodeParams& p, const DecodeTma& tma, const int* table,
+                                                    int key) {
+  int page, row;
+  if (p.kv_slots) {
+    const int slot = min(max(table[key], 0), p.num_pages * p.page_size - 1);
+    page = tma.page_size.divide(slot);
+    row = slot - page * p.page_size;
+  } else {
+    const int index = tma.page_size.divide(key);
+    page = min(max(table[index], 0), p.num_pages - 1);
+    row = key - index * p.page_size;
+  }
+  return int64_t(page) * p.kv_page_stride + int64_t(row) * p.kv_token_stride;
 }
 
-// The cp.async gather of rows [first_row, first_row + kRows) of one KV block (all 64, or a paired
-// CTA's half), as seen by one lane of a producer warp. A lane holds the cache byte offsets of key rows
-// first_row + lane (+ 32) of the block (-1: past the sequence end, zero-filled); the lanes that copy a
-// row get its offset by shuffles. Each slab is issued by one warp, whose 32 lanes then arrive on its
-// kv_full barrier (32 of its arrivals) when their copies have landed.
-// ds_mla_fp8 rows (656 bytes): the latent slabs stage like an e4m3 cache's; the rope slab and the
-// row scales go where Traits puts them (kDsRopeSlabOffset, ds_scales_offset), in the same passes.
-template <typename Traits, int kRows = kBlockN>
+// The cp.async gather of one KV block, as seen by one lane of a producer warp. A lane holds the cache
+// byte offsets of key rows lane and lane + 32 of the block (-1: past the sequence end, zero-filled);
+// the lanes that copy a row get its offset by shuffles. Each slab is issued by one warp, whose 32
+// lanes then arrive on its kv_full barrier (count 32) when their copies have landed (.noinc: the
+// arrival is the cp.async completion's, as CUTLASS's cp.async GMMA pipelines do).
+template <typename Traits>
 struct GatheredRows {
   static constexpr int kRowBytes = Traits::kFp8Kv ? kTmaColumns : kTmaColumns * 2;  // of a slab
   static constexpr int kChunksPerRow = kRowBytes / 16;
   static constexpr int kRowsPerPass = 32 / kChunksPerRow;  // rows one warp instruction covers
-  static constexpr int kStagedSlabs = kReadsDsMlaFp8<Traits> ? kHeadDimV / kTmaColumns : kSlabs;  // rows of kRowBytes
-  static_assert(kRows % 32 == 0 && kRows <= kBlockN, "whole warps of rows");
-  int64_t offset[kRows / 32];
+  int64_t offset[2];
 
-  // Never reads past the cache: a slot or page outside it is clamped (the Python layer checks them).
   __device__ static GatheredRows plan(const DecodeParams& p, const DecodeTma& tma, const int* table,
-                                      const Segment& seg, int blk, int lane, int first_row = 0) {
+                                      const Segment& seg, int blk, int lane) {
     constexpr int kElementBytes = Traits::kFp8Kv ? 1 : 2;
     GatheredRows g;
 #pragma unroll
-    for (int i = 0; i < kRows / 32; ++i) {
-      const int key = blk * kBlockN + first_row + lane + 32 * i;
-      g.offset[i] = -1;
-      if (key < seg.seqlen_k) {
-        int page, row;
-        if (p.kv_slots) {
-          const int slot = min(max(table[key], 0), p.num_pages * p.page_size - 1);
-          page = tma.page_size.divide(slot);
-          row = slot - page * p.page_size;
-        } else {
-          const int index = tma.page_size.divide(key);
-          page = min(max(table[index], 0), p.num_pages - 1);
-          row = key - index * p.page_size;
-        }
-        g.offset[i] = (int64_t(page) * p.kv_page_stride + int64_t(row) * p.kv_token_stride) * kElementBytes;
-      }
+    for (int i = 0; i < 2; ++i) {
+      const int key = blk * kBlockN + lane + 32 * i;
+      g.offset[i] = key < seg.seqlen_k ? cache_row_offset(p, tma, table, key) * kElementBytes : -1;
     }
     return g;
   }
@@ -127,47 +114,33 @@ struct GatheredRows {
     else return slab_base + row * kRowBytes + ((chunk ^ (row & 7)) << 4);
   }
 
-  // Copies slabs first_slab, first_slab + slab_step, ... < end_slab of the rows (first_row as planned);
-  // the calling warp then arrives on their barriers.
+  // Copies slabs first_slab, first_slab + slab_step, ... < end_slab of all 64 rows; the calling warp
+  // then arrives on their barriers.
   __device__ void copy(const DecodeParams& p, typename Traits::SharedStorage& ss, int stage, int first_slab,
-                       int slab_step, int end_slab, int lane, int first_row = 0) const {
+                       int slab_step, int end_slab, int lane) const {
     const int chunk = lane % kChunksPerRow;
     const uint8_t* kv = static_cast<const uint8_t*>(p.kv) + chunk * 16;
-    // ds_mla_fp8: the bf16 rope values (128 bytes of a row, chunks `chunk` and `chunk` + 4) straight
-    // into the 16-bit rope slab, by the warp that issues that slab; the row's 4 fp32 scales (16 bytes)
-    // by the warp that issues slab 0, whose kv_full barrier the converter waits on before reading them.
-    constexpr int kRopeSlab = kSlabs - 1;
-    const bool copies_rope = kReadsDsMlaFp8<Traits> && kRopeSlab >= first_slab && kRopeSlab < end_slab &&
-                             (kRopeSlab - first_slab) % slab_step == 0;
-    const bool copies_scales = kReadsDsMlaFp8<Traits> && first_slab == 0 && chunk == 0;
     // Not unrolled: the producer runs on 24-40 registers.
 #pragma unroll 1
-    for (int j = 0; j < kRows / kRowsPerPass; ++j) {
-      const int row_in_range = lane / kChunksPerRow + j * kRowsPerPass;
-      const int row = first_row + row_in_range;
-      const int64_t src = __shfl_sync(0xffffffff, kRows == 32 || row_in_range < 32 ? offset[0] : offset[kRows / 32 - 1],
-                                      row_in_range % 32);
-      for (int slab = first_slab; slab < min(end_slab, kStagedSlabs); slab += slab_step) {
+    for (int j = 0; j < kBlockN / kRowsPerPass; ++j) {
+      const int row = lane / kChunksPerRow + j * kRowsPerPass;
+      const int64_t src = __shfl_sync(0xffffffff, j * kRowsPerPass < 32 ? offset[0] : offset[1], row % 32);
+      for (int slab = first_slab; slab < end_slab; slab += slab_step) {
         mla_common::cp_async_16(chunk_dst(ss, stage, slab, row, chunk), kv + max(src, int64_t(0)) + slab * kRowBytes,
                                 src >= 0);
       }
-      if constexpr (kReadsDsMlaFp8<Traits>) {
-        static_assert(kChunksPerRow == 4, "a lane copies rope chunks chunk and chunk + 4 of its row");
-        const uint32_t tile = mla_common::smem_addr(ss.k[stage]);
-        const uint8_t* row_src = kv + max(src, int64_t(0)) - chunk * 16;
-        if (copies_rope) {
-#pragma unroll
-          for (int c = chunk; c < 8; c += 4) {
-            mla_common::cp_async_16(tile + Traits::kDsRopeSlabOffset + row * 128 + ((c ^ (row % 8)) << 4),
-                                    row_src + mla_common::kDsRopeOffset + c * 16, src >= 0);
-          }
-        }
-        if (copies_scales) {
-          mla_common::cp_async_16(tile + Traits::ds_scales_offset(row), row_src + mla_common::kDsScaleOffset, src >= 0);
-        }
-      }
     }
-    for (int slab = first_slab; slab < end_slab; slab += slab_step) arrive_when_copies_land(&ss.kv_full[stage][slab]);
+#ifdef MLA_ATTN_RACECHECK
+    // Only for compute-sanitizer (MLA_ATTN_RACECHECK=1, scripts/sanitize.sh): racecheck does not take
+    // the completion arrival below as the end of the copies, so this build waits for them and arrives
+    // plainly (the same 32 arrivals, later).
+    mla_common::cp_async_wait_all();
+    for (int slab = first_slab; slab < end_slab; slab += slab_step) cutlass::arch::ClusterBarrier::arrive(&ss.kv_full[stage][slab]);
+#else
+    for (int slab = first_slab; slab < end_slab; slab += slab_step) {
+      cutlass::arch::cpasync_barrier_arrive_noinc(&ss.kv_full[stage][slab]);
+    }
+#endif
   }
 };
 
@@ -199,7 +172,8 @@ __device__ __forceinline__ void racecheck_acquire_stage(typename Traits::SharedS
 #ifdef MLA_ATTN_RACECHECK
   const int stage = iteration % Traits::kStages;
   const uint32_t phase = (iteration / Traits::kStages) & 1;
-  for (int slab = 0; slab < kSlabs; ++slab) cutlass::arch::ClusterBarrier::wait(&ss.kv_full[stage][slab], phase);
+  constexpr int kBarriers = kReadsDsMlaFp8<Traits> ? 1 : kSlabs;  // ds_mla_fp8: one per stage
+  for (int slab = 0; slab < kBarriers; ++slab) cutlass::arch::ClusterBarrier::wait(&ss.kv_full[stage][slab], phase);
 #else
   (void)ss, (void)iteration;
 #endif

@@ -1,0 +1,91 @@
+// The producer of the ds_mla_fp8 form of the 64-row kernel (Rows64Traits::kDsMlaFp8): every key row of
+// a block arrives whole by two bulk copies on the TMA unit (cp.async.bulk, no tensor map), its 512 e4m3
+// values and 4 scales (528 bytes) into the stage's staging rows and its 64 bf16 rope values (128 bytes)
+// into the rope slab (Rows64Traits: kDsStagingOffset, kDsRopeSlabOffset). Row gathers by 16-byte
+// cp.async were bound by an SM's cp.async path (docs/design-decisions.md, "What bounds the gather"); a
+// bulk copy moves a row per instruction. One kv_full barrier per stage counts the block's bytes (656 per
+// row before the sequence end; the converter zeroes the rows past it).
+//
+// Paired q-tiles (kPairedQTiles): the two CTAs of a cluster run q-tiles 2i and 2i + 1 of the same
+// requests (uniform query lengths: both walk the same blocks). CTA r copies rows [32r, 32r + 32) of each
+// block into both CTAs (multicast), so every row is read from L2 once per pair; each CTA's kv_full still
+// counts the whole block, and a stage is released to both CTAs' kv_empty, since both write into it.
+#pragma once
+#include <cute/arch/cluster_sm90.hpp>
+#include <cutlass/arch/barrier.h>
+
+#include "common/device_utils.cuh"
+#include "common/ds_mla_fp8_layout.h"
+#include "mla_decode/config.h"
+#include "mla_decode/params.h"
+#include "mla_decode/shared/kv_producer.cuh"
+#include "mla_decode/shared/schedule.cuh"
+
+namespace mla_decode {
+
+constexpr int kPairSize = 2;  // CTAs of a cluster of paired q-tiles
+
+// Thread 0 initialises the ring's barriers: kv_full[stage][0] (one arrival, with the block's bytes) and
+// kv_empty[stage] (the math warpgroups of the CTAs that write into the stage); the caller syncs the
+// CTA (the cluster, paired) after.
+template <typename Traits>
+__device__ __forceinline__ void init_ds_row_ring(typename Traits::SharedStorage& ss) {
+  if (threadIdx.x != 0) return;
+  constexpr int kWriters = Traits::kPairedQTiles ? kPairSize : 1;
+  for (int s = 0; s < Traits::kStages; ++s) {
+    cutlass::arch::ClusterTransactionBarrier::init(&ss.kv_full[s][0], 1);
+    cutlass::arch::ClusterBarrier::init(&ss.kv_empty[s], kWriters * kNumMathWarpgroups * kStageReleaseArrivals);
+  }
+  cutlass::arch::fence_barrier_init();
+}
+
+// A math warpgroup hands a stage back (kEveryThreadReleases: every thread, else the caller's one); with
+// paired q-tiles in both CTAs.
+template <typename Traits>
+__device__ __forceinline__ void release_ds_stage(uint64_t* kv_empty) {
+  cutlass::arch::ClusterBarrier::arrive(kv_empty);
+  if constexpr (Traits::kPairedQTiles) cutlass::arch::ClusterBarrier::arrive(kv_empty, cute::block_rank_in_cluster() ^ 1u, 1u);
+}
+
+// Producer warp `warp` (0-3): its lanes copy rows [warp * kRowsPerWarp, ...) of this CTA's share of each
+// block of the schedule, one row per lane; lane 0 of warp 0 posts the block's bytes.
+template <typename Traits>
+__device__ void produce_ds_rows(const DecodeParams& p, const DecodeTma& tma, typename Traits::SharedStorage& ss,
+                                const PartRange& range, int warp) {
+  constexpr int kCopiers = Traits::kPairedQTiles ? kPairSize : 1;
+  constexpr int kRowsPerWarp = kBlockN / kCopiers / 4;
+  constexpr uint32_t kStagedBytes = mla_common::kDsRopeOffset, kRopeBytes = mla_common::kDsRowBytes - kStagedBytes;
+  const int lane = threadIdx.x % 32;
+  for_each_scheduled_block(p, range, blockIdx.x, [&](const Segment& seg, const int* table, int blk, int iteration) {
+    const int stage = iteration % Traits::kStages;
+    const int rank = Traits::kPairedQTiles ? int(cute::block_rank_in_cluster()) : 0;
+    const int row = (rank * 4 + warp) * kRowsPerWarp + lane;
+    const int key = blk * kBlockN + row;
+    const bool copies = lane < kRowsPerWarp && key < seg.seqlen_k;
+    const uint8_t* src = static_cast<const uint8_t*>(p.kv) + (copies ? cache_row_offset(p, tma, table, key) : 0);
+    if (iteration >= Traits::kStages) {  // the math warpgroups (of both CTAs, paired) are done with the stage
+      cutlass::arch::ClusterBarrier::wait(&ss.kv_empty[stage], ((iteration / Traits::kStages) - 1) & 1);
+    }
+    const uint32_t full = mla_common::smem_addr(&ss.kv_full[stage][0]);
+    if (warp == 0 && lane == 0) {  // may follow some of the copies' completions (the count dips below zero)
+      const int valid_rows = min(max(seg.seqlen_k - blk * kBlockN, 0), kBlockN);
+      cutlass::arch::ClusterTransactionBarrier::arrive_and_expect_tx(&ss.kv_full[stage][0],
+                                                                     valid_rows * mla_common::kDsRowBytes);
+    }
+    if (copies) {
+      const uint32_t tile = mla_common::smem_addr(ss.k[stage]);
+      const uint32_t staged = tile + Traits::kDsStagingOffset + row * Traits::kDsStagingStride;
+      const uint32_t rope = tile + Traits::kDsRopeSlabOffset + row * 128;
+      if constexpr (Traits::kPairedQTiles) {
+        constexpr uint16_t kBoth = (1u << kPairSize) - 1;
+        mla_common::bulk_copy_g2s_multicast(staged, src, kStagedBytes, full, kBoth);
+        mla_common::bulk_copy_g2s_multicast(rope, src + kStagedBytes, kRopeBytes, full, kBoth);
+      } else {
+        mla_common::bulk_copy_g2s(staged, src, kStagedBytes, full);
+        mla_common::bulk_copy_g2s(rope, src + kStagedBytes, kRopeBytes, full);
+      }
+    }
+  });
+}
+
+}  // namespace mla_decode
