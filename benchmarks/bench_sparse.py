@@ -21,6 +21,9 @@ Formulas (R = b * s_q query tokens, V = the valid indices of all tokens = R * TO
 --kv-format ds_mla_fp8: the same values in DeepSeek-V3.2's 656-byte FP8 rows (quantize_ds_mla_fp8);
 the reference reads the dequantised rows.
 
+--kernels K1,K2: also time the attention alone with each named split kernel forced (mla_sparse_decode's
+private _kernel; metadata.DECODE_KERNELS) where it can run the config: an A/B of kernels in one run.
+
 --flashmla-module MOD: also time FlashMLA on the same data, where it imports and runs (the h_q it
 supports), checked like ours: bf16 cache: MOD.flash_mla_sparse_fwd(q [R, h_q, 576], kv [slots, 1, 576],
 indices [R, 1, topk], scale) (its sparse prefill kernel); ds_mla_fp8: MOD.flash_mla_with_kvcache(q, the
@@ -30,6 +33,7 @@ kernel). A build you made yourself: no peer code or binary belongs in this repos
 Outputs: <out>/bench_sparse[_ds_mla_fp8].json and .md (the markdown table, printed last).
 usage: python benchmarks/bench_sparse.py [--quick] [--only h128_s1,...] [--out DIR] [--rep-ms 100]
                                          [--kv-format bf16|ds_mla_fp8] [--flashmla-module flash_mla]
+                                         [--kernels rows64,rows64_paired]
 """
 import argparse
 import importlib
@@ -124,7 +128,7 @@ def flashmla_peer(flashmla, q, kv, idx, kv_format):
     return sparse_decode
 
 
-def run_config(c, timer, rep_ms, flashmla, kv_format):
+def run_config(c, timer, rep_ms, flashmla, kv_format, kernels=()):
     import mla_attn
     p = make_problem(c, seed=c["h_q"] * 100 + c["s_q"] * 10 + c["b"], kv_format=kv_format)
     q, kv, idx = p["q"], p["kv"], p["indices"]
@@ -145,6 +149,20 @@ def run_config(c, timer, rep_ms, flashmla, kv_format):
     md = mla_attn.get_sparse_decode_metadata(idx, kv, c["h_q"])
     g_attn, _ = capture(lambda: mla_attn.mla_sparse_decode(q, kv, idx, softmax_scale=SCALE, out=out, metadata=md))
     graphs, names = [g_op, g_attn], ["op", "attn"]
+    for kernel in kernels:  # the attention alone with this kernel forced, checked like the op
+        def forced(kernel=kernel):
+            return mla_attn.mla_sparse_decode(q, kv, idx, softmax_scale=SCALE, out=out, metadata=md, return_lse=True,
+                                              _kernel=kernel)
+        try:
+            out.fill_(float("nan"))
+            _, lse_k = forced()
+            res[f"check_{kernel}"] = check(p, out, lse_k)
+            g_k, _ = capture(forced)
+        except ValueError as e:  # the kernel cannot run this config
+            res[f"{kernel}_error"] = str(e)[:200]
+            continue
+        graphs.append(g_k)
+        names.append(f"attn_{kernel}")
 
     if flashmla is not None:
         try:
@@ -169,8 +187,9 @@ def run_config(c, timer, rep_ms, flashmla, kv_format):
     return res
 
 
-def table(results, with_fm):
+def table(results, with_fm, kernels=()):
     head = ["config", "ok", "op cold us", "op warm us", "attn cold us", "TFLOP/s", "GB/s"]
+    head += [f"attn {k} cold us" for k in kernels]
     if with_fm:
         head += ["FMLA cold us", "x FMLA"]
     lines = ["| " + " | ".join(head) + " |", "|" + "---|" * len(head)]
@@ -181,6 +200,9 @@ def table(results, with_fm):
         ok = r["check_eager"]["ok"] and r["check_graph"]["ok"]
         row = [r["name"], "ok" if ok else "FAIL", f"{r['op']['cold_us']:.1f}", f"{r['op']['warm_us']:.1f}",
                f"{r['attn']['cold_us']:.1f}", f"{r['tflops']:.1f}", f"{r['gbps']:.0f}"]
+        for k in kernels:
+            t = r.get(f"attn_{k}")
+            row.append("-" if t is None else f"{t['cold_us']:.1f}" + ("" if r[f"check_{k}"]["ok"] else " (FAIL)"))
         if with_fm:
             fm = r.get("flashmla")
             fm_ok = fm and r["flashmla_check"]["ok"]
@@ -198,7 +220,9 @@ def main():
     ap.add_argument("--rep-ms", type=float, default=100.0)
     ap.add_argument("--kv-format", choices=("bf16", "ds_mla_fp8"), default="bf16")
     ap.add_argument("--flashmla-module", default=None, help="import path of a FlashMLA build (flash_mla)")
+    ap.add_argument("--kernels", default="", help="split kernels to force in extra attention timings")
     args = ap.parse_args()
+    kernels = tuple(k for k in args.kernels.split(",") if k)
 
     flashmla = None
     if args.flashmla_module:
@@ -211,16 +235,17 @@ def main():
     t0 = time.time()
     for c in configs(args.quick, args.only):
         try:
-            results.append(run_config(c, timer, args.rep_ms, flashmla, args.kv_format))
+            results.append(run_config(c, timer, args.rep_ms, flashmla, args.kv_format, kernels))
             r = results[-1]
-            ok = r["check_eager"]["ok"] and r["check_graph"]["ok"]
+            ok = r["check_eager"]["ok"] and r["check_graph"]["ok"] and all(
+                r[f"check_{k}"]["ok"] for k in kernels if f"check_{k}" in r)
             log(f"{c['name']}: op {r['op']['cold_us']:.1f} us cold, attn {r['attn']['cold_us']:.1f} us, "
                 f"{r['tflops']:.1f} TFLOP/s, {r['gbps']:.0f} GB/s, ok={ok}")
         except Exception as e:
             traceback.print_exc()
             results.append(dict(c, error=repr(e)[:300]))
         torch.cuda.empty_cache()
-    md = table(results, flashmla is not None)
+    md = table(results, flashmla is not None, kernels)
     meta = dict(gpu=torch.cuda.get_device_name(), smi=smi(), torch=torch.__version__, topk=TOPK, page=PAGE,
                 context=CONTEXT, kv_format=args.kv_format, seconds=round(time.time() - t0, 1))
     stem = "bench_sparse" if args.kv_format == "bf16" else f"bench_sparse_{args.kv_format}"
