@@ -33,7 +33,7 @@ template <typename Element>
 cudaError_t run_mla_decode_ds_mla_fp8(const DecodeParams& params, const DecodeTma& tma, cudaStream_t stream);
 
 // The same with q-tiles paired in clusters of two CTAs that share the key rows (each copies half of a
-// block into both): num_q_tiles even, no cu_seqlens_q (rows64/ds_row_copies.cuh).
+// block into both): num_q_tiles even, no cu_seqlens_q (rows64/row_copies.cuh).
 template <typename Element>
 cudaError_t run_mla_decode_ds_mla_fp8_paired(const DecodeParams& params, const DecodeTma& tma, cudaStream_t stream);
 

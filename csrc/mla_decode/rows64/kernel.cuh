@@ -30,7 +30,7 @@
 #include "common/device_utils.cuh"
 #include "mla_decode/config.h"
 #include "mla_decode/params.h"
-#include "mla_decode/rows64/ds_row_copies.cuh"
+#include "mla_decode/rows64/row_copies.cuh"
 #include "mla_decode/rows64/traits.h"
 #include "mla_decode/shared/causal_mask.cuh"
 #include "mla_decode/shared/epilogue.cuh"
@@ -56,12 +56,12 @@ using mla_common::named_barrier_sync;
 // smallest) to 2^7 (|values| up to 57344; larger overflow fp16), and the bf16 rope slab becomes fp16
 // in place (exact within fp16's range).
 //
-// In place, e4m3 cache: 16-bit slab s overwrites the staged bytes of slabs 2s - 9 and 2s - 8 (if >= 0),
-// so a barrier must separate every read of those from the writes of s: slabs are converted in the
-// groups {0-3} {4, 5} {6} {7, and slab 8 read} {8 written}. ds_mla_fp8 (whole staged rows): the
-// 16-bit slabs below the staging {0-2} first, then every other staged byte is read before slabs 3-7
-// are written {3-7, rope}. A barrier over both warpgroups follows each group, which also makes the
-// group visible to the WGMMAs.
+// In place, slabs staged by TMA: 16-bit slab s overwrites the staged bytes of slabs 2s - 9 and 2s - 8
+// (if >= 0), so a barrier must separate every read of those from the writes of s: slabs are converted
+// in the groups {0-3} {4, 5} {6} {7, and slab 8 read} {8 written}. Whole staged rows (kRowStaged): the
+// 16-bit slabs below the staging first ({0-3}; ds_mla_fp8 {0-2}), then every other staged byte is read
+// before the rest are written ({4-8}; ds_mla_fp8 {3-7, rope}). A barrier over both warpgroups follows
+// each group, which also makes the group visible to the WGMMAs.
 template <typename Traits>
 struct Fp8SlabConverter {
   static_assert(std::is_same_v<typename Traits::MmaElement, cutlass::half_t>, "e4m3 converts to the fp16 tile");
@@ -144,30 +144,35 @@ struct Fp8SlabConverter {
       for (int i = 0; i < count; ++i) staged[i] = read(ss, stage, first_slab + i, tid);
     };
     uint4 staged[4];
-    if constexpr (Traits::kDsMlaFp8) {
+    if constexpr (Traits::kRowStaged) {
+      constexpr bool kScaled = Traits::kDsMlaFp8;
       cutlass::arch::ClusterBarrier::wait(&ss.kv_full[stage][0], phase);  // the whole block
-      const uint32_t staged_row = tile_addr + Traits::kDsStagingOffset + (tid / 4) * Traits::kDsStagingStride;
+      const uint32_t staged_row = tile_addr + Traits::kRowStagingOffset + (tid / 4) * Traits::kRowStagingStride;
       auto read_slab = [&](int slab) { return mla_common::ld_shared_16(staged_row + slab * kTmaColumns + (tid % 4) * 16); };
-      // A row past the sequence end was not copied: zero scales (stale ones could be inf or NaN).
-      const uint4 raw = zero ? make_uint4(0, 0, 0, 0) : mla_common::ld_shared_16(staged_row + mla_common::kDsScaleOffset);
-      const __half2 scales[4] = {__float2half2_rn(__uint_as_float(raw.x)), __float2half2_rn(__uint_as_float(raw.y)),
-                                 __float2half2_rn(__uint_as_float(raw.z)), __float2half2_rn(__uint_as_float(raw.w))};
-      static_assert(mla_common::kDsTile == 2 * kTmaColumns, "one scale per two slabs");
-      constexpr int kFirst = Traits::kDsSlabsBelowStaging, kLatent = kHeadDimV / kTmaColumns;
-      static_assert(kFirst == 3 && kLatent - kFirst == 5, "the groups below");
+      // ds_mla_fp8: the row's scales, zero for a row past the sequence end (not copied: stale ones could
+      // be inf or NaN).
+      __half2 scales[4] = {};
+      if constexpr (kScaled) {
+        const uint4 raw = zero ? make_uint4(0, 0, 0, 0) : mla_common::ld_shared_16(staged_row + mla_common::kDsScaleOffset);
+        const uint32_t words[4] = {raw.x, raw.y, raw.z, raw.w};
+#pragma unroll
+        for (int i = 0; i < 4; ++i) scales[i] = __float2half2_rn(__uint_as_float(words[i]));
+        static_assert(mla_common::kDsTile == 2 * kTmaColumns, "one scale per two slabs");
+      }
+      auto scale_of = [&](int slab) { return scales[(slab / 2) % 4]; };
+      constexpr int kFirst = Traits::kSlabsBelowStaging, kRest = Traits::kStagedSlabs - kFirst;
+      static_assert(kFirst <= 4 && kRest == 5, "the registers below");
 #pragma unroll
       for (int slab = 0; slab < kFirst; ++slab) staged[slab] = read_slab(slab);
 #pragma unroll
-      for (int slab = 0; slab < kFirst; ++slab) write<true>(tile_addr, offset, slab, zero, staged[slab], scales[slab / 2]);
-      uint4 rest[kLatent - kFirst];
+      for (int slab = 0; slab < kFirst; ++slab) write<kScaled>(tile_addr, offset, slab, zero, staged[slab], scale_of(slab));
+      uint4 rest[kRest];
 #pragma unroll
-      for (int i = 0; i < kLatent - kFirst; ++i) rest[i] = read_slab(kFirst + i);
-      publish(0, kFirst);  // also: every thread has read the staging, which slabs 3-7 overwrite
+      for (int i = 0; i < kRest; ++i) rest[i] = read_slab(kFirst + i);
+      publish(0, kFirst);  // also: every thread has read the staging, which the slabs above overwrite
 #pragma unroll
-      for (int i = 0; i < kLatent - kFirst; ++i) {
-        write<true>(tile_addr, offset, kFirst + i, zero, rest[i], scales[(kFirst + i) / 2]);
-      }
-      convert_rope(tile_addr, offset, zero, tid);
+      for (int i = 0; i < kRest; ++i) write<kScaled>(tile_addr, offset, kFirst + i, zero, rest[i], scale_of(kFirst + i));
+      if constexpr (Traits::kDsMlaFp8) convert_rope(tile_addr, offset, zero, tid);
       publish(kFirst, kSlabs);
     } else {
       read_group(0, 4, staged);
@@ -199,11 +204,11 @@ __device__ void consume_kv_tiles(const DecodeParams& p, typename Traits::SharedS
                                  const PartRange& range, int m_block) {
   using Element = typename Traits::Element;
   using MmaElement = typename Traits::MmaElement;
-  // ds_mla_fp8: its row gather bounds the kernel at every head count, so each warpgroup hands the
+  // Row-staged forms: their row copies bound the kernel at every head count, so each warpgroup hands the
   // previous block's stage back as soon as its PV of it completes, before it waits for the next
   // block: that block's loads are then in flight while the current one's still land (a 16-bit cache
   // measured no faster so, and slower at h_q 64).
-  constexpr bool kReleaseFirst = Traits::kDsMlaFp8;
+  constexpr bool kReleaseFirst = Traits::kRowStaged;
   const int tid = threadIdx.x;          // 0..255 over the two math warpgroups
   const int warpgroup = mla_common::warp_uniform(tid / 128);
   const int tid_in_wg = tid % 128;
@@ -233,7 +238,7 @@ __device__ void consume_kv_tiles(const DecodeParams& p, typename Traits::SharedS
   // This warpgroup hands a stage back (paired: in both CTAs, since the peer copies into it too).
   auto release_stage = [&](int stage) {
     if (kEveryThreadReleases || tid_in_wg == 0) {
-      if constexpr (Traits::kDsMlaFp8) release_ds_stage<Traits>(&ss.kv_empty[stage]);
+      if constexpr (Traits::kRowStaged) release_row_stage<Traits>(&ss.kv_empty[stage]);
       else cutlass::arch::ClusterBarrier::arrive(&ss.kv_empty[stage]);
     }
   };
@@ -435,7 +440,7 @@ __device__ void consume_kv_tiles(const DecodeParams& p, typename Traits::SharedS
                                            mla_common::smem_addr(ss.k[last_stage]) + warpgroup * kStagingBytes,
                                            tid_in_wg, 256 * warpgroup, tOrO, warpgroup_sync);
       // The stage's next bytes may come by bulk copy (ds_mla_fp8): the async proxy, after these stores.
-      if constexpr (Traits::kDsMlaFp8) cutlass::arch::fence_view_async_shared();
+      if constexpr (Traits::kRowStaged) cutlass::arch::fence_view_async_shared();
       warpgroup_sync();
       release_stage(last_stage);
     } else {  // no key block was loaded: no stage to stage through
@@ -446,21 +451,21 @@ __device__ void consume_kv_tiles(const DecodeParams& p, typename Traits::SharedS
   }
 }
 
-// The kernel's policy for the shared shell (shared/kernel_shell.cuh); the ds_mla_fp8 form has its own
-// producer (rows64/ds_row_copies.cuh), and with paired q-tiles runs as clusters of two CTAs.
+// The kernel's policy for the shared shell (shared/kernel_shell.cuh); the row-staged forms have their own
+// producer (rows64/row_copies.cuh), and with paired q-tiles run as clusters of two CTAs.
 template <typename Traits>
 struct Rows64Kernel : KvRingKernel<Traits> {
   static constexpr int kClusterSize = Traits::kPairedQTiles ? kPairSize : 1;
 
   template <bool kGather>
   __device__ __forceinline__ static void init_barriers(typename Traits::SharedStorage& ss) {
-    if constexpr (Traits::kDsMlaFp8) init_ds_row_ring<Traits>(ss);
+    if constexpr (Traits::kRowStaged) init_row_ring<Traits>(ss);
     else KvRingKernel<Traits>::template init_barriers<kGather>(ss);
   }
   template <bool kGather>
   __device__ __forceinline__ static void produce(const DecodeParams& p, const DecodeTma& tma,
                                                  typename Traits::SharedStorage& ss, const PartRange& range, int warp) {
-    if constexpr (Traits::kDsMlaFp8) produce_ds_rows<Traits>(p, tma, ss, range, warp);
+    if constexpr (Traits::kRowStaged) produce_staged_rows<Traits>(p, tma, ss, range, warp);
     else KvRingKernel<Traits>::template produce<kGather>(p, tma, ss, range, warp);
   }
   __device__ __forceinline__ static void consume(const DecodeParams& p, const DecodeTma&,
@@ -471,6 +476,9 @@ struct Rows64Kernel : KvRingKernel<Traits> {
 
 template <typename Element, bool kFp8Kv>
 cudaError_t run_mla_decode(const DecodeParams& params, const DecodeTma& tma, cudaStream_t stream) {
+  if constexpr (kFp8Kv) {  // a gathered e4m3 cache: its rows copied whole (row-staged form)
+    if (tma.gather) return launch_split_and_combine<Rows64Kernel<Rows64Traits<Element, true, false, false, true>>>(params, tma, stream);
+  }
   return launch_split_and_combine<Rows64Kernel<Rows64Traits<Element, kFp8Kv>>>(params, tma, stream);
 }
 

@@ -13,21 +13,26 @@
 namespace mla_decode {
 using namespace cute;
 
-template <typename Element_, bool kFp8Kv_, bool kDsMlaFp8_ = false, bool kPairedQTiles_ = false>
+template <typename Element_, bool kFp8Kv_, bool kDsMlaFp8_ = false, bool kPairedQTiles_ = false,
+          bool kRowStaged_ = kDsMlaFp8_>
 struct Rows64Traits {
   using Element = Element_;  // cutlass::bfloat16_t or cutlass::half_t: q and out
   // fp8 (e4m3) cache: each K tile arrives as fp8 bytes in the upper part of its stage buffer and is
   // converted in place to the 16-bit tile (by the math warpgroups).
   static constexpr bool kFp8Kv = kFp8Kv_;
-  // DeepSeek-V3.2's cache (common/ds_mla_fp8_layout.h; implies kFp8Kv): each key row arrives whole by
-  // two bulk copies (rows64/ds_row_copies.cuh; no TMA map), its e4m3 latent values and power-of-two
-  // scales into staging rows and its bf16 rope into the rope slab, and is converted in place to the
-  // fp16 tile (Fp8SlabConverter).
+  // DeepSeek-V3.2's cache (common/ds_mla_fp8_layout.h; implies kFp8Kv and kRowStaged): per-128-column
+  // power-of-two scales beside the e4m3 values, the rope in bf16.
   static constexpr bool kDsMlaFp8 = kDsMlaFp8_;
-  static_assert(kFp8Kv || !kDsMlaFp8, "a ds_mla_fp8 cache is an fp8 cache");
-  static constexpr bool kGatherOnly = kDsMlaFp8;
+  // Each key row arrives whole by bulk copy (rows64/row_copies.cuh; no TMA map) into staging rows and is
+  // converted in place to the fp16 tile (Fp8SlabConverter): the ds_mla_fp8 cache, and an e4m3 cache
+  // whose keys do not come in runs of 16 rows of one page (page sizes not a multiple of 16, kv_slots).
+  static constexpr bool kRowStaged = kRowStaged_;
+  static_assert(kFp8Kv || !kRowStaged, "rows are staged as e4m3 bytes");
+  static_assert(kRowStaged || !kDsMlaFp8, "ds_mla_fp8 rows are staged whole");
+  static constexpr bool kGatherOnly = kRowStaged;
+  static constexpr bool kTmaOnly = kFp8Kv && !kRowStaged;  // a gathered e4m3 cache is row-staged
   // The two CTAs of a cluster run q-tiles 2i and 2i + 1 of the same requests and share the key rows:
-  // each copies half of every block's rows into both (rows64/ds_row_copies.cuh).
+  // each copies half of every block's rows into both (rows64/row_copies.cuh).
   static constexpr bool kPairedQTiles = kPairedQTiles_;
   static_assert(kDsMlaFp8 || !kPairedQTiles, "only the ds_mla_fp8 form pairs its q-tiles");
   // The type of the Q, K and P tiles in smem and of the MMAs: q's type, or fp16 with an fp8 cache
@@ -77,19 +82,21 @@ struct Rows64Traits {
   // never overwrites bytes not yet read (16-bit slab s overlaps only staged slabs 2s - 9 and 2s - 8),
   // given a barrier between the reads and the writes of each slab.
   static constexpr int kFp8StagingOffset = kSlabs * kFp8SlabBytes;
-  // ds_mla_fp8 staging: key row r's 512 e4m3 values and 4 scales (528 bytes, as in the cache) at
-  // kDsStagingOffset + r * kDsStagingStride, its 64 bf16 rope values unswizzled at kDsRopeSlabOffset +
-  // r * 128, in the 16-bit rope slab. The stride puts the 64-byte pieces of rows r and r + 1 in the two
-  // halves of the 128-byte bank window (a quarter-warp of the converter reads such a pair). The staging
-  // ends where the rope slab begins; 16-bit slabs below kDsStagingOffset are written before the rest is
-  // read.
+  // Row staging (kRowStaged): key row r's staged bytes at kRowStagingOffset + r * kRowStagingStride:
+  // an e4m3 row's 576 values, or a ds_mla_fp8 row's 512 e4m3 values and 4 scales (528 bytes, as in the
+  // cache), whose 64 bf16 rope values land unswizzled at kDsRopeSlabOffset + r * 128, in the 16-bit rope
+  // slab. The stride puts the 64-byte pieces of rows r and r + 1 in the two halves of the 128-byte bank
+  // window (a quarter-warp of the converter reads such a pair). The staging ends where the stage (or the
+  // ds_mla_fp8 rope slab) does; 16-bit slabs below it are written before the rest is read.
   static constexpr int k16BitSlabBytes = kBlockN * kTmaColumns * int(sizeof(MmaElement));
-  static constexpr int kDsStagingStride = 576;
+  static constexpr int kRowStagingStride = 576;
   static constexpr int kDsRopeSlabOffset = (kSlabs - 1) * k16BitSlabBytes;
-  static constexpr int kDsStagingOffset = kDsRopeSlabOffset - kBlockN * kDsStagingStride;
-  static constexpr int kDsSlabsBelowStaging = kDsStagingOffset / k16BitSlabBytes;
-  static_assert(kDsStagingStride % 128 == 64 && kDsStagingStride >= mla_common::kDsRopeOffset &&
-                kDsStagingOffset % 16 == 0, "staging rows: 16-byte aligned, bank-spread, room for a row");
+  static constexpr int kStagedSlabs = kDsMlaFp8 ? kHeadDimV / kTmaColumns : kSlabs;  // 64-column e4m3 slabs of a row
+  static constexpr int kRowStagingOffset = (kDsMlaFp8 ? kDsRopeSlabOffset : kSlabs * k16BitSlabBytes) -
+                                           kBlockN * kRowStagingStride;
+  static constexpr int kSlabsBelowStaging = kRowStagingOffset / k16BitSlabBytes;
+  static_assert(kRowStagingStride % 128 == 64 && kRowStagingStride >= kHeadDimK && kRowStagingOffset % 16 == 0,
+                "staging rows: 16-byte aligned, bank-spread, room for a row");
   // Where the producer's copy of rows [row, row + rows_per_copy) of a slab lands.
   __device__ static void* kv_copy_dst(SharedStorage& ss, int stage, int slab, int row) {
     if constexpr (kFp8Kv) {  // a staged e4m3 slab

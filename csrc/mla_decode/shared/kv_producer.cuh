@@ -1,8 +1,8 @@
 // The producer of the decode kernels: walks a CTA's schedule and loads its K tiles, slab by slab,
 // into a ring of Traits::kStages stages: by TMA where keys come in runs of >= 16 rows of one page
 // (BlockCopies), else row by row by cp.async into the same swizzled layout (GatheredRows: page sizes
-// that are not a multiple of 16, the sparse key lists of kv_slots). The ds_mla_fp8 cache has its own
-// (rows64/ds_row_copies.cuh).
+// that are not a multiple of 16, the sparse key lists of kv_slots). The 64-row kernel's fp8 forms copy
+// whole rows instead (rows64/row_copies.cuh).
 #pragma once
 #include <cute/tensor.hpp>
 #include <cute/arch/copy_sm90_tma.hpp>
@@ -60,9 +60,10 @@ struct BlockCopies {
   }
 };
 
-// Whether Traits reads DeepSeek-V3.2's cache (Traits::kDsMlaFp8; kernels without the member do not).
+// Whether Traits stages whole key rows with one kv_full barrier per stage (Traits::kRowStaged, the
+// 64-row kernel's fp8 forms; kernels without the member do not).
 template <typename Traits>
-inline constexpr bool kReadsDsMlaFp8 = requires { requires Traits::kDsMlaFp8; };
+inline constexpr bool kStagesRows = requires { requires Traits::kRowStaged; };
 
 // The cache element offset of key `key` (< the request's length) of a request whose block-table row
 // is `table`: a page id per page_size keys, or a cache slot per key (kv_slots). Never past the cache:
@@ -172,7 +173,7 @@ __device__ __forceinline__ void racecheck_acquire_stage(typename Traits::SharedS
 #ifdef MLA_ATTN_RACECHECK
   const int stage = iteration % Traits::kStages;
   const uint32_t phase = (iteration / Traits::kStages) & 1;
-  constexpr int kBarriers = kReadsDsMlaFp8<Traits> ? 1 : kSlabs;  // ds_mla_fp8: one per stage
+  constexpr int kBarriers = kStagesRows<Traits> ? 1 : kSlabs;  // staged rows: one per stage
   for (int slab = 0; slab < kBarriers; ++slab) cutlass::arch::ClusterBarrier::wait(&ss.kv_full[stage][slab], phase);
 #else
   (void)ss, (void)iteration;

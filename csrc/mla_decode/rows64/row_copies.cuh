@@ -1,10 +1,11 @@
-// The producer of the ds_mla_fp8 form of the 64-row kernel (Rows64Traits::kDsMlaFp8): every key row of
-// a block arrives whole by two bulk copies on the TMA unit (cp.async.bulk, no tensor map), its 512 e4m3
-// values and 4 scales (528 bytes) into the stage's staging rows and its 64 bf16 rope values (128 bytes)
-// into the rope slab (Rows64Traits: kDsStagingOffset, kDsRopeSlabOffset). Row gathers by 16-byte
-// cp.async were bound by an SM's cp.async path (docs/design-decisions.md, "What bounds the gather"); a
-// bulk copy moves a row per instruction. One kv_full barrier per stage counts the block's bytes (656 per
-// row before the sequence end; the converter zeroes the rows past it).
+// The producer of the row-staged forms of the 64-row kernel (Rows64Traits::kRowStaged: the ds_mla_fp8
+// cache, and a gathered e4m3 cache): every key row of a block arrives whole by bulk copy on the TMA unit
+// (cp.async.bulk, no tensor map) into the stage's staging rows (Rows64Traits: kRowStagingOffset): an
+// e4m3 row's 576 bytes in one copy; a ds_mla_fp8 row's 512 e4m3 values and 4 scales (528 bytes) in one
+// and its 64 bf16 rope values (128 bytes) in another, into the rope slab (kDsRopeSlabOffset). Row gathers
+// by 16-byte cp.async were bound by an SM's cp.async path (docs/design-decisions.md, "What bounds the
+// gather"); a bulk copy moves a row per instruction. One kv_full barrier per stage counts the block's
+// bytes (a whole row per key before the sequence end; the converter zeroes the rows past it).
 //
 // Paired q-tiles (kPairedQTiles): the two CTAs of a cluster run q-tiles 2i and 2i + 1 of the same
 // requests (uniform query lengths: both walk the same blocks). CTA r copies rows [32r, 32r + 32) of each
@@ -29,7 +30,7 @@ constexpr int kPairSize = 2;  // CTAs of a cluster of paired q-tiles
 // kv_empty[stage] (the math warpgroups of the CTAs that write into the stage); the caller syncs the
 // CTA (the cluster, paired) after.
 template <typename Traits>
-__device__ __forceinline__ void init_ds_row_ring(typename Traits::SharedStorage& ss) {
+__device__ __forceinline__ void init_row_ring(typename Traits::SharedStorage& ss) {
   if (threadIdx.x != 0) return;
   constexpr int kWriters = Traits::kPairedQTiles ? kPairSize : 1;
   for (int s = 0; s < Traits::kStages; ++s) {
@@ -42,7 +43,7 @@ __device__ __forceinline__ void init_ds_row_ring(typename Traits::SharedStorage&
 // A math warpgroup hands a stage back (kEveryThreadReleases: every thread, else the caller's one); with
 // paired q-tiles in both CTAs.
 template <typename Traits>
-__device__ __forceinline__ void release_ds_stage(uint64_t* kv_empty) {
+__device__ __forceinline__ void release_row_stage(uint64_t* kv_empty) {
   cutlass::arch::ClusterBarrier::arrive(kv_empty);
   if constexpr (Traits::kPairedQTiles) cutlass::arch::ClusterBarrier::arrive(kv_empty, cute::block_rank_in_cluster() ^ 1u, 1u);
 }
@@ -50,11 +51,13 @@ __device__ __forceinline__ void release_ds_stage(uint64_t* kv_empty) {
 // Producer warp `warp` (0-3): its lanes copy rows [warp * kRowsPerWarp, ...) of this CTA's share of each
 // block of the schedule, one row per lane; lane 0 of warp 0 posts the block's bytes.
 template <typename Traits>
-__device__ void produce_ds_rows(const DecodeParams& p, const DecodeTma& tma, typename Traits::SharedStorage& ss,
-                                const PartRange& range, int warp) {
+__device__ void produce_staged_rows(const DecodeParams& p, const DecodeTma& tma, typename Traits::SharedStorage& ss,
+                                   const PartRange& range, int warp) {
   constexpr int kCopiers = Traits::kPairedQTiles ? kPairSize : 1;
   constexpr int kRowsPerWarp = kBlockN / kCopiers / 4;
-  constexpr uint32_t kStagedBytes = mla_common::kDsRopeOffset, kRopeBytes = mla_common::kDsRowBytes - kStagedBytes;
+  // The bytes of a row: staged (e4m3 values, and the ds_mla_fp8 scales) and the ds_mla_fp8 rope.
+  constexpr uint32_t kStagedBytes = Traits::kDsMlaFp8 ? mla_common::kDsRopeOffset : kHeadDimK;
+  constexpr uint32_t kRopeBytes = Traits::kDsMlaFp8 ? mla_common::kDsRowBytes - kStagedBytes : 0;
   const int lane = threadIdx.x % 32;
   for_each_scheduled_block(p, range, blockIdx.x, [&](const Segment& seg, const int* table, int blk, int iteration) {
     const int stage = iteration % Traits::kStages;
@@ -70,11 +73,11 @@ __device__ void produce_ds_rows(const DecodeParams& p, const DecodeTma& tma, typ
     if (warp == 0 && lane == 0) {  // may follow some of the copies' completions (the count dips below zero)
       const int valid_rows = min(max(seg.seqlen_k - blk * kBlockN, 0), kBlockN);
       cutlass::arch::ClusterTransactionBarrier::arrive_and_expect_tx(&ss.kv_full[stage][0],
-                                                                     valid_rows * mla_common::kDsRowBytes);
+                                                                     valid_rows * (kStagedBytes + kRopeBytes));
     }
     if (copies) {
       const uint32_t tile = mla_common::smem_addr(ss.k[stage]);
-      const uint32_t staged = tile + Traits::kDsStagingOffset + row * Traits::kDsStagingStride;
+      const uint32_t staged = tile + Traits::kRowStagingOffset + row * Traits::kRowStagingStride;
       const uint32_t rope = tile + Traits::kDsRopeSlabOffset + row * 128;
       if constexpr (Traits::kPairedQTiles) {
         constexpr uint16_t kBoth = (1u << kPairSize) - 1;
@@ -82,7 +85,7 @@ __device__ void produce_ds_rows(const DecodeParams& p, const DecodeTma& tma, typ
         mla_common::bulk_copy_g2s_multicast(rope, src + kStagedBytes, kRopeBytes, full, kBoth);
       } else {
         mla_common::bulk_copy_g2s(staged, src, kStagedBytes, full);
-        mla_common::bulk_copy_g2s(rope, src + kStagedBytes, kRopeBytes, full);
+        if constexpr (Traits::kDsMlaFp8) mla_common::bulk_copy_g2s(rope, src + kStagedBytes, kRopeBytes, full);
       }
     }
   });
