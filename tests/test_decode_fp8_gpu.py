@@ -25,6 +25,9 @@ CASES = DECODE_CASES + [
     # counts, tails, a request with no keys, page 16 and 32
     ([130, 0, 1000, 64], 3, 96, 16, True, True),
     ([4099, 65, 1], 2, 128, 32, False, False),
+    # gathered rows (page sizes that are not a multiple of 16): whole rows by bulk copy, q-tiles paired
+    ([2000, 1, 700], 1, 128, 1, False, True),
+    ([4099, 65, 1], 2, 128, 3, False, False),
     ([40000], 1, 16, 64, False, False),
     # <= 32 query rows per request: the narrow kernel (N = 32 for the first three; the fourth is batch 1
     # with 21 rows, which the dispatch gives to the 64-row kernel; the last has 16 rows at batch 2,

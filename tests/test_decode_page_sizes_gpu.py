@@ -21,7 +21,7 @@ def _params():
     for page_size in PAGE_SIZES:
         for cache_dtype in (torch.bfloat16, FP8, torch.uint8):
             for h_q, s_q in ((16, 1), (64, 2)):
-                for kernel in [None] + decode_kernels_for(cache_dtype, h_q * s_q):
+                for kernel in [None] + decode_kernels_for(cache_dtype, h_q * s_q, gathered=page_size % 16 != 0):
                     name = {torch.bfloat16: "bf16", FP8: "fp8", torch.uint8: "ds_mla_fp8"}[cache_dtype]
                     params.append(pytest.param(page_size, cache_dtype, h_q, s_q, kernel,
                                                id=f"ps{page_size}-{name}-h{h_q}s{s_q}-{kernel}"))

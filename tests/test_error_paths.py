@@ -136,8 +136,10 @@ GPU_CASES = [
     ("mla_decode_ds", lambda a: dict(split_kernel="narrow16"), V,
      r"decode kernel 'narrow16' cannot run this case: only rows64 and rows64_paired read a ds_mla_fp8 cache"),
     ("mla_decode_ds", lambda a: dict(split_kernel="rows64_paired"), V,
-     r"decode kernel 'rows64_paired' cannot run this case: it needs a ds_mla_fp8 cache, an even number of 64-row "
-     r"q-tiles .*; got 8 query rows per request, a ds_mla_fp8 cache"),
+     r"decode kernel 'rows64_paired' cannot run this case: it needs a ds_mla_fp8 cache or a float8_e4m3fn one "
+     r"gathered row by row .*an even number of 64-row q-tiles .*; got 8 query rows per request, a ds_mla_fp8 cache"),
+    ("mla_decode_fp8", lambda a: dict(split_kernel="rows64_paired"), V,
+     r"decode kernel 'rows64_paired' cannot run this case: .*; got 8 query rows per request, a float8_e4m3fn cache"),
     ("mla_decode", lambda a: dict(split_kernel="rows64_paired"), V,
      r"decode kernel 'rows64_paired' cannot run this case: .*; got 8 query rows per request, a 16-bit cache"),
     ("mla_decode_fp8", lambda a: dict(k_scale=a["k_scale"].double()), R,
@@ -344,7 +346,10 @@ CPU_CASES = [
     ("mla_decode_ds", lambda a: dict(split_kernel="rows64_paired"), V,
      r"decode kernel 'rows64_paired' needs an even number of 64-row q-tiles per request .*; got 8 rows"),
     ("mla_decode", lambda a: dict(split_kernel="rows64_paired"), V,
-     r"decode kernel 'rows64_paired' needs a ds_mla_fp8 kv_cache, got torch.bfloat16"),
+     r"decode kernel 'rows64_paired' needs a ds_mla_fp8 kv_cache or a float8_e4m3fn one gathered row by row "
+     r"\(a page size that is not a multiple of 16, or sparse slot lists\), got torch.bfloat16$"),
+    ("mla_decode_fp8", lambda a: dict(split_kernel="rows64_paired"), V,
+     r"decode kernel 'rows64_paired' needs .*, got torch.float8_e4m3fn at a page size that is a multiple of 16"),
     ("mla_decode", lambda a: dict(tile_sched=a["tile_sched"].long()), T, r"metadata.tile_sched must be a contiguous int32"),
     ("mla_decode", lambda a: dict(req_splits=torch.cat([a["req_splits"]] * 2)), V, r"metadata was computed for batch 4"),
     ("mla_decode", lambda a: dict(num_sm_parts=0), V, r"num_sm_parts=0 must be in \[1, num_sms=132\]"),

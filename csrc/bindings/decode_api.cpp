@@ -118,7 +118,8 @@ void mla_decode_cuda_impl(const Tensor& q, const std::optional<Tensor>& q_pe, co
   TORCH_CHECK(heads >= 1 && heads <= 128, "mla_attn: h_q must be in [1, 128]");
   TORCH_CHECK(max_seqlen_q >= 1, "mla_attn: max_seqlen_q must be >= 1");
   const DecodeProblem problem{.fp8_cache = fp8_kv, .ds_mla_fp8_cache = ds_kv, .max_seqlen_q = max_seqlen_q, .heads_q = heads, .batch = batch,
-                              .deterministic = deterministic, .fp8_mma = fp8_mma, .varlen = varlen};
+                              .deterministic = deterministic, .fp8_mma = fp8_mma, .varlen = varlen,
+                              .gathered = kv_slots || page_size % 16 != 0};
   const DecodeKernel kernel = resolve_decode_kernel(kernel_name, problem);
   const int tiles = int(problem.q_tiles());
   TORCH_CHECK(num_sm_parts >= 1 && num_sm_parts <= tile_sched.size(0) && num_sm_parts <= kMaxSmParts,
@@ -200,7 +201,9 @@ void mla_decode_cuda_impl(const Tensor& q, const std::optional<Tensor>& q_pe, co
                           : run_mla_decode_narrow<Element, kNarrow16Rows, 2, false>(p, tma, stream);
           case DecodeKernel::kNarrow16x3: return run_mla_decode_narrow<Element, kNarrow16Rows, 3, true>(p, tma, stream);
           case DecodeKernel::kNarrow32: return run_mla_decode_narrow<Element, kNarrow32Rows, 2, true>(p, tma, stream);
-          case DecodeKernel::kRows64Paired: return run_mla_decode_ds_mla_fp8_paired<Element>(p, tma, stream);
+          case DecodeKernel::kRows64Paired:
+            return ds_kv ? run_mla_decode_ds_mla_fp8_paired<Element>(p, tma, stream)
+                         : run_mla_decode_fp8_paired<Element>(p, tma, stream);
           case DecodeKernel::kRows64:
             if (ds_kv) return run_mla_decode_ds_mla_fp8<Element>(p, tma, stream);
             return fp8_kv ? run_mla_decode<Element, true>(p, tma, stream) : run_mla_decode<Element, false>(p, tma, stream);

@@ -16,7 +16,7 @@ enum class DecodeKernel {
   kNarrow16x3,    // the same with 3 math warpgroups (fp8 cache)
   kNarrow32,      // transposed MMAs, N = 32 rows (fp8 cache)
   kRows64,        // 64-row q-tiles (rows64/)
-  kRows64Paired,  // the same, q-tiles paired in clusters that share the gathered rows (ds_mla_fp8 cache)
+  kRows64Paired,  // the same, q-tiles paired in clusters that share the copied rows (row-staged fp8 caches)
   kSeesaw,        // 64-row q-tiles, two warpgroups on a pair of KV blocks (seesaw/)
   kSeesawSteady,  // the same with the steady loop for long segments
   kFp8Mma,        // 64-row q-tiles, e4m3 MMAs (fp8mma/)
@@ -55,13 +55,17 @@ struct DecodeProblem {
   bool deterministic;  // a request's result must not depend on the rest of the batch
   bool fp8_mma;        // e4m3 MMAs allowed (opt-in)
   bool varlen;         // cu_seqlens_q given: requests may have fewer query tokens than max_seqlen_q
+  bool gathered;       // keys gathered row by row: a page size that is not a multiple of 16, or kv_slots
 
   constexpr int64_t rows() const { return max_seqlen_q * heads_q; }  // query rows of the longest request
   constexpr int64_t q_tiles() const { return (rows() + kBlockM - 1) / kBlockM; }  // per request
   constexpr int64_t q_tiles_of_work() const { return batch * q_tiles(); }
   // Whether the q-tiles of every request can be paired (rows64_paired): an even number of them, each
-  // walking the same blocks (uniform query lengths), over a ds_mla_fp8 cache.
-  constexpr bool pairs_q_tiles() const { return ds_mla_fp8_cache && !varlen && q_tiles() % 2 == 0; }
+  // walking the same blocks (uniform query lengths), over a cache whose rows the 64-row kernel copies
+  // whole (ds_mla_fp8, or a gathered e4m3 cache).
+  constexpr bool pairs_q_tiles() const {
+    return (ds_mla_fp8_cache || (fp8_cache && gathered)) && !varlen && q_tiles() % 2 == 0;
+  }
 };
 
 // Rows the narrow kernels hold: the N of their transposed MMAs.
@@ -108,7 +112,8 @@ constexpr DecodeKernel choose_decode_kernel(const DecodeProblem& p) {
   // streams the cache and stays.
   if (p.fp8_mma) return DecodeKernel::kFp8Mma;
   const bool narrow32 = !p.deterministic && rows <= kNarrow32Rows;
-  return narrow32 && p.batch >= kNarrow32MinBatch ? DecodeKernel::kNarrow32 : DecodeKernel::kRows64;
+  if (narrow32 && p.batch >= kNarrow32MinBatch) return DecodeKernel::kNarrow32;
+  return p.pairs_q_tiles() ? DecodeKernel::kRows64Paired : DecodeKernel::kRows64;
 }
 
 // Split partials in fp32 instead of q's dtype. A 16-bit partial rounds its split's normalised output
@@ -132,8 +137,9 @@ constexpr std::string_view decode_kernel_requirement(DecodeKernel kernel) {
     case DecodeKernel::kNarrow32: return "a float8_e4m3fn cache and at most 32 query rows per request (max_seqlen_q x h_q)";
     case DecodeKernel::kRows64: return "nothing";
     case DecodeKernel::kRows64Paired:
-      return "a ds_mla_fp8 cache, an even number of 64-row q-tiles per request (max_seqlen_q x h_q in 65-128, "
-             "193-256, ...) and no cu_seqlens_q";
+      return "a ds_mla_fp8 cache or a float8_e4m3fn one gathered row by row (a page size that is not a multiple "
+             "of 16, or sparse slot lists), an even number of 64-row q-tiles per request (max_seqlen_q x h_q in "
+             "65-128, 193-256, ...) and no cu_seqlens_q";
     case DecodeKernel::kSeesaw:
     case DecodeKernel::kSeesawSteady: return "a 16-bit (bf16/fp16) cache";
     case DecodeKernel::kFp8Mma: return "a float8_e4m3fn cache";
@@ -148,7 +154,7 @@ constexpr bool decode_kernel_supports(DecodeKernel kernel, const DecodeProblem& 
     case DecodeKernel::kNarrow16x3: return p.fp8_cache && p.rows() <= kNarrow16Rows;
     case DecodeKernel::kNarrow32: return p.fp8_cache && p.rows() <= kNarrow32Rows;
     case DecodeKernel::kRows64: return true;
-    case DecodeKernel::kRows64Paired: return false;
+    case DecodeKernel::kRows64Paired: return p.pairs_q_tiles();
     case DecodeKernel::kSeesaw:
     case DecodeKernel::kSeesawSteady: return !p.fp8_cache;
     case DecodeKernel::kFp8Mma: return p.fp8_cache;

@@ -276,9 +276,11 @@ def check_decode(q: Tensor, q_pe: Optional[Tensor], kv_cache: Tensor, block_tabl
     return batch, max_seqlen_q
 
 
-def check_decode_kernel(kernel: Optional[str], cache_dtype: torch.dtype, rows: int, varlen: bool = False) -> None:
+def check_decode_kernel(kernel: Optional[str], cache_dtype: torch.dtype, rows: int, varlen: bool = False,
+                        gathered: bool = False) -> None:
     """A forced decode kernel (None: the dispatch chooses) must exist and run this call: rows =
-    max_seqlen_q * h_q; varlen: cu_seqlens_q is given."""
+    max_seqlen_q * h_q; varlen: cu_seqlens_q is given; gathered: the keys are gathered row by row (a page
+    size that is not a multiple of 16, or sparse slot lists)."""
     if kernel is None:
         return
     if not isinstance(kernel, str):
@@ -289,8 +291,10 @@ def check_decode_kernel(kernel: Optional[str], cache_dtype: torch.dtype, rows: i
         raise ValueError(f"decode kernel {kernel!r} cannot read a ds_mla_fp8 kv_cache; only "
                          f"{' and '.join(map(repr, _DS_MLA_FP8_KERNELS))} do")
     if kernel == "rows64_paired":
-        if cache_dtype != torch.uint8:
-            raise ValueError(f"decode kernel 'rows64_paired' needs a ds_mla_fp8 kv_cache, got {cache_dtype}")
+        if not (cache_dtype == torch.uint8 or (cache_dtype == FP8 and gathered)):
+            raise ValueError("decode kernel 'rows64_paired' needs a ds_mla_fp8 kv_cache or a float8_e4m3fn one gathered "
+                             "row by row (a page size that is not a multiple of 16, or sparse slot lists), got "
+                             f"{cache_dtype}" + (" at a page size that is a multiple of 16" if cache_dtype == FP8 else ""))
         if -(-rows // BLOCK_M) % 2 or varlen:
             raise ValueError("decode kernel 'rows64_paired' needs an even number of 64-row q-tiles per request "
                              f"(max_seqlen_q * h_q in 65-128, 193-256, ...) and no cu_seqlens_q; got {rows} rows"
@@ -307,13 +311,14 @@ def check_decode_kernel(kernel: Optional[str], cache_dtype: torch.dtype, rows: i
 
 def check_decode_options(q: Tensor, kv_cache: Tensor, k_scale: Optional[Tensor], fp8_mma: bool,
                          kernel: Optional[str], max_seqlen_q: int, q_scale: Optional[Tensor] = None,
-                         varlen: bool = False) -> None:
+                         varlen: bool = False, kv_slots: bool = False) -> None:
     """The FP8 scales and the kernel options of one decode call (after check_decode)."""
     check_k_scale(kv_cache, k_scale)
     check_q_scale(q_scale, fp8_mma, q)
     if fp8_mma and kv_cache.dtype != FP8:
         raise ValueError(f"fp8_mma=True needs a float8_e4m3fn kv_cache, got {kv_cache.dtype}")
-    check_decode_kernel(kernel, kv_cache.dtype, max_seqlen_q * q.shape[-2], varlen)
+    gathered = kv_slots or kv_cache.shape[1] % 16 != 0  # the page size
+    check_decode_kernel(kernel, kv_cache.dtype, max_seqlen_q * q.shape[-2], varlen, gathered)
 
 
 def check_num_sm_parts(num_sm_parts: int, num_sms: int) -> None:

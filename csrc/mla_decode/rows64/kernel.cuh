@@ -492,4 +492,9 @@ cudaError_t run_mla_decode_ds_mla_fp8_paired(const DecodeParams& params, const D
   return launch_split_and_combine<Rows64Kernel<Rows64Traits<Element, true, true, true>>>(params, tma, stream);
 }
 
+template <typename Element>
+cudaError_t run_mla_decode_fp8_paired(const DecodeParams& params, const DecodeTma& tma, cudaStream_t stream) {
+  return launch_split_and_combine<Rows64Kernel<Rows64Traits<Element, true, false, true, true>>>(params, tma, stream);
+}
+
 }  // namespace mla_decode

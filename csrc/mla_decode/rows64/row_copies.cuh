@@ -7,7 +7,7 @@
 // gather"); a bulk copy moves a row per instruction. One kv_full barrier per stage counts the block's
 // bytes (a whole row per key before the sequence end; the converter zeroes the rows past it).
 //
-// Paired q-tiles (kPairedQTiles): the two CTAs of a cluster run q-tiles 2i and 2i + 1 of the same
+// Paired q-tiles (kPairedQTiles, either form): the two CTAs of a cluster run q-tiles 2i and 2i + 1 of the same
 // requests (uniform query lengths: both walk the same blocks). CTA r copies rows [32r, 32r + 32) of each
 // block into both CTAs (multicast), so every row is read from L2 once per pair; each CTA's kv_full still
 // counts the whole block, and a stage is released to both CTAs' kv_empty, since both write into it.
@@ -82,7 +82,7 @@ __device__ void produce_staged_rows(const DecodeParams& p, const DecodeTma& tma,
       if constexpr (Traits::kPairedQTiles) {
         constexpr uint16_t kBoth = (1u << kPairSize) - 1;
         mla_common::bulk_copy_g2s_multicast(staged, src, kStagedBytes, full, kBoth);
-        mla_common::bulk_copy_g2s_multicast(rope, src + kStagedBytes, kRopeBytes, full, kBoth);
+        if constexpr (Traits::kDsMlaFp8) mla_common::bulk_copy_g2s_multicast(rope, src + kStagedBytes, kRopeBytes, full, kBoth);
       } else {
         mla_common::bulk_copy_g2s(staged, src, kStagedBytes, full);
         if constexpr (Traits::kDsMlaFp8) mla_common::bulk_copy_g2s(rope, src + kStagedBytes, kRopeBytes, full);

@@ -34,7 +34,7 @@ struct Rows64Traits {
   // The two CTAs of a cluster run q-tiles 2i and 2i + 1 of the same requests and share the key rows:
   // each copies half of every block's rows into both (rows64/row_copies.cuh).
   static constexpr bool kPairedQTiles = kPairedQTiles_;
-  static_assert(kDsMlaFp8 || !kPairedQTiles, "only the ds_mla_fp8 form pairs its q-tiles");
+  static_assert(kRowStaged || !kPairedQTiles, "only the row-staged forms pair their q-tiles");
   // The type of the Q, K and P tiles in smem and of the MMAs: q's type, or fp16 with an fp8 cache
   // (e4m3 -> fp16 is one cvt per pair, -> bf16 four; a bf16 Q row is stored scaled, fp16_row_scale).
   using MmaElement = std::conditional_t<kFp8Kv, cutlass::half_t, Element>;
