@@ -1,6 +1,7 @@
 """mla_decode with every kind of page size on every kernel that runs the case: multiples of 16 (TMA
-copies of 16-64 rows) and the rest down to SGLang's 1 (rows gathered by cp.async), 16-bit and FP8
-and ds_mla_fp8 caches, against the float32 reference. NaN sits in every slot past each length and in unused pages
+copies of 16-64 rows) and the rest down to SGLang's 1 (rows gathered: by cp.async, or whole by bulk copy
+in the 64-row kernel's fp8 forms, paired or not), 16-bit and FP8 and ds_mla_fp8 caches, against the
+float32 reference. NaN sits in every slot past each length and in unused pages
 (tests/cases.py), so a row gathered from a wrong page or offset shows."""
 import pytest
 import torch

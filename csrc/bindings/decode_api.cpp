@@ -42,7 +42,9 @@ DecodeKernel resolve_decode_kernel(const std::optional<c10::string_view>& name, 
                     "' cannot run this case: it needs ", decode_kernel_requirement(*kernel), "; got ",
                     problem.rows(), " query rows per request, a ",
                     problem.ds_mla_fp8_cache ? "ds_mla_fp8" : problem.fp8_cache ? "float8_e4m3fn" : "16-bit", " cache",
-                    problem.varlen ? " and cu_seqlens_q" : "");
+                    problem.varlen ? " and cu_seqlens_q" : "",
+                    *kernel == DecodeKernel::kRows64Paired && problem.fp8_cache && !problem.gathered
+                        ? " whose rows come by TMA (a page size that is a multiple of 16)" : "");
   return *kernel;
 }
 

@@ -27,6 +27,9 @@ inline constexpr bool kTmaLoadsOnly = requires { requires Traits::kTmaOnly; };
 template <typename Kernel, bool kMayStoreFp32Partials = false>
 cudaError_t launch_split_and_combine(const DecodeParams& params, const DecodeTma& tma, cudaStream_t stream) {
   using Element = typename Kernel::Traits::Element;
+  if constexpr (kTmaLoadsOnly<typename Kernel::Traits>) {
+    if (tma.gather) return cudaErrorInvalidValue;  // the dispatch sends gathered caches to another form
+  }
   const auto kernel = [&] {
     if constexpr (kGathersOnly<typename Kernel::Traits>) return mla_decode_split_kernel<Kernel, true>;
     else if constexpr (kTmaLoadsOnly<typename Kernel::Traits>) return mla_decode_split_kernel<Kernel, false>;
