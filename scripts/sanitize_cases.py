@@ -90,7 +90,7 @@ def check_decode():
         ref, _ = mla_decode_ref(r["q"], r["kv_cache"], r["block_table"], r["cache_seqlens"],
                                 cu_seqlens_q=r["cu_seqlens_q"], q_pe=r["q_pe"],
                                 softmax_scale=r["softmax_scale"], causal=True)
-        for kernel in decode_kernels_for(c["kv_cache"].dtype, s_q * h_q, varlen, page % 16 != 0):
+        for kernel in decode_kernels_for(c["kv_cache"].dtype, s_q * h_q):
             out = mla_attn.mla_decode(c["q"], c["kv_cache"], c["block_table"], c["cache_seqlens"],
                                       cu_seqlens_q=c["cu_seqlens_q"], q_pe=c["q_pe"], k_scale=c["k_scale"],
                                       softmax_scale=c["softmax_scale"], causal=True, _kernel=kernel, **kw)

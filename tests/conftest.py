@@ -51,21 +51,17 @@ def to_device(case, device="cuda"):
 
 
 # ---------------------------------------------------------------------------------------- decode
-def decode_kernels_for(cache_dtype, rows, varlen=False, gathered=False):
-    """The decode kernels that run a call with this cache dtype, rows = max_seqlen_q * h_q, (varlen)
-    cu_seqlens_q and (gathered) keys gathered row by row (a page size not a multiple of 16, or sparse slot
-    lists): the tests' own statement of the rule mla_decode(_kernel=) enforces."""
-    # the 64-row kernel's row-staged forms pair q-tiles 2i, 2i + 1
-    paired = -(-rows // 64) % 2 == 0 and not varlen and (cache_dtype == torch.uint8 or (cache_dtype == FP8 and gathered))
-    if cache_dtype == torch.uint8:  # ds_mla_fp8 rows: the 64-row kernel (paired or not) only
-        return ["rows64"] + (["rows64_paired"] if paired else [])
+def decode_kernels_for(cache_dtype, rows):
+    """The decode kernels that run a call with this cache dtype and rows = max_seqlen_q * h_q: the
+    tests' own statement of the rule mla_decode(_kernel=) enforces."""
+    if cache_dtype == torch.uint8:  # ds_mla_fp8 rows: the 64-row kernel only
+        return ["rows64"]
     fp8 = cache_dtype == FP8
     runs = {
         "narrow16": rows <= 16,
         "narrow16_3wg": fp8 and rows <= 16,
         "narrow32": fp8 and rows <= 32,
         "rows64": True,
-        "rows64_paired": paired,
         "seesaw": not fp8,
         "seesaw_steady": not fp8,
         "fp8mma": fp8,
@@ -83,7 +79,7 @@ def decode_case_params(cases, cache_dtype):
     for i, case in enumerate(cases):
         params += [pytest.param(*case, None, dtype, causal) for dtype, causal in combos]
         params += [pytest.param(*case, kernel, *combos[(i + j) % len(combos)])
-                   for j, kernel in enumerate(decode_kernels_for(cache_dtype, case[1] * case[2], case[4], case[3] % 16 != 0))]
+                   for j, kernel in enumerate(decode_kernels_for(cache_dtype, case[1] * case[2]))]
     return params
 
 

@@ -3,8 +3,7 @@ power-of-two scale per 128, bf16 rope) on the GPU, against the float32 reference
 on the adversarial inputs of tests/cases.py: NaN in every slot past each length and in unused pages
 (NaN survives the quantisation), permuted block tables, zero-length requests, odd head counts, varlen
 causal queries. Only the 64-row kernel reads this layout (rows gathered one by one at every page size,
-converted to fp16 with their scales in shared memory), alone or with its q-tiles paired in clusters
-(rows64_paired); every other kernel refuses it."""
+converted to fp16 with their scales in shared memory); every other kernel refuses it."""
 import pytest
 import torch
 from cases import DECODE_CASES, make_decode_case
@@ -20,8 +19,8 @@ CASES = DECODE_CASES + [
     ([4099, 65, 1], 2, 128, 1, False, False),      # SGLang's page size 1
     ([40000], 1, 16, 64, False, False),            # one long request, split across CTAs
     ([2000, 300], 1, 32, 3, False, True),
-    ([5000, 1, 64, 700], 1, 128, 64, False, False),  # paired q-tiles (rows64_paired), a request split across parts
-    ([300, 2048], 2, 128, 1, False, True),            # two pairs per request, page size 1
+    ([5000, 1, 64, 700], 1, 128, 64, False, False),  # two q-tiles per request, a request split across parts
+    ([300, 2048], 2, 128, 1, False, True),            # four q-tiles per request, page size 1
 ]
 
 
@@ -54,17 +53,8 @@ def test_ds_mla_fp8_group_scales(low):
     check_decode(case, True, out, lse, None)
 
 
-@pytest.mark.parametrize("kernel", [k for k in DECODE_KERNELS if k not in ("rows64", "rows64_paired")])
+@pytest.mark.parametrize("kernel", [k for k in DECODE_KERNELS if k != "rows64"])
 def test_ds_mla_fp8_other_kernels_refuse(kernel):
     case = ds_case([100], 1, 16, 64, False, False, torch.bfloat16)
     with pytest.raises(ValueError, match="ds_mla_fp8"):
         run_decode(case, True, _kernel=kernel)
-
-
-@pytest.mark.parametrize("s_q,h_q,varlen", [(1, 64, False), (3, 64, False), (1, 128, True)])
-def test_ds_mla_fp8_paired_needs_pairs_of_q_tiles(s_q, h_q, varlen):
-    """rows64_paired pairs q-tiles 2i and 2i + 1 of every request: an odd number of them, or requests of
-    fewer query tokens than max_seqlen_q (varlen), cannot be paired."""
-    case = ds_case([100, 7], s_q, h_q, 64, varlen, False, torch.bfloat16)
-    with pytest.raises(ValueError, match="rows64_paired"):
-        run_decode(case, True, _kernel="rows64_paired")

@@ -25,7 +25,7 @@ CASES = DECODE_CASES + [
     # counts, tails, a request with no keys, page 16 and 32
     ([130, 0, 1000, 64], 3, 96, 16, True, True),
     ([4099, 65, 1], 2, 128, 32, False, False),
-    # gathered rows (page sizes that are not a multiple of 16): whole rows by bulk copy, q-tiles paired
+    # gathered rows (page sizes that are not a multiple of 16): whole rows by bulk copy
     ([2000, 1, 700], 1, 128, 1, False, True),
     ([4099, 65, 1], 2, 128, 3, False, False),
     ([40000], 1, 16, 64, False, False),

@@ -1,6 +1,6 @@
 """mla_decode with every kind of page size on every kernel that runs the case: multiples of 16 (TMA
 copies of 16-64 rows) and the rest down to SGLang's 1 (rows gathered: by cp.async, or whole by bulk copy
-in the 64-row kernel's fp8 forms, paired or not), 16-bit and FP8 and ds_mla_fp8 caches, against the
+in the 64-row kernel's fp8 forms), 16-bit and FP8 and ds_mla_fp8 caches, against the
 float32 reference. NaN sits in every slot past each length and in unused pages
 (tests/cases.py), so a row gathered from a wrong page or offset shows."""
 import pytest
@@ -22,7 +22,7 @@ def _params():
     for page_size in PAGE_SIZES:
         for cache_dtype in (torch.bfloat16, FP8, torch.uint8):
             for h_q, s_q in ((16, 1), (64, 2)):
-                for kernel in [None] + decode_kernels_for(cache_dtype, h_q * s_q, gathered=page_size % 16 != 0):
+                for kernel in [None] + decode_kernels_for(cache_dtype, h_q * s_q):
                     name = {torch.bfloat16: "bf16", FP8: "fp8", torch.uint8: "ds_mla_fp8"}[cache_dtype]
                     params.append(pytest.param(page_size, cache_dtype, h_q, s_q, kernel,
                                                id=f"ps{page_size}-{name}-h{h_q}s{s_q}-{kernel}"))

@@ -81,8 +81,7 @@ CASES = [  # (lead, h_q, topk, page_size, dtype, lengths, sink, split_pe, kv_4d,
     ((2, 3), 16, 1, 16, torch.float16, False, None, False, False),
     ((6,), 128, 4100, 1, torch.float16, True, "finite", False, True),
 ]
-PARAMS = [pytest.param(*c, kernel) for c in CASES
-          for kernel in [None] + decode_kernels_for(torch.bfloat16, c[1], gathered=True)]
+PARAMS = [pytest.param(*c, kernel) for c in CASES for kernel in [None] + decode_kernels_for(torch.bfloat16, c[1])]
 
 
 @pytest.mark.parametrize("lead,h_q,topk,page_size,dtype,lengths,sink,split_pe,kv_4d,kernel", PARAMS)
@@ -96,7 +95,7 @@ def test_sparse_decode_matches_reference(lead, h_q, topk, page_size, dtype, leng
 
 FP8_CASES = [((4, 2), 16, 2048, 64, True, "finite"), ((7,), 64, 1500, 1, True, None),
              ((2, 2), 128, 2048, 16, False, "mixed")]
-FP8_PARAMS = [pytest.param(*c, kernel) for c in FP8_CASES for kernel in [None] + decode_kernels_for(FP8, c[1], gathered=True)]
+FP8_PARAMS = [pytest.param(*c, kernel) for c in FP8_CASES for kernel in [None] + decode_kernels_for(FP8, c[1])]
 
 
 @pytest.mark.parametrize("lead,h_q,topk,page_size,lengths,sink,kernel", FP8_PARAMS)
@@ -112,8 +111,7 @@ def test_sparse_decode_fp8_cache(lead, h_q, topk, page_size, lengths, sink, kern
 
 DS_CASES = [((4, 2), 16, 2048, 64, True, "finite"), ((7,), 128, 1500, 1, True, None), ((3,), 64, 70, 24, False, "mixed"),
             ((3, 2), 128, 2048, 64, True, "finite"), ((5,), 100, 333, 16, False, None)]
-DS_PARAMS = [pytest.param(*c, kernel) for c in DS_CASES
-             for kernel in [None] + decode_kernels_for(torch.uint8, c[1], gathered=True)]
+DS_PARAMS = [pytest.param(*c, kernel) for c in DS_CASES for kernel in [None] + decode_kernels_for(torch.uint8, c[1])]
 
 
 @pytest.mark.parametrize("lead,h_q,topk,page_size,lengths,sink,kernel", DS_PARAMS)

@@ -36,15 +36,12 @@ DecodeKernel resolve_decode_kernel(const std::optional<c10::string_view>& name, 
     for (const auto& entry : kDecodeKernelNames) known += (known.empty() ? "" : ", ") + std::string(entry.name);
     TORCH_CHECK_VALUE(false, "mla_attn: unknown decode kernel '", *name, "'; the kernels are ", known);
   }
-  TORCH_CHECK_VALUE(!problem.ds_mla_fp8_cache || *kernel == DecodeKernel::kRows64 || *kernel == DecodeKernel::kRows64Paired,
-                    "mla_attn: decode kernel '", *name, "' cannot run this case: only rows64 and rows64_paired read a ds_mla_fp8 cache");
+  TORCH_CHECK_VALUE(!problem.ds_mla_fp8_cache || decode_kernel_supports(*kernel, problem), "mla_attn: decode kernel '",
+                    *name, "' cannot run this case: only rows64 reads a ds_mla_fp8 cache");
   TORCH_CHECK_VALUE(decode_kernel_supports(*kernel, problem), "mla_attn: decode kernel '", *name,
                     "' cannot run this case: it needs ", decode_kernel_requirement(*kernel), "; got ",
-                    problem.rows(), " query rows per request, a ",
-                    problem.ds_mla_fp8_cache ? "ds_mla_fp8" : problem.fp8_cache ? "float8_e4m3fn" : "16-bit", " cache",
-                    problem.varlen ? " and cu_seqlens_q" : "",
-                    *kernel == DecodeKernel::kRows64Paired && problem.fp8_cache && !problem.gathered
-                        ? " whose rows come by TMA (a page size that is a multiple of 16)" : "");
+                    problem.rows(), " query rows per request and a ",
+                    problem.fp8_cache ? "float8_e4m3fn" : "16-bit", " cache");
   return *kernel;
 }
 
@@ -120,8 +117,7 @@ void mla_decode_cuda_impl(const Tensor& q, const std::optional<Tensor>& q_pe, co
   TORCH_CHECK(heads >= 1 && heads <= 128, "mla_attn: h_q must be in [1, 128]");
   TORCH_CHECK(max_seqlen_q >= 1, "mla_attn: max_seqlen_q must be >= 1");
   const DecodeProblem problem{.fp8_cache = fp8_kv, .ds_mla_fp8_cache = ds_kv, .max_seqlen_q = max_seqlen_q, .heads_q = heads, .batch = batch,
-                              .deterministic = deterministic, .fp8_mma = fp8_mma, .varlen = varlen,
-                              .gathered = kv_slots || page_size % 16 != 0};
+                              .deterministic = deterministic, .fp8_mma = fp8_mma};
   const DecodeKernel kernel = resolve_decode_kernel(kernel_name, problem);
   const int tiles = int(problem.q_tiles());
   TORCH_CHECK(num_sm_parts >= 1 && num_sm_parts <= tile_sched.size(0) && num_sm_parts <= kMaxSmParts,
@@ -203,9 +199,6 @@ void mla_decode_cuda_impl(const Tensor& q, const std::optional<Tensor>& q_pe, co
                           : run_mla_decode_narrow<Element, kNarrow16Rows, 2, false>(p, tma, stream);
           case DecodeKernel::kNarrow16x3: return run_mla_decode_narrow<Element, kNarrow16Rows, 3, true>(p, tma, stream);
           case DecodeKernel::kNarrow32: return run_mla_decode_narrow<Element, kNarrow32Rows, 2, true>(p, tma, stream);
-          case DecodeKernel::kRows64Paired:
-            return ds_kv ? run_mla_decode_ds_mla_fp8_paired<Element>(p, tma, stream)
-                         : run_mla_decode_fp8_paired<Element>(p, tma, stream);
           case DecodeKernel::kRows64:
             if (ds_kv) return run_mla_decode_ds_mla_fp8<Element>(p, tma, stream);
             return fp8_kv ? run_mla_decode<Element, true>(p, tma, stream) : run_mla_decode<Element, false>(p, tma, stream);

@@ -98,16 +98,6 @@ __device__ __forceinline__ void bulk_copy_g2s(uint32_t dst, const void* src, uin
                : "memory");
 }
 
-// The same into every CTA of the cluster named in `cta_mask`, at the same offsets (`dst` and `bar`
-// are this CTA's addresses): each destination's mbarrier at `bar` receives the bytes.
-__device__ __forceinline__ void bulk_copy_g2s_multicast(uint32_t dst, const void* src, uint32_t bytes, uint32_t bar,
-                                                        uint16_t cta_mask) {
-  asm volatile(
-      "cp.async.bulk.shared::cluster.global.mbarrier::complete_tx::bytes.multicast::cluster [%0], [%1], %2, [%3], %4;"
-      ::"r"(dst), "l"(src), "r"(bytes), "r"(bar), "h"(cta_mask)
-      : "memory");
-}
-
 // 16-byte shared-memory load (shared-window address).
 __device__ __forceinline__ uint4 ld_shared_16(uint32_t addr) {
   uint4 v;

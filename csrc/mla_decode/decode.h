@@ -32,14 +32,6 @@ cudaError_t run_mla_decode(const DecodeParams& params, const DecodeTma& tma, cud
 template <typename Element>
 cudaError_t run_mla_decode_ds_mla_fp8(const DecodeParams& params, const DecodeTma& tma, cudaStream_t stream);
 
-// The same with q-tiles paired in clusters of two CTAs that share the key rows (each copies half of a
-// block into both): num_q_tiles even, no cu_seqlens_q (rows64/row_copies.cuh).
-template <typename Element>
-cudaError_t run_mla_decode_ds_mla_fp8_paired(const DecodeParams& params, const DecodeTma& tma, cudaStream_t stream);
-// The same for a float8_e4m3fn cache gathered row by row (DecodeTma::gather).
-template <typename Element>
-cudaError_t run_mla_decode_fp8_paired(const DecodeParams& params, const DecodeTma& tma, cudaStream_t stream);
-
 // The same for an fp8 cache with fp8 MMAs: Q and P rounded to e4m3 too (fp8mma/kernel.cuh).
 template <typename Element>
 cudaError_t run_mla_decode_fp8mma(const DecodeParams& params, const DecodeTma& tma, cudaStream_t stream);

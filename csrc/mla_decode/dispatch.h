@@ -16,7 +16,6 @@ enum class DecodeKernel {
   kNarrow16x3,    // the same with 3 math warpgroups (fp8 cache)
   kNarrow32,      // transposed MMAs, N = 32 rows (fp8 cache)
   kRows64,        // 64-row q-tiles (rows64/)
-  kRows64Paired,  // the same, q-tiles paired in clusters that share the copied rows (row-staged fp8 caches)
   kSeesaw,        // 64-row q-tiles, two warpgroups on a pair of KV blocks (seesaw/)
   kSeesawSteady,  // the same with the steady loop for long segments
   kFp8Mma,        // 64-row q-tiles, e4m3 MMAs (fp8mma/)
@@ -27,12 +26,11 @@ struct DecodeKernelName {
   DecodeKernel kernel;
   std::string_view name;
 };
-inline constexpr std::array<DecodeKernelName, 8> kDecodeKernelNames = {{
+inline constexpr std::array<DecodeKernelName, 7> kDecodeKernelNames = {{
     {DecodeKernel::kNarrow16, "narrow16"},
     {DecodeKernel::kNarrow16x3, "narrow16_3wg"},
     {DecodeKernel::kNarrow32, "narrow32"},
     {DecodeKernel::kRows64, "rows64"},
-    {DecodeKernel::kRows64Paired, "rows64_paired"},
     {DecodeKernel::kSeesaw, "seesaw"},
     {DecodeKernel::kSeesawSteady, "seesaw_steady"},
     {DecodeKernel::kFp8Mma, "fp8mma"},
@@ -54,18 +52,10 @@ struct DecodeProblem {
   int64_t batch;
   bool deterministic;  // a request's result must not depend on the rest of the batch
   bool fp8_mma;        // e4m3 MMAs allowed (opt-in)
-  bool varlen;         // cu_seqlens_q given: requests may have fewer query tokens than max_seqlen_q
-  bool gathered;       // keys gathered row by row: a page size that is not a multiple of 16, or kv_slots
 
   constexpr int64_t rows() const { return max_seqlen_q * heads_q; }  // query rows of the longest request
   constexpr int64_t q_tiles() const { return (rows() + kBlockM - 1) / kBlockM; }  // per request
   constexpr int64_t q_tiles_of_work() const { return batch * q_tiles(); }
-  // Whether the q-tiles of every request can be paired (rows64_paired): an even number of them, each
-  // walking the same blocks (uniform query lengths), over a cache whose rows the 64-row kernel copies
-  // whole (ds_mla_fp8, or a gathered e4m3 cache).
-  constexpr bool pairs_q_tiles() const {
-    return (ds_mla_fp8_cache || (fp8_cache && gathered)) && !varlen && q_tiles() % 2 == 0;
-  }
 };
 
 // Rows the narrow kernels hold: the N of their transposed MMAs.
@@ -92,9 +82,8 @@ constexpr int64_t kSteadyMinQTiles = 128;
 // then depends on h_q alone (and a seesaw kernel always takes the steady loop, so that a request's
 // path depends on its length alone).
 constexpr DecodeKernel choose_decode_kernel(const DecodeProblem& p) {
-  // Only the 64-row kernel reads ds_mla_fp8 rows (its converter applies their per-128-column scales);
-  // with two q-tiles or more per request, paired, so that each row is gathered once per pair.
-  if (p.ds_mla_fp8_cache) return p.pairs_q_tiles() ? DecodeKernel::kRows64Paired : DecodeKernel::kRows64;
+  // Only the 64-row kernel reads ds_mla_fp8 rows (its converter applies their per-128-column scales).
+  if (p.ds_mla_fp8_cache) return DecodeKernel::kRows64;
   const int64_t rows = p.rows();
   const bool narrow16 = !p.deterministic && rows <= kNarrow16Rows;
   if (!p.fp8_cache) {
@@ -112,8 +101,7 @@ constexpr DecodeKernel choose_decode_kernel(const DecodeProblem& p) {
   // streams the cache and stays.
   if (p.fp8_mma) return DecodeKernel::kFp8Mma;
   const bool narrow32 = !p.deterministic && rows <= kNarrow32Rows;
-  if (narrow32 && p.batch >= kNarrow32MinBatch) return DecodeKernel::kNarrow32;
-  return p.pairs_q_tiles() ? DecodeKernel::kRows64Paired : DecodeKernel::kRows64;
+  return narrow32 && p.batch >= kNarrow32MinBatch ? DecodeKernel::kNarrow32 : DecodeKernel::kRows64;
 }
 
 // Split partials in fp32 instead of q's dtype. A 16-bit partial rounds its split's normalised output
@@ -129,17 +117,13 @@ constexpr bool decode_partials_fp32(DecodeKernel kernel, const DecodeProblem& p)
 }
 
 // What a kernel needs to run a case at all (for messages): its instantiations and the rows its
-// MMAs hold. Every kernel but rows64 and rows64_paired also needs a cache other than ds_mla_fp8.
+// MMAs hold. Every kernel but rows64 also needs a cache other than ds_mla_fp8.
 constexpr std::string_view decode_kernel_requirement(DecodeKernel kernel) {
   switch (kernel) {
     case DecodeKernel::kNarrow16: return "at most 16 query rows per request (max_seqlen_q x h_q)";
     case DecodeKernel::kNarrow16x3: return "a float8_e4m3fn cache and at most 16 query rows per request (max_seqlen_q x h_q)";
     case DecodeKernel::kNarrow32: return "a float8_e4m3fn cache and at most 32 query rows per request (max_seqlen_q x h_q)";
     case DecodeKernel::kRows64: return "nothing";
-    case DecodeKernel::kRows64Paired:
-      return "a ds_mla_fp8 cache or a float8_e4m3fn one gathered row by row (a page size that is not a multiple "
-             "of 16, or sparse slot lists), an even number of 64-row q-tiles per request (max_seqlen_q x h_q in "
-             "65-128, 193-256, ...) and no cu_seqlens_q";
     case DecodeKernel::kSeesaw:
     case DecodeKernel::kSeesawSteady: return "a 16-bit (bf16/fp16) cache";
     case DecodeKernel::kFp8Mma: return "a float8_e4m3fn cache";
@@ -148,13 +132,12 @@ constexpr std::string_view decode_kernel_requirement(DecodeKernel kernel) {
 }
 
 constexpr bool decode_kernel_supports(DecodeKernel kernel, const DecodeProblem& p) {
-  if (p.ds_mla_fp8_cache) return kernel == DecodeKernel::kRows64 || (kernel == DecodeKernel::kRows64Paired && p.pairs_q_tiles());
+  if (p.ds_mla_fp8_cache) return kernel == DecodeKernel::kRows64;
   switch (kernel) {
     case DecodeKernel::kNarrow16: return p.rows() <= kNarrow16Rows;
     case DecodeKernel::kNarrow16x3: return p.fp8_cache && p.rows() <= kNarrow16Rows;
     case DecodeKernel::kNarrow32: return p.fp8_cache && p.rows() <= kNarrow32Rows;
     case DecodeKernel::kRows64: return true;
-    case DecodeKernel::kRows64Paired: return p.pairs_q_tiles();
     case DecodeKernel::kSeesaw:
     case DecodeKernel::kSeesawSteady: return !p.fp8_cache;
     case DecodeKernel::kFp8Mma: return p.fp8_cache;

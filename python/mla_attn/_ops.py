@@ -62,8 +62,7 @@ def _decode(q: Tensor, q_pe: Optional[Tensor], kv_cache: Tensor, block_table: Te
     check.check_softmax_scale(softmax_scale)
     batch, max_seqlen_q = check.check_decode(q, q_pe, kv_cache, block_table, cache_seqlens, cu_seqlens_q,
                                              max_seqlen_q, out)
-    check.check_decode_options(q, kv_cache, k_scale, fp8_mma, kernel, max_seqlen_q, q_scale, cu_seqlens_q is not None,
-                               kv_slots)
+    check.check_decode_options(q, kv_cache, k_scale, fp8_mma, kernel, max_seqlen_q, q_scale)
     check.check_schedule(tile_sched, req_splits, num_sm_parts, batch, q)
     if k_scale is not None:  # FP8 cache: the reference runs on the dequantized values
         kv_cache = kv_cache.float() * k_scale.float()

@@ -28,14 +28,14 @@ from torch import Tensor
 from ._constants import (ALIGN_BYTES, D_PE, D_QK, D_V, DS_ROW_BYTES, FP8, HALF_DTYPES, KV_FORMATS, MAX_HEADS_Q,
                          MAX_SEQLEN_Q, MERGE_D_ALIGN, PAGE_SIZE_MAX, PAGE_SIZE_MIN, PREFILL_D_NOPE, PREFILL_D_PE,
                          PREFILL_D_QK, PREFILL_D_V)
-from .metadata import BLOCK_M, DECODE_KERNELS, DecodeMetadata, SparseDecodeMetadata
+from .metadata import DECODE_KERNELS, DecodeMetadata, SparseDecodeMetadata
 
 _MERGE_DTYPES = HALF_DTYPES + (torch.float32,)
 # decode kernels that run one cache kind only, and the query rows (max_seqlen_q * h_q) the narrow ones take
 _FP8_ONLY_KERNELS = ("narrow16_3wg", "narrow32", "fp8mma")
 _HALF_ONLY_KERNELS = ("seesaw", "seesaw_steady")
 _KERNEL_MAX_ROWS = {"narrow16": 16, "narrow16_3wg": 16, "narrow32": 32}
-_DS_MLA_FP8_KERNELS = ("rows64", "rows64_paired")  # the kernels that read ds_mla_fp8 rows (csrc/mla_decode/dispatch.h)
+_DS_MLA_FP8_KERNEL = "rows64"  # the one kernel that reads ds_mla_fp8 rows (csrc/mla_decode/dispatch.h)
 # the MLAConfig dims the kernels are built for
 LAYER_DIMS = dict(kv_lora_rank=D_V, qk_rope_head_dim=D_PE, qk_nope_head_dim=PREFILL_D_NOPE, v_head_dim=PREFILL_D_V)
 
@@ -276,29 +276,17 @@ def check_decode(q: Tensor, q_pe: Optional[Tensor], kv_cache: Tensor, block_tabl
     return batch, max_seqlen_q
 
 
-def check_decode_kernel(kernel: Optional[str], cache_dtype: torch.dtype, rows: int, varlen: bool = False,
-                        gathered: bool = False) -> None:
+def check_decode_kernel(kernel: Optional[str], cache_dtype: torch.dtype, rows: int) -> None:
     """A forced decode kernel (None: the dispatch chooses) must exist and run this call: rows =
-    max_seqlen_q * h_q; varlen: cu_seqlens_q is given; gathered: the keys are gathered row by row (a page
-    size that is not a multiple of 16, or sparse slot lists)."""
+    max_seqlen_q * h_q."""
     if kernel is None:
         return
     if not isinstance(kernel, str):
         raise TypeError(f"kernel must be a str or None, got {type(kernel).__name__}")
     if kernel not in DECODE_KERNELS:
         raise ValueError(f"unknown decode kernel {kernel!r}; the kernels are {', '.join(DECODE_KERNELS)}")
-    if cache_dtype == torch.uint8 and kernel not in _DS_MLA_FP8_KERNELS:
-        raise ValueError(f"decode kernel {kernel!r} cannot read a ds_mla_fp8 kv_cache; only "
-                         f"{' and '.join(map(repr, _DS_MLA_FP8_KERNELS))} do")
-    if kernel == "rows64_paired":
-        if not (cache_dtype == torch.uint8 or (cache_dtype == FP8 and gathered)):
-            raise ValueError("decode kernel 'rows64_paired' needs a ds_mla_fp8 kv_cache or a float8_e4m3fn one gathered "
-                             "row by row (a page size that is not a multiple of 16, or sparse slot lists), got "
-                             f"{cache_dtype}" + (" at a page size that is a multiple of 16" if cache_dtype == FP8 else ""))
-        if -(-rows // BLOCK_M) % 2 or varlen:
-            raise ValueError("decode kernel 'rows64_paired' needs an even number of 64-row q-tiles per request "
-                             f"(max_seqlen_q * h_q in 65-128, 193-256, ...) and no cu_seqlens_q; got {rows} rows"
-                             + (" and cu_seqlens_q" if varlen else ""))
+    if cache_dtype == torch.uint8 and kernel != _DS_MLA_FP8_KERNEL:
+        raise ValueError(f"decode kernel {kernel!r} cannot read a ds_mla_fp8 kv_cache; only {_DS_MLA_FP8_KERNEL!r} does")
     if kernel in _FP8_ONLY_KERNELS and cache_dtype != FP8:
         raise ValueError(f"decode kernel {kernel!r} needs a float8_e4m3fn kv_cache, got {cache_dtype}")
     if kernel in _HALF_ONLY_KERNELS and cache_dtype == FP8:
@@ -310,15 +298,13 @@ def check_decode_kernel(kernel: Optional[str], cache_dtype: torch.dtype, rows: i
 
 
 def check_decode_options(q: Tensor, kv_cache: Tensor, k_scale: Optional[Tensor], fp8_mma: bool,
-                         kernel: Optional[str], max_seqlen_q: int, q_scale: Optional[Tensor] = None,
-                         varlen: bool = False, kv_slots: bool = False) -> None:
+                         kernel: Optional[str], max_seqlen_q: int, q_scale: Optional[Tensor] = None) -> None:
     """The FP8 scales and the kernel options of one decode call (after check_decode)."""
     check_k_scale(kv_cache, k_scale)
     check_q_scale(q_scale, fp8_mma, q)
     if fp8_mma and kv_cache.dtype != FP8:
         raise ValueError(f"fp8_mma=True needs a float8_e4m3fn kv_cache, got {kv_cache.dtype}")
-    gathered = kv_slots or kv_cache.shape[1] % 16 != 0  # the page size
-    check_decode_kernel(kernel, kv_cache.dtype, max_seqlen_q * q.shape[-2], varlen, gathered)
+    check_decode_kernel(kernel, kv_cache.dtype, max_seqlen_q * q.shape[-2])
 
 
 def check_num_sm_parts(num_sm_parts: int, num_sms: int) -> None:

@@ -67,7 +67,7 @@ def mla_decode(q: Tensor, kv_cache: Tensor, block_table: Tensor, cache_seqlens: 
     check.check_softmax_scale(softmax_scale)
     batch, max_seqlen_q = check.check_decode(q, q_pe, kv_cache, block_table, cache_seqlens, cu_seqlens_q,
                                              max_seqlen_q, out)
-    check.check_decode_options(q, kv_cache, k_scale, fp8_mma, _kernel, max_seqlen_q, q_scale, cu_seqlens_q is not None)
+    check.check_decode_options(q, kv_cache, k_scale, fp8_mma, _kernel, max_seqlen_q, q_scale)
     if metadata is None:
         metadata = get_decode_metadata(cache_seqlens, q.shape[-2], cu_seqlens_q=cu_seqlens_q,
                                        max_seqlen_q=max_seqlen_q, causal=causal, deterministic=deterministic)

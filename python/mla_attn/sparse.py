@@ -104,7 +104,7 @@ def mla_sparse_decode(q: Tensor, kv_cache: Tensor, indices: Tensor, *, softmax_s
     """
     check.check_softmax_scale(softmax_scale)
     rows = check.check_sparse_decode(q, q_pe, kv_cache, indices, topk_length, attn_sink, out)
-    check.check_decode_options(q, kv_cache, k_scale, False, _kernel, 1, kv_slots=True)
+    check.check_decode_options(q, kv_cache, k_scale, False, _kernel, 1)
     h_q = q.shape[-2]
     if metadata is None:
         if check.want_value_checks(validate, q.device):

@@ -235,12 +235,8 @@ __device__ void consume_kv_tiles(const DecodeParams& p, typename Traits::SharedS
   // values; a ds_mla_fp8 tile holds real ones).
   const float k_scale = Traits::kFp8Kv && !Traits::kDsMlaFp8 ? *p.k_scale : 1.f;
   const float scale_log2 = p.scale_log2 * k_scale;
-  // This warpgroup hands a stage back (paired: in both CTAs, since the peer copies into it too).
   auto release_stage = [&](int stage) {
-    if (kEveryThreadReleases || tid_in_wg == 0) {
-      if constexpr (Traits::kRowStaged) release_row_stage<Traits>(&ss.kv_empty[stage]);
-      else cutlass::arch::ClusterBarrier::arrive(&ss.kv_empty[stage]);
-    }
+    if (kEveryThreadReleases || tid_in_wg == 0) cutlass::arch::ClusterBarrier::arrive(&ss.kv_empty[stage]);
   };
 
   // ---- kScaledQ (bf16 q, fp8 cache): each thread rescales the chunks it copied (its own cp.async
@@ -452,11 +448,9 @@ __device__ void consume_kv_tiles(const DecodeParams& p, typename Traits::SharedS
 }
 
 // The kernel's policy for the shared shell (shared/kernel_shell.cuh); the row-staged forms have their own
-// producer (rows64/row_copies.cuh), and with paired q-tiles run as clusters of two CTAs.
+// producer (rows64/row_copies.cuh).
 template <typename Traits>
 struct Rows64Kernel : KvRingKernel<Traits> {
-  static constexpr int kClusterSize = Traits::kPairedQTiles ? kPairSize : 1;
-
   template <bool kGather>
   __device__ __forceinline__ static void init_barriers(typename Traits::SharedStorage& ss) {
     if constexpr (Traits::kRowStaged) init_row_ring<Traits>(ss);
@@ -477,7 +471,7 @@ struct Rows64Kernel : KvRingKernel<Traits> {
 template <typename Element, bool kFp8Kv>
 cudaError_t run_mla_decode(const DecodeParams& params, const DecodeTma& tma, cudaStream_t stream) {
   if constexpr (kFp8Kv) {  // a gathered e4m3 cache: its rows copied whole (row-staged form)
-    if (tma.gather) return launch_split_and_combine<Rows64Kernel<Rows64Traits<Element, true, false, false, true>>>(params, tma, stream);
+    if (tma.gather) return launch_split_and_combine<Rows64Kernel<Rows64Traits<Element, true, false, true>>>(params, tma, stream);
   }
   return launch_split_and_combine<Rows64Kernel<Rows64Traits<Element, kFp8Kv>>>(params, tma, stream);
 }
@@ -485,16 +479,6 @@ cudaError_t run_mla_decode(const DecodeParams& params, const DecodeTma& tma, cud
 template <typename Element>
 cudaError_t run_mla_decode_ds_mla_fp8(const DecodeParams& params, const DecodeTma& tma, cudaStream_t stream) {
   return launch_split_and_combine<Rows64Kernel<Rows64Traits<Element, true, true>>>(params, tma, stream);
-}
-
-template <typename Element>
-cudaError_t run_mla_decode_ds_mla_fp8_paired(const DecodeParams& params, const DecodeTma& tma, cudaStream_t stream) {
-  return launch_split_and_combine<Rows64Kernel<Rows64Traits<Element, true, true, true>>>(params, tma, stream);
-}
-
-template <typename Element>
-cudaError_t run_mla_decode_fp8_paired(const DecodeParams& params, const DecodeTma& tma, cudaStream_t stream) {
-  return launch_split_and_combine<Rows64Kernel<Rows64Traits<Element, true, false, true, true>>>(params, tma, stream);
 }
 
 }  // namespace mla_decode

@@ -6,13 +6,7 @@
 // by 16-byte cp.async were bound by an SM's cp.async path (docs/design-decisions.md, "What bounds the
 // gather"); a bulk copy moves a row per instruction. One kv_full barrier per stage counts the block's
 // bytes (a whole row per key before the sequence end; the converter zeroes the rows past it).
-//
-// Paired q-tiles (kPairedQTiles, either form): the two CTAs of a cluster run q-tiles 2i and 2i + 1 of the same
-// requests (uniform query lengths: both walk the same blocks). CTA r copies rows [32r, 32r + 32) of each
-// block into both CTAs (multicast), so every row is read from L2 once per pair; each CTA's kv_full still
-// counts the whole block, and a stage is released to both CTAs' kv_empty, since both write into it.
 #pragma once
-#include <cute/arch/cluster_sm90.hpp>
 #include <cutlass/arch/barrier.h>
 
 #include "common/device_utils.cuh"
@@ -24,49 +18,35 @@
 
 namespace mla_decode {
 
-constexpr int kPairSize = 2;  // CTAs of a cluster of paired q-tiles
-
 // Thread 0 initialises the ring's barriers: kv_full[stage][0] (one arrival, with the block's bytes) and
-// kv_empty[stage] (the math warpgroups of the CTAs that write into the stage); the caller syncs the
-// CTA (the cluster, paired) after.
+// kv_empty[stage] (the math warpgroups); the caller syncs the CTA after.
 template <typename Traits>
 __device__ __forceinline__ void init_row_ring(typename Traits::SharedStorage& ss) {
   if (threadIdx.x != 0) return;
-  constexpr int kWriters = Traits::kPairedQTiles ? kPairSize : 1;
   for (int s = 0; s < Traits::kStages; ++s) {
     cutlass::arch::ClusterTransactionBarrier::init(&ss.kv_full[s][0], 1);
-    cutlass::arch::ClusterBarrier::init(&ss.kv_empty[s], kWriters * kNumMathWarpgroups * kStageReleaseArrivals);
+    cutlass::arch::ClusterBarrier::init(&ss.kv_empty[s], kNumMathWarpgroups * kStageReleaseArrivals);
   }
   cutlass::arch::fence_barrier_init();
 }
 
-// A math warpgroup hands a stage back (kEveryThreadReleases: every thread, else the caller's one); with
-// paired q-tiles in both CTAs.
-template <typename Traits>
-__device__ __forceinline__ void release_row_stage(uint64_t* kv_empty) {
-  cutlass::arch::ClusterBarrier::arrive(kv_empty);
-  if constexpr (Traits::kPairedQTiles) cutlass::arch::ClusterBarrier::arrive(kv_empty, cute::block_rank_in_cluster() ^ 1u, 1u);
-}
-
-// Producer warp `warp` (0-3): its lanes copy rows [warp * kRowsPerWarp, ...) of this CTA's share of each
-// block of the schedule, one row per lane; lane 0 of warp 0 posts the block's bytes.
+// Producer warp `warp` (0-3): its lanes copy rows [16 * warp, 16 * warp + 16) of each block of the
+// schedule, one row per lane; lane 0 of warp 0 posts the block's bytes.
 template <typename Traits>
 __device__ void produce_staged_rows(const DecodeParams& p, const DecodeTma& tma, typename Traits::SharedStorage& ss,
                                    const PartRange& range, int warp) {
-  constexpr int kCopiers = Traits::kPairedQTiles ? kPairSize : 1;
-  constexpr int kRowsPerWarp = kBlockN / kCopiers / 4;
+  constexpr int kRowsPerWarp = kBlockN / 4;
   // The bytes of a row: staged (e4m3 values, and the ds_mla_fp8 scales) and the ds_mla_fp8 rope.
   constexpr uint32_t kStagedBytes = Traits::kDsMlaFp8 ? mla_common::kDsRopeOffset : kHeadDimK;
   constexpr uint32_t kRopeBytes = Traits::kDsMlaFp8 ? mla_common::kDsRowBytes - kStagedBytes : 0;
   const int lane = threadIdx.x % 32;
   for_each_scheduled_block(p, range, blockIdx.x, [&](const Segment& seg, const int* table, int blk, int iteration) {
     const int stage = iteration % Traits::kStages;
-    const int rank = Traits::kPairedQTiles ? int(cute::block_rank_in_cluster()) : 0;
-    const int row = (rank * 4 + warp) * kRowsPerWarp + lane;
+    const int row = warp * kRowsPerWarp + lane;
     const int key = blk * kBlockN + row;
     const bool copies = lane < kRowsPerWarp && key < seg.seqlen_k;
     const uint8_t* src = static_cast<const uint8_t*>(p.kv) + (copies ? cache_row_offset(p, tma, table, key) : 0);
-    if (iteration >= Traits::kStages) {  // the math warpgroups (of both CTAs, paired) are done with the stage
+    if (iteration >= Traits::kStages) {  // the math warpgroups are done with the stage
       cutlass::arch::ClusterBarrier::wait(&ss.kv_empty[stage], ((iteration / Traits::kStages) - 1) & 1);
     }
     const uint32_t full = mla_common::smem_addr(&ss.kv_full[stage][0]);
@@ -79,14 +59,8 @@ __device__ void produce_staged_rows(const DecodeParams& p, const DecodeTma& tma,
       const uint32_t tile = mla_common::smem_addr(ss.k[stage]);
       const uint32_t staged = tile + Traits::kRowStagingOffset + row * Traits::kRowStagingStride;
       const uint32_t rope = tile + Traits::kDsRopeSlabOffset + row * 128;
-      if constexpr (Traits::kPairedQTiles) {
-        constexpr uint16_t kBoth = (1u << kPairSize) - 1;
-        mla_common::bulk_copy_g2s_multicast(staged, src, kStagedBytes, full, kBoth);
-        if constexpr (Traits::kDsMlaFp8) mla_common::bulk_copy_g2s_multicast(rope, src + kStagedBytes, kRopeBytes, full, kBoth);
-      } else {
-        mla_common::bulk_copy_g2s(staged, src, kStagedBytes, full);
-        if constexpr (Traits::kDsMlaFp8) mla_common::bulk_copy_g2s(rope, src + kStagedBytes, kRopeBytes, full);
-      }
+      mla_common::bulk_copy_g2s(staged, src, kStagedBytes, full);
+      if constexpr (Traits::kDsMlaFp8) mla_common::bulk_copy_g2s(rope, src + kStagedBytes, kRopeBytes, full);
     }
   });
 }

@@ -13,8 +13,7 @@
 namespace mla_decode {
 using namespace cute;
 
-template <typename Element_, bool kFp8Kv_, bool kDsMlaFp8_ = false, bool kPairedQTiles_ = false,
-          bool kRowStaged_ = kDsMlaFp8_>
+template <typename Element_, bool kFp8Kv_, bool kDsMlaFp8_ = false, bool kRowStaged_ = kDsMlaFp8_>
 struct Rows64Traits {
   using Element = Element_;  // cutlass::bfloat16_t or cutlass::half_t: q and out
   // fp8 (e4m3) cache: each K tile arrives as fp8 bytes in the upper part of its stage buffer and is
@@ -31,10 +30,6 @@ struct Rows64Traits {
   static_assert(kRowStaged || !kDsMlaFp8, "ds_mla_fp8 rows are staged whole");
   static constexpr bool kGatherOnly = kRowStaged;
   static constexpr bool kTmaOnly = kFp8Kv && !kRowStaged;  // a gathered e4m3 cache is row-staged
-  // The two CTAs of a cluster run q-tiles 2i and 2i + 1 of the same requests and share the key rows:
-  // each copies half of every block's rows into both (rows64/row_copies.cuh).
-  static constexpr bool kPairedQTiles = kPairedQTiles_;
-  static_assert(kRowStaged || !kPairedQTiles, "only the row-staged forms pair their q-tiles");
   // The type of the Q, K and P tiles in smem and of the MMAs: q's type, or fp16 with an fp8 cache
   // (e4m3 -> fp16 is one cvt per pair, -> bf16 four; a bf16 Q row is stored scaled, fp16_row_scale).
   using MmaElement = std::conditional_t<kFp8Kv, cutlass::half_t, Element>;
@@ -75,7 +70,7 @@ struct Rows64Traits {
     float row_max[kBlockM];                      // running row max after the block in sP
     float row_sum[kNumMathWarpgroups][kBlockM];  // per-warpgroup softmax denominators (epilogue)
     uint64_t kv_full[kStages][kSlabs];           // TMA bytes of one 64-column slab have landed (ds_mla_fp8: [0], the block)
-    uint64_t kv_empty[kStages];                  // both math warpgroups (of both CTAs, paired) are done with a K tile
+    uint64_t kv_empty[kStages];                  // both math warpgroups are done with a K tile
   };
   // e4m3 staging: slab s of a tile sits at this byte offset of the stage buffer + s * kFp8SlabBytes
   // (shared/fp8_dequant.cuh), the staged slabs ending where the stage does. Converting slabs in order

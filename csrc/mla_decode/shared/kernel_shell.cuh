@@ -8,12 +8,10 @@
 //   Kernel::init_barriers<kGather>(ss)   thread 0 initialises the mbarriers (the shell syncs the CTA after)
 //   Kernel::produce<kGather>(params, tma, ss, range, warp)   warp: 0..3 within the producer warpgroup
 //   Kernel::consume(params, tma, ss, range, warpgroup)
-//   Kernel::kClusterSize        optional: CTAs per cluster along the grid's x (q-tiles), 1 if absent
 // kGather (DecodeTma::gather): the producer gathers key rows one by one (page sizes that are not a
 // multiple of 16, sparse slot lists) instead of TMA boxes of 16-64 rows; a variant of its own, so that
 // the TMA kernels carry none of its code or registers.
 #pragma once
-#include <cute/arch/cluster_sm90.hpp>
 #include <cute/arch/copy_sm90_tma.hpp>
 #include <cutlass/arch/reg_reconfig.h>
 
@@ -22,12 +20,6 @@
 #include "mla_decode/shared/schedule.cuh"
 
 namespace mla_decode {
-
-template <typename Kernel>
-constexpr int cluster_size() {
-  if constexpr (requires { Kernel::kClusterSize; }) return Kernel::kClusterSize;
-  else return 1;
-}
 
 // Grid (num_q_tiles, num_sm_parts): CTA (m, part) works on q-tile m of its part of the schedule.
 template <typename Kernel, bool kGather>
@@ -42,9 +34,7 @@ __global__ void __launch_bounds__(Kernel::kThreads, 1)
   mla_common::launch_dependents();
 
   Kernel::template init_barriers<kGather>(ss);
-  // In a cluster the CTAs arrive on and copy into each other's barriers: all are initialised first.
-  if constexpr (cluster_size<Kernel>() > 1) cute::cluster_sync();
-  else __syncthreads();
+  __syncthreads();
 
   if (warpgroup == Kernel::kMathWarpgroups) {
     cutlass::arch::warpgroup_reg_dealloc<Kernel::kProducerRegisters>();
@@ -54,8 +44,6 @@ __global__ void __launch_bounds__(Kernel::kThreads, 1)
     cutlass::arch::warpgroup_reg_alloc<Kernel::kMathRegisters>();
     Kernel::consume(params, tma, ss, range, warpgroup);
   }
-  // No CTA of a cluster exits while another may still arrive on or copy into its shared memory.
-  if constexpr (cluster_size<Kernel>() > 1) cute::cluster_sync();
 #endif
 }
 

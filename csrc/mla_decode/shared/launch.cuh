@@ -40,25 +40,8 @@ cudaError_t launch_split_and_combine(const DecodeParams& params, const DecodeTma
       cudaFuncSetAttribute(kernel, cudaFuncAttributeMaxDynamicSharedMemorySize, smem);
   if (attr != cudaSuccess) return attr;
   const dim3 grid(params.num_q_tiles, params.num_sm_parts);
-  cudaError_t err;
-  if constexpr (cluster_size<Kernel>() > 1) {  // clusters of consecutive q-tiles (num_q_tiles a multiple)
-    cudaLaunchConfig_t config = {};
-    config.gridDim = grid;
-    config.blockDim = dim3(Kernel::kThreads);
-    config.dynamicSmemBytes = smem;
-    config.stream = stream;
-    cudaLaunchAttribute cluster[1];
-    cluster[0].id = cudaLaunchAttributeClusterDimension;
-    cluster[0].val.clusterDim.x = cluster_size<Kernel>();
-    cluster[0].val.clusterDim.y = 1;
-    cluster[0].val.clusterDim.z = 1;
-    config.attrs = cluster;
-    config.numAttrs = 1;
-    err = cudaLaunchKernelEx(&config, kernel, params, tma);
-  } else {
-    kernel<<<grid, Kernel::kThreads, smem, stream>>>(params, tma);
-    err = cudaGetLastError();
-  }
+  kernel<<<grid, Kernel::kThreads, smem, stream>>>(params, tma);
+  cudaError_t err = cudaGetLastError();
   if (err != cudaSuccess || params.num_sm_parts == 1) return err;  // one part: nothing is split
 
   const int max_rows = params.max_seqlen_q * params.num_heads_q;
