@@ -33,7 +33,7 @@ kernel). A build you made yourself: no peer code or binary belongs in this repos
 Outputs: <out>/bench_sparse[_ds_mla_fp8].json and .md (the markdown table, printed last).
 usage: python benchmarks/bench_sparse.py [--quick] [--only h128_s1,...] [--out DIR] [--rep-ms 100]
                                          [--kv-format bf16|ds_mla_fp8] [--flashmla-module flash_mla]
-                                         [--kernels rows64,rows64_paired]
+                                         [--kernels rows64,narrow16]
 """
 import argparse
 import importlib

@@ -11,8 +11,8 @@ struct half_t;
 
 namespace mla_decode {
 
-// Builds the TMA descriptor for the paged cache (element: the cache's type; rows_only: a cache that
-// is always gathered row by row, ds_mla_fp8); returns an error message or nullptr.
+// Builds the TMA descriptor for the paged cache (element: the cache's type; rows_only: a kernel that
+// gathers every row, the 64-row kernel's fp8 forms); returns an error message or nullptr.
 const char* make_kv_tma(const DecodeParams& params, mla_common::TmaElement element, bool rows_only, DecodeTma* tma);
 
 // Builds the Q maps of `tma` (q of [num_batches, num_tokens, h_q, ..], 16-bit elements) for the

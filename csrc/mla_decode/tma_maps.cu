@@ -22,7 +22,7 @@ FastDivisor make_fast_divisor(int divisor) {
 const char* make_kv_tma(const DecodeParams& p, mla_common::TmaElement element, bool rows_only, DecodeTma* tma) {
   tma->page_size = make_fast_divisor(p.page_size);
   // A TMA copy of fewer than 16 rows (or one per key of a sparse list) would cost more to issue than
-  // to gather the rows (by cp.async, or by a bulk copy per whole row in the 64-row kernel's fp8 forms).
+  // to gather the rows (by cp.async; the 64-row kernel's fp8 forms copy every row whole: rows_only).
   tma->gather = rows_only || p.kv_slots || p.page_size % 16 != 0;
   if (tma->gather) return nullptr;
   // A copy never crosses a page: rows_per_copy divides page_size (a multiple of 16) and 64.

@@ -8,8 +8,9 @@
 //   WG 2  producer: its warps issue TMA copies of 64-key x 576-dim K tiles (9 swizzle slabs per
 //         page piece, one lane per piece, warp w slabs w, w + 4, w + 8) into a 2-stage ring; one
 //         kv_full mbarrier per slab, one kv_empty per stage; or they gather the rows by cp.async
-//         (kv_producer.cuh). FP8 cache: the slabs land as bytes in the upper part of the stage
-//         (ds_mla_fp8, DeepSeek-V3.2's 656-byte rows: gathered only, rope and scales beside them).
+//         (kv_producer.cuh). FP8 caches: each row lands whole by bulk copy in the upper part of the
+//         stage, one kv_full per stage (row_copies.cuh; ds_mla_fp8, DeepSeek-V3.2's 656-byte rows,
+//         with its scales and rope).
 //   WG 0,1 math: KV blocks alternate between them (FP8: both first convert a block's tile in place
 //         to 16 bit, Fp8SlabConverter). The owner of a block computes S = Q K^T for all 64 keys, the
 //         online-softmax step and P = exp2(S - m), and hands P and the new row max to the other
@@ -46,34 +47,26 @@ namespace mla_decode {
 using namespace cute;
 using mla_common::named_barrier_sync;
 
-// fp8 cache: both math warpgroups convert a block's staged e4m3 tile to the fp16 tile the
-// WGMMAs read, slab by slab as the slabs land; the owner issues each slab group's QK^T before
-// converting the next (the WGMMAs run while it converts). Math thread t converts 16-byte chunk t of
-// every slab (key row t / 4, columns 16 (t % 4) ... + 15); rows past the sequence end become zeros
-// (never loaded, or slots past L), so no tail zeroing is needed. e4m3 values are exact in fp16; a
+// fp8 cache: both math warpgroups convert a block's staged e4m3 rows to the fp16 tile the WGMMAs
+// read, in two slab groups; the owner issues the first group's QK^T before converting the second (the
+// WGMMAs run while it converts). Math thread t converts 16-byte chunk t % 4 of row t / 4 in every slab
+// (columns 16 (t % 4) ... + 15 of the slab); rows past the sequence end become zeros (never copied),
+// so no tail zeroing is needed. e4m3 values are exact in fp16; a
 // per-tensor scale is applied to the scores and the output. ds_mla_fp8: each 128-column group of a
 // row is multiplied by its power-of-two scale in fp16, exact for the scales 2^-13 (the quantiser's
 // smallest) to 2^7 (|values| up to 57344; larger overflow fp16), and the bf16 rope slab becomes fp16
 // in place (exact within fp16's range).
 //
-// In place, slabs staged by TMA: 16-bit slab s overwrites the staged bytes of slabs 2s - 9 and 2s - 8
-// (if >= 0), so a barrier must separate every read of those from the writes of s: slabs are converted
-// in the groups {0-3} {4, 5} {6} {7, and slab 8 read} {8 written}. Whole staged rows (kRowStaged): the
-// 16-bit slabs below the staging first ({0-3}; ds_mla_fp8 {0-2}), then every other staged byte is read
-// before the rest are written ({4-8}; ds_mla_fp8 {3-7, rope}). A barrier over both warpgroups follows
-// each group, which also makes the group visible to the WGMMAs.
+// In place: the 16-bit slabs below the staging first ({0-3}; ds_mla_fp8 {0-2}), then every other
+// staged byte is read before the rest are written ({4-8}; ds_mla_fp8 {3-7, rope}). A barrier over both
+// warpgroups follows each group, which also makes the group visible to the WGMMAs.
 template <typename Traits>
 struct Fp8SlabConverter {
   static_assert(std::is_same_v<typename Traits::MmaElement, cutlass::half_t>, "e4m3 converts to the fp16 tile");
-  static_assert(kFp8SlabBytes / 16 == 256, "one 16-byte chunk of a slab per math thread");
+  static_assert(kBlockN * 4 == 2 * 128, "four math threads per key row");
   static constexpr int k16BitSlabBytes = Traits::k16BitSlabBytes;
   static_assert(k16BitSlabBytes == 8192, "a 16-bit slab is 8 KB");
 
-  // Reads this thread's chunk of staged slab `slab`.
-  __device__ __forceinline__ static uint4 read(const typename Traits::SharedStorage& ss, int stage, int slab, int tid) {
-    const char* slab_bytes = reinterpret_cast<const char*>(ss.k[stage]) + Traits::kFp8StagingOffset + slab * kFp8SlabBytes;
-    return *reinterpret_cast<const uint4*>(slab_bytes + fp8_slab_offset(tid / 4, tid % 4));
-  }
   // Byte offset, within any 16-bit slab ([64 rows][128 B], 128-byte swizzle: 16-byte chunk c of row r
   // at c ^ (r % 8)), of the first of the two 16-byte chunks this thread writes (key row tid / 4,
   // columns 16 (tid % 4) ... + 15); the second is at this offset ^ 16. The same in every slab, so a
@@ -118,9 +111,9 @@ struct Fp8SlabConverter {
                                           bf16x2_to_f16x2(in[i].w)));
     }
   }
-  // Converts the tile of `stage`, calling on_group(first_slab, end_slab) after each group is
-  // visible to WGMMA. The slabs of a group are waited for, then all read, then all written, so that
-  // their loads are in flight together.
+  // Converts the tile of `stage` once its rows have landed, calling on_group(first_slab, end_slab) after
+  // each group is visible to WGMMA. A group's slabs are all read, then all written, so that their loads
+  // are in flight together.
   template <typename OnGroup>
   __device__ __forceinline__ static void convert_tile(typename Traits::SharedStorage& ss, int stage, uint32_t phase,
                                                       int tid, int valid_keys, OnGroup&& on_group) {
@@ -133,65 +126,36 @@ struct Fp8SlabConverter {
     const uint32_t tile_addr = mla_common::smem_addr(ss.k[mla_common::warp_uniform(stage)]);
     const uint32_t offset = write_offset(tid);
     const bool zero = tid / 4 >= valid_keys;
-    auto wait = [&](int first_slab, int end_slab) {
-#pragma unroll
-      for (int slab = first_slab; slab < end_slab; ++slab) cutlass::arch::ClusterBarrier::wait(&ss.kv_full[stage][slab], phase);
-    };
-    // Reads staged slabs [first_slab, first_slab + count) (count <= 4) once they have landed.
-    auto read_group = [&](int first_slab, int count, uint4 (&staged)[4]) {
-      wait(first_slab, first_slab + count);
-#pragma unroll
-      for (int i = 0; i < count; ++i) staged[i] = read(ss, stage, first_slab + i, tid);
-    };
     uint4 staged[4];
-    if constexpr (Traits::kRowStaged) {
-      constexpr bool kScaled = Traits::kDsMlaFp8;
-      cutlass::arch::ClusterBarrier::wait(&ss.kv_full[stage][0], phase);  // the whole block
-      const uint32_t staged_row = tile_addr + Traits::kRowStagingOffset + (tid / 4) * Traits::kRowStagingStride;
-      auto read_slab = [&](int slab) { return mla_common::ld_shared_16(staged_row + slab * kTmaColumns + (tid % 4) * 16); };
-      // ds_mla_fp8: the row's scales, zero for a row past the sequence end (not copied: stale ones could
-      // be inf or NaN).
-      __half2 scales[4] = {};
-      if constexpr (kScaled) {
-        const uint4 raw = zero ? make_uint4(0, 0, 0, 0) : mla_common::ld_shared_16(staged_row + mla_common::kDsScaleOffset);
-        const uint32_t words[4] = {raw.x, raw.y, raw.z, raw.w};
+    constexpr bool kScaled = Traits::kDsMlaFp8;
+    cutlass::arch::ClusterBarrier::wait(&ss.kv_full[stage][0], phase);  // the whole block
+    const uint32_t staged_row = tile_addr + Traits::kRowStagingOffset + (tid / 4) * Traits::kRowStagingStride;
+    auto read_slab = [&](int slab) { return mla_common::ld_shared_16(staged_row + slab * kTmaColumns + (tid % 4) * 16); };
+    // ds_mla_fp8: the row's scales, zero for a row past the sequence end (not copied: stale ones could
+    // be inf or NaN).
+    __half2 scales[4] = {};
+    if constexpr (kScaled) {
+      const uint4 raw = zero ? make_uint4(0, 0, 0, 0) : mla_common::ld_shared_16(staged_row + mla_common::kDsScaleOffset);
+      const uint32_t words[4] = {raw.x, raw.y, raw.z, raw.w};
 #pragma unroll
-        for (int i = 0; i < 4; ++i) scales[i] = __float2half2_rn(__uint_as_float(words[i]));
-        static_assert(mla_common::kDsTile == 2 * kTmaColumns, "one scale per two slabs");
-      }
-      auto scale_of = [&](int slab) { return scales[(slab / 2) % 4]; };
-      constexpr int kFirst = Traits::kSlabsBelowStaging, kRest = Traits::kStagedSlabs - kFirst;
-      static_assert(kFirst <= 4 && kRest == 5, "the registers below");
-#pragma unroll
-      for (int slab = 0; slab < kFirst; ++slab) staged[slab] = read_slab(slab);
-#pragma unroll
-      for (int slab = 0; slab < kFirst; ++slab) write<kScaled>(tile_addr, offset, slab, zero, staged[slab], scale_of(slab));
-      uint4 rest[kRest];
-#pragma unroll
-      for (int i = 0; i < kRest; ++i) rest[i] = read_slab(kFirst + i);
-      publish(0, kFirst);  // also: every thread has read the staging, which the slabs above overwrite
-#pragma unroll
-      for (int i = 0; i < kRest; ++i) write<kScaled>(tile_addr, offset, kFirst + i, zero, rest[i], scale_of(kFirst + i));
-      if constexpr (Traits::kDsMlaFp8) convert_rope(tile_addr, offset, zero, tid);
-      publish(kFirst, kSlabs);
-    } else {
-      read_group(0, 4, staged);
-#pragma unroll
-      for (int slab = 0; slab < 4; ++slab) write(tile_addr, offset, slab, zero, staged[slab]);
-      publish(0, 4);
-      read_group(4, 2, staged);
-      write(tile_addr, offset, 4, zero, staged[0]);
-      write(tile_addr, offset, 5, zero, staged[1]);
-      publish(4, 6);
-      read_group(6, 1, staged);
-      write(tile_addr, offset, 6, zero, staged[0]);
-      publish(6, 7);
-      read_group(7, 2, staged);  // slab 8 overwrites its own staged bytes: read before the barrier
-      write(tile_addr, offset, 7, zero, staged[0]);
-      publish(7, 8);
-      write(tile_addr, offset, 8, zero, staged[1]);
-      publish(8, 9);
+      for (int i = 0; i < 4; ++i) scales[i] = __float2half2_rn(__uint_as_float(words[i]));
+      static_assert(mla_common::kDsTile == 2 * kTmaColumns, "one scale per two slabs");
     }
+    auto scale_of = [&](int slab) { return scales[(slab / 2) % 4]; };
+    constexpr int kFirst = Traits::kSlabsBelowStaging, kRest = Traits::kStagedSlabs - kFirst;
+    static_assert(kFirst <= 4 && kRest == 5, "the registers below");
+#pragma unroll
+    for (int slab = 0; slab < kFirst; ++slab) staged[slab] = read_slab(slab);
+#pragma unroll
+    for (int slab = 0; slab < kFirst; ++slab) write<kScaled>(tile_addr, offset, slab, zero, staged[slab], scale_of(slab));
+    uint4 rest[kRest];
+#pragma unroll
+    for (int i = 0; i < kRest; ++i) rest[i] = read_slab(kFirst + i);
+    publish(0, kFirst);  // also: every thread has read the staging, which the slabs above overwrite
+#pragma unroll
+    for (int i = 0; i < kRest; ++i) write<kScaled>(tile_addr, offset, kFirst + i, zero, rest[i], scale_of(kFirst + i));
+    if constexpr (Traits::kDsMlaFp8) convert_rope(tile_addr, offset, zero, tid);
+    publish(kFirst, kSlabs);
   }
 };
 
@@ -470,9 +434,6 @@ struct Rows64Kernel : KvRingKernel<Traits> {
 
 template <typename Element, bool kFp8Kv>
 cudaError_t run_mla_decode(const DecodeParams& params, const DecodeTma& tma, cudaStream_t stream) {
-  if constexpr (kFp8Kv) {  // a gathered e4m3 cache: its rows copied whole (row-staged form)
-    if (tma.gather) return launch_split_and_combine<Rows64Kernel<Rows64Traits<Element, true, false, true>>>(params, tma, stream);
-  }
   return launch_split_and_combine<Rows64Kernel<Rows64Traits<Element, kFp8Kv>>>(params, tma, stream);
 }
 

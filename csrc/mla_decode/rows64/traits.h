@@ -13,23 +13,21 @@
 namespace mla_decode {
 using namespace cute;
 
-template <typename Element_, bool kFp8Kv_, bool kDsMlaFp8_ = false, bool kRowStaged_ = kDsMlaFp8_>
+template <typename Element_, bool kFp8Kv_, bool kDsMlaFp8_ = false>
 struct Rows64Traits {
   using Element = Element_;  // cutlass::bfloat16_t or cutlass::half_t: q and out
-  // fp8 (e4m3) cache: each K tile arrives as fp8 bytes in the upper part of its stage buffer and is
+  // fp8 (e4m3) cache: each K tile arrives as e4m3 rows in the upper part of its stage buffer and is
   // converted in place to the 16-bit tile (by the math warpgroups).
   static constexpr bool kFp8Kv = kFp8Kv_;
   // DeepSeek-V3.2's cache (common/ds_mla_fp8_layout.h; implies kFp8Kv and kRowStaged): per-128-column
   // power-of-two scales beside the e4m3 values, the rope in bf16.
   static constexpr bool kDsMlaFp8 = kDsMlaFp8_;
-  // Each key row arrives whole by bulk copy (rows64/row_copies.cuh; no TMA map) into staging rows and is
-  // converted in place to the fp16 tile (Fp8SlabConverter): the ds_mla_fp8 cache, and an e4m3 cache
-  // whose keys do not come in runs of 16 rows of one page (page sizes not a multiple of 16, kv_slots).
-  static constexpr bool kRowStaged = kRowStaged_;
-  static_assert(kFp8Kv || !kRowStaged, "rows are staged as e4m3 bytes");
-  static_assert(kRowStaged || !kDsMlaFp8, "ds_mla_fp8 rows are staged whole");
+  // Every fp8 form: each key row arrives whole by bulk copy (rows64/row_copies.cuh; no TMA map) into
+  // staging rows and is converted in place to the fp16 tile (Fp8SlabConverter), at every page size (faster
+  // than TMA boxes of 9 e4m3 slabs even where the keys come in runs of one page: docs/design-decisions.md).
+  static constexpr bool kRowStaged = kFp8Kv;
+  static_assert(kFp8Kv || !kDsMlaFp8, "ds_mla_fp8 rows are e4m3");
   static constexpr bool kGatherOnly = kRowStaged;
-  static constexpr bool kTmaOnly = kFp8Kv && !kRowStaged;  // a gathered e4m3 cache is row-staged
   // The type of the Q, K and P tiles in smem and of the MMAs: q's type, or fp16 with an fp8 cache
   // (e4m3 -> fp16 is one cvt per pair, -> bf16 four; a bf16 Q row is stored scaled, fp16_row_scale).
   using MmaElement = std::conditional_t<kFp8Kv, cutlass::half_t, Element>;
@@ -69,14 +67,9 @@ struct Rows64Traits {
     float q_scale[kBlockM];                      // kScaledQ: the power of two Q row r is stored times
     float row_max[kBlockM];                      // running row max after the block in sP
     float row_sum[kNumMathWarpgroups][kBlockM];  // per-warpgroup softmax denominators (epilogue)
-    uint64_t kv_full[kStages][kSlabs];           // TMA bytes of one 64-column slab have landed (ds_mla_fp8: [0], the block)
+    uint64_t kv_full[kStages][kSlabs];           // TMA bytes of one 64-column slab have landed (fp8: [0], the block's rows)
     uint64_t kv_empty[kStages];                  // both math warpgroups are done with a K tile
   };
-  // e4m3 staging: slab s of a tile sits at this byte offset of the stage buffer + s * kFp8SlabBytes
-  // (shared/fp8_dequant.cuh), the staged slabs ending where the stage does. Converting slabs in order
-  // never overwrites bytes not yet read (16-bit slab s overlaps only staged slabs 2s - 9 and 2s - 8),
-  // given a barrier between the reads and the writes of each slab.
-  static constexpr int kFp8StagingOffset = kSlabs * kFp8SlabBytes;
   // Row staging (kRowStaged): key row r's staged bytes at kRowStagingOffset + r * kRowStagingStride:
   // an e4m3 row's 576 values, or a ds_mla_fp8 row's 512 e4m3 values and 4 scales (528 bytes, as in the
   // cache), whose 64 bf16 rope values land unswizzled at kDsRopeSlabOffset + r * 128, in the 16-bit rope
@@ -92,14 +85,11 @@ struct Rows64Traits {
   static constexpr int kSlabsBelowStaging = kRowStagingOffset / k16BitSlabBytes;
   static_assert(kRowStagingStride % 128 == 64 && kRowStagingStride >= kHeadDimK && kRowStagingOffset % 16 == 0,
                 "staging rows: 16-byte aligned, bank-spread, room for a row");
-  // Where the producer's copy of rows [row, row + rows_per_copy) of a slab lands.
+  // Where the producer's copy of rows [row, row + rows_per_copy) of a slab lands (16-bit cache).
   __device__ static void* kv_copy_dst(SharedStorage& ss, int stage, int slab, int row) {
-    if constexpr (kFp8Kv) {  // a staged e4m3 slab
-      return reinterpret_cast<char*>(ss.k[stage]) + kFp8StagingOffset + slab * kFp8SlabBytes + row * kTmaColumns;
-    } else {
-      Tensor sK = make_tensor(make_smem_ptr(ss.k[stage]), SmemLayoutK{});
-      return &sK(row, slab * kTmaColumns);
-    }
+    static_assert(!kFp8Kv, "the fp8 forms copy whole rows (rows64/row_copies.cuh)");
+    Tensor sK = make_tensor(make_smem_ptr(ss.k[stage]), SmemLayoutK{});
+    return &sK(row, slab * kTmaColumns);
   }
   static constexpr int kSmemBytes = int(sizeof(SharedStorage));
   static_assert(kSmemBytes + 1024 <= 227 * 1024, "shared memory map (+ the launchers' 1024-byte alignment slack) exceeds the sm_90 limit");

@@ -17,9 +17,6 @@ namespace mla_decode {
 // ds_mla_fp8 rows have no TMA map); the caller then sets DecodeTma::gather.
 template <typename Traits>
 inline constexpr bool kGathersOnly = requires { requires Traits::kGatherOnly; };
-// Whether a kernel's gathered cache goes to another form (Traits::kTmaOnly): its TMA variant alone.
-template <typename Traits>
-inline constexpr bool kTmaLoadsOnly = requires { requires Traits::kTmaOnly; };
 
 // Launches the split kernel (grid: q-tiles x parts; its gathering variant where DecodeTma::gather)
 // and, when any request is split, the combine kernel chained with PDL. kMayStoreFp32Partials: the
@@ -27,12 +24,8 @@ inline constexpr bool kTmaLoadsOnly = requires { requires Traits::kTmaOnly; };
 template <typename Kernel, bool kMayStoreFp32Partials = false>
 cudaError_t launch_split_and_combine(const DecodeParams& params, const DecodeTma& tma, cudaStream_t stream) {
   using Element = typename Kernel::Traits::Element;
-  if constexpr (kTmaLoadsOnly<typename Kernel::Traits>) {
-    if (tma.gather) return cudaErrorInvalidValue;  // the dispatch sends gathered caches to another form
-  }
   const auto kernel = [&] {
     if constexpr (kGathersOnly<typename Kernel::Traits>) return mla_decode_split_kernel<Kernel, true>;
-    else if constexpr (kTmaLoadsOnly<typename Kernel::Traits>) return mla_decode_split_kernel<Kernel, false>;
     else return tma.gather ? mla_decode_split_kernel<Kernel, true> : mla_decode_split_kernel<Kernel, false>;
   }();
   constexpr int smem = Kernel::Traits::kSmemBytes + 1024;  // + slack to align the map to 1024 bytes
