@@ -9,8 +9,10 @@ For every config (h_q, s_q, batch; top-k 2048, bf16 cache [pages, 64, 576]):
      into a NaN-poisoned out, then a CUDA-graph replay into a NaN-poisoned out; "ok" = finite,
      rel-L2 < 2e-2, LSE max-abs < 1e-2;
   3. time as CUDA graphs, replays interleaved (benchmarks/_timing.py, as bench_decode.py):
-       op   = the whole call: index compaction + split-KV schedule + attention,
-       attn = the attention alone (get_sparse_decode_metadata made once outside the graph);
+       op    = the whole call: split-KV schedule + index compaction + attention,
+       layer = the call with the schedule made once per step (get_sparse_decode_metadata, shapes only,
+               as FlashMLA's metadata): index compaction + attention, what each layer of a step pays,
+       attn  = the attention kernel alone (the compaction made once outside the graph too);
      cold = median over replays each preceded by a 512 MB read (L2 evicted), warm = each preceded by a
      ~20 us spin kernel.
 Formulas (R = b * s_q query tokens, V = the valid indices of all tokens = R * TOPK here, t = op cold):
@@ -21,8 +23,8 @@ Formulas (R = b * s_q query tokens, V = the valid indices of all tokens = R * TO
 --kv-format ds_mla_fp8: the same values in DeepSeek-V3.2's 656-byte FP8 rows (quantize_ds_mla_fp8);
 the reference reads the dequantised rows.
 
---kernels K1,K2: also time the attention alone with each named split kernel forced (mla_sparse_decode's
-private _kernel; metadata.DECODE_KERNELS) where it can run the config: an A/B of kernels in one run.
+--kernels K1,K2: also time the attention alone with each named split kernel forced (the decode op's
+private split_kernel; metadata.DECODE_KERNELS) where it can run the config: an A/B of kernels in one run.
 
 --flashmla-module MOD: also time FlashMLA on the same data, where it imports and runs (the h_q it
 supports), checked like ours: bf16 cache: MOD.flash_mla_sparse_fwd(q [R, h_q, 576], kv [slots, 1, 576],
@@ -146,19 +148,30 @@ def run_config(c, timer, rep_ms, flashmla, kv_format, kernels=()):
     torch.cuda.synchronize()
     res["check_graph"] = check(p, out, lse_g)
 
-    md = mla_attn.get_sparse_decode_metadata(idx, kv, c["h_q"])
-    g_attn, _ = capture(lambda: mla_attn.mla_sparse_decode(q, kv, idx, softmax_scale=SCALE, out=out, metadata=md))
-    graphs, names = [g_op, g_attn], ["op", "attn"]
+    md = mla_attn.get_sparse_decode_metadata(idx, c["h_q"])
+    g_layer, _ = capture(lambda: mla_attn.mla_sparse_decode(q, kv, idx, softmax_scale=SCALE, out=out, metadata=md))
+    # The attention alone: the decode op over slots compacted once (what mla_sparse_decode runs last).
+    rows = c["b"] * c["s_q"]
+    slots, counts = torch.ops.mla_attn.compact_sparse_indices(idx.reshape(rows, TOPK), None, kv.shape[0] * kv.shape[1])
+    q_rows, dec = q.reshape(rows, 1, c["h_q"], D_QK), md.decode
+
+    def attention(kernel=None):
+        o, l = torch.ops.mla_attn.mla_decode(q_rows, None, kv, slots, counts, None, 1, SCALE, False, dec.tile_sched,
+                                             dec.req_splits, dec.num_sm_parts, split_kernel=kernel, kv_slots=True)
+        return o.view(out.shape), l.view(lse.shape)
+
+    o_a, l_a = attention()
+    res["check_attn"] = check(p, o_a, l_a)
+    g_attn, _ = capture(attention)
+    graphs, names = [g_op, g_layer, g_attn], ["op", "layer", "attn"]
     for kernel in kernels:  # the attention alone with this kernel forced, checked like the op
         def forced(kernel=kernel):
-            return mla_attn.mla_sparse_decode(q, kv, idx, softmax_scale=SCALE, out=out, metadata=md, return_lse=True,
-                                              _kernel=kernel)
+            return attention(kernel)
         try:
-            out.fill_(float("nan"))
-            _, lse_k = forced()
-            res[f"check_{kernel}"] = check(p, out, lse_k)
+            o_k, lse_k = forced()
+            res[f"check_{kernel}"] = check(p, o_k, lse_k)
             g_k, _ = capture(forced)
-        except ValueError as e:  # the kernel cannot run this config
+        except (ValueError, RuntimeError) as e:  # the kernel cannot run this config
             res[f"{kernel}_error"] = str(e)[:200]
             continue
         graphs.append(g_k)
@@ -177,7 +190,6 @@ def run_config(c, timer, rep_ms, flashmla, kv_format, kernels=()):
 
     for name, t in zip(names, timer.time_interleaved(graphs, rep_ms)):
         res[name] = t
-    rows = c["b"] * c["s_q"]
     valid = rows * TOPK
     t_s = res["op"]["cold_us"] * 1e-6
     res["tflops"] = 2 * c["h_q"] * valid * (D_QK + D_V) / t_s / 1e12
@@ -188,26 +200,26 @@ def run_config(c, timer, rep_ms, flashmla, kv_format, kernels=()):
 
 
 def table(results, with_fm, kernels=()):
-    head = ["config", "ok", "op cold us", "op warm us", "attn cold us", "TFLOP/s", "GB/s"]
+    head = ["config", "ok", "op cold us", "op warm us", "layer cold us", "attn cold us", "TFLOP/s", "GB/s"]
     head += [f"attn {k} cold us" for k in kernels]
     if with_fm:
-        head += ["FMLA cold us", "x FMLA"]
+        head += ["FMLA cold us", "x FMLA op", "x FMLA layer", "x FMLA attn"]
     lines = ["| " + " | ".join(head) + " |", "|" + "---|" * len(head)]
     for r in results:
         if "error" in r:
             lines.append(f"| {r['name']} | error: {r['error'][:60]} |" + " |" * (len(head) - 2))
             continue
-        ok = r["check_eager"]["ok"] and r["check_graph"]["ok"]
+        ok = r["check_eager"]["ok"] and r["check_graph"]["ok"] and r["check_attn"]["ok"]
         row = [r["name"], "ok" if ok else "FAIL", f"{r['op']['cold_us']:.1f}", f"{r['op']['warm_us']:.1f}",
-               f"{r['attn']['cold_us']:.1f}", f"{r['tflops']:.1f}", f"{r['gbps']:.0f}"]
+               f"{r['layer']['cold_us']:.1f}", f"{r['attn']['cold_us']:.1f}", f"{r['tflops']:.1f}", f"{r['gbps']:.0f}"]
         for k in kernels:
             t = r.get(f"attn_{k}")
             row.append("-" if t is None else f"{t['cold_us']:.1f}" + ("" if r[f"check_{k}"]["ok"] else " (FAIL)"))
         if with_fm:
             fm = r.get("flashmla")
             fm_ok = fm and r["flashmla_check"]["ok"]
-            row += [f"{fm['cold_us']:.1f}" + ("" if fm_ok else " (FAIL)"), f"{fm['cold_us'] / r['op']['cold_us']:.2f}"] \
-                if fm else ["-", "-"]
+            row += ([f"{fm['cold_us']:.1f}" + ("" if fm_ok else " (FAIL)")] +
+                    [f"{fm['cold_us'] / r[k]['cold_us']:.2f}" for k in ("op", "layer", "attn")]) if fm else ["-"] * 4
         lines.append("| " + " | ".join(row) + " |")
     return "\n".join(lines)
 
@@ -237,9 +249,10 @@ def main():
         try:
             results.append(run_config(c, timer, args.rep_ms, flashmla, args.kv_format, kernels))
             r = results[-1]
-            ok = r["check_eager"]["ok"] and r["check_graph"]["ok"] and all(
+            ok = r["check_eager"]["ok"] and r["check_graph"]["ok"] and r["check_attn"]["ok"] and all(
                 r[f"check_{k}"]["ok"] for k in kernels if f"check_{k}" in r)
-            log(f"{c['name']}: op {r['op']['cold_us']:.1f} us cold, attn {r['attn']['cold_us']:.1f} us, "
+            log(f"{c['name']}: op {r['op']['cold_us']:.1f} us cold, layer {r['layer']['cold_us']:.1f} us, "
+                f"attn {r['attn']['cold_us']:.1f} us, "
                 f"{r['tflops']:.1f} TFLOP/s, {r['gbps']:.0f} GB/s, ok={ok}")
         except Exception as e:
             traceback.print_exc()

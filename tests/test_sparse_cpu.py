@@ -6,7 +6,7 @@ import math
 import pytest
 import torch
 from cases import make_decode_case
-from sparse_cases import FP8, check_sparse, make_sparse_case, run_sparse, valid_mask
+from sparse_cases import FP8, check_sparse, make_sparse_case, run_sparse
 
 import mla_attn
 from mla_attn.reference import mla_decode_ref, mla_sparse_ref
@@ -152,19 +152,20 @@ def test_sparse_prefill_matches_reference():
 
 
 def test_metadata_reuse():
+    """The schedule depends on shapes only: one made for a step serves calls (layers) with other
+    indices, lengths and caches of the same R, topk and h_q; calls of other shapes are refused."""
     case = make_sparse_case((2, 2), 8, 30, 16, lengths=True, seed=4)
-    md = mla_attn.get_sparse_decode_metadata(case["indices"], case["kv_cache"], 8, topk_length=case["topk_length"])
-    assert isinstance(md, mla_attn.SparseDecodeMetadata) and md.slots.shape == (4, 30)
-    row_len = case["topk_length"].repeat_interleave(2)
-    want = valid_mask(case["indices"].reshape(4, 30), row_len, md.num_slots).sum(1)
-    assert torch.equal(md.counts, want.int())
-    a = run_sparse(case, metadata=md)
-    b = run_sparse(case)
-    assert torch.equal(a[0], b[0]) and torch.equal(a[1], b[1])
+    md = mla_attn.get_sparse_decode_metadata(case["indices"], 8)
+    assert isinstance(md, mla_attn.SparseDecodeMetadata) and (md.rows, md.topk) == (4, 30)
+    for c in (case, make_sparse_case((2, 2), 8, 30, 24, lengths=True, seed=5)):
+        a = run_sparse(c, metadata=md)
+        check_sparse(c, *a)
+        b = run_sparse(c)
+        assert torch.equal(a[0], b[0]) and torch.equal(a[1], b[1])
     with pytest.raises(ValueError, match="metadata was computed for 4 query tokens of top-k 30"):
         run_sparse({**case, "indices": case["indices"][:, :1], "q": case["q"][:, :1]}, metadata=md)
-    with pytest.raises(ValueError, match="metadata was computed for a cache of"):
-        run_sparse({**case, "kv_cache": case["kv_cache"][:-1]}, metadata=md)
+    with pytest.raises(ValueError, match="metadata was computed for num_heads_q=8 but this call has 4"):
+        run_sparse({**case, "q": case["q"][..., :4, :]}, metadata=md)
     with pytest.raises(TypeError, match="metadata must be a SparseDecodeMetadata"):
         run_sparse(case, metadata=md.decode)
 
@@ -240,12 +241,12 @@ WRAPPER_CASES = [
                                                              torch.zeros(5, 2, 576, dtype=torch.bfloat16),
                                                              torch.zeros(2, 1, dtype=torch.int32), softmax_scale=0.1),
      ValueError, r"kv must be \[S, 576\] or \[S, 1, 576\]"),
-    ("metadata heads", lambda: mla_attn.get_sparse_decode_metadata(torch.zeros(2, 4, dtype=torch.int32),
-                                                                   torch.zeros(2, 16, 576, dtype=torch.bfloat16), 0),
+    ("metadata heads", lambda: mla_attn.get_sparse_decode_metadata(torch.zeros(2, 4, dtype=torch.int32), 0),
      ValueError, r"num_heads_q must be in \[1, 128\], got 0"),
-    ("metadata indices", lambda: mla_attn.get_sparse_decode_metadata(torch.zeros(4, dtype=torch.int32),
-                                                                     torch.zeros(2, 16, 576, dtype=torch.bfloat16), 4),
+    ("metadata indices", lambda: mla_attn.get_sparse_decode_metadata(torch.zeros(4, dtype=torch.int32), 4),
      ValueError, r"indices must be \[B, s_q, topk\] or \[T, topk\]"),
+    ("metadata indices dtype", lambda: mla_attn.get_sparse_decode_metadata(torch.zeros(2, 4, dtype=torch.int64), 4),
+     TypeError, r"indices must be int32, got torch.int64"),
 ]
 
 

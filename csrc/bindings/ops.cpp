@@ -27,7 +27,7 @@ TORCH_LIBRARY(mla_attn, m) {
   //   q_pe     None, or [.., h_q, 64] when q holds only the 512 latent dims
   //   kv_cache [num_pages, page_size, 576] or [num_pages, page_size, 1, 576], page_size 1..256, in q's
   //            dtype or float8_e4m3fn (with k_scale); or uint8 [num_pages, page_size(, 1), 656], DeepSeek-V3.2's
-  //            rows with their own scales (kv_format "ds_mla_fp8"; the rows64 kernel, gathered row by row)
+  //            rows with their own scales (kv_format "ds_mla_fp8"; the rows64 kernel, rows copied one by one)
   //   returns  out [.., h_q, 512] (q's dtype), lse fp32 [.., h_q] (natural log, +inf = no key)
   //   deterministic: the kernel is chosen by h_q alone (metadata computed with deterministic=True)
   //   fp8_mma: with a float8_e4m3fn cache and > 16 query rows per request (any when deterministic),
@@ -38,7 +38,8 @@ TORCH_LIBRARY(mla_attn, m) {
   //   kv_slots: block_table [B, max_keys] lists one cache slot (page * page_size + row in page) per
   //            key instead of one page per page_size keys: the first cache_seqlens[b] entries of
   //            row b are request b's keys, each in [0, num_pages * page_size) (mla_sparse_decode
-  //            compacts its top-k indices into this form)
+  //            compacts its top-k indices into this form). The schedule may be made for max_keys keys
+  //            per request (shapes only): each request's blocks end at its cache_seqlens[b]
   m.def(
       "mla_decode(Tensor q, Tensor? q_pe, Tensor kv_cache, Tensor block_table, Tensor cache_seqlens, "
       "Tensor? cu_seqlens_q, int max_seqlen_q, float softmax_scale, bool causal, "

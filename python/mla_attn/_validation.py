@@ -732,20 +732,16 @@ def check_sparse_prefill(q: Tensor, kv: Tensor) -> None:
         raise ValueError(f"kv must be [S, {D_QK}] or [S, 1, {D_QK}], got shape {tuple(kv.shape)}")
 
 
-def check_sparse_metadata(md: object, indices: Tensor, kv_cache: Tensor, like: Tensor) -> None:
+def check_sparse_metadata(md: object, indices: Tensor, like: Tensor) -> None:
     """A SparseDecodeMetadata against the call it is reused in."""
     if not isinstance(md, SparseDecodeMetadata):
         raise TypeError(f"metadata must be a SparseDecodeMetadata from get_sparse_decode_metadata, got "
                         f"{type(md).__name__}")
     rows, topk = math.prod(indices.shape[:-1]), indices.shape[-1]
-    if tuple(md.slots.shape) != (rows, topk):
-        raise ValueError(f"metadata was computed for {md.slots.shape[0]} query tokens of top-k "
-                         f"{md.slots.shape[1]} but this call has {rows} of top-k {topk}")
-    num_slots = kv_cache.shape[0] * kv_cache.shape[1]
-    if md.num_slots != num_slots:
-        raise ValueError(f"metadata was computed for a cache of {md.num_slots} slots but kv_cache has {num_slots}")
-    check_device("metadata.slots", md.slots, "q", like)
-    check_metadata(md.decode, rows, 1, False, False, like)  # num_heads_q against q's h_q among the rest
+    if (md.rows, md.topk) != (rows, topk):
+        raise ValueError(f"metadata was computed for {md.rows} query tokens of top-k {md.topk} but this call "
+                         f"has {rows} of top-k {topk}")
+    check_metadata(md.decode, rows, 1, False, False, like)  # num_heads_q and the device among the rest
 
 
 def check_topk_length_values(topk_length: Optional[Tensor], topk: int) -> None:

@@ -112,8 +112,8 @@ class MLAAttention(nn.Module):
         indices int32 [T, topk] (sparse attention): the cache slots (page * page_size + row) each token
         attends to, this step's own tokens included (they are written to the cache first); -1 and
         slots outside the cache are skipped; topk_length int32 [T] (optional) counts the first ones of
-        each row; sparse_metadata: get_sparse_decode_metadata(indices, kv_cache, num_heads,
-        topk_length=...), made once per step for all layers (computed per call when omitted).
+        each row; sparse_metadata: get_sparse_decode_metadata(indices, num_heads), made once per step
+        for all layers (it depends on shapes only; computed per call when omitted).
         fp8_mma=True (float8_e4m3fn cache only): passed to mla_decode for the decode requests, whose
         MMAs then run in e4m3 above 16 query rows per request (h * query_len > 16; any with a
         deterministic batch); see mla_decode. mla_decode checks it: a step with decode requests raises

@@ -196,10 +196,9 @@ def schedule_cpu(cache_seqlens: Tensor, cu_seqlens_q: Optional[Tensor], max_seql
 
 
 class SparseDecodeMetadata(NamedTuple):
-    """What mla_sparse_decode computes before its attention kernel (get_sparse_decode_metadata): each
-    query token's valid top-k indices as a kv_slots table row, and the split-KV schedule over them.
-    Reusable by every call (layer) that shares the indices, topk_length, cache size and h_q."""
-    slots: torch.Tensor  # int32 [R, topk]: row r's valid cache slots in order, then -1 (R query tokens)
-    counts: torch.Tensor  # int32 [R]: how many slots of row r are valid
-    decode: DecodeMetadata  # the schedule of mla_decode over R requests of one token each
-    num_slots: int  # num_pages * page_size of the cache the indices were checked against
+    """The split-KV schedule of mla_sparse_decode (get_sparse_decode_metadata): R query tokens of topk
+    slots each, made from shapes alone, so one schedule serves every call (layer) of a step with the same
+    R, topk and h_q, whatever its indices. A row with fewer valid indices ends its work early."""
+    decode: DecodeMetadata  # the schedule of mla_decode over R requests of topk keys each
+    rows: int  # R, the query tokens
+    topk: int

@@ -3,11 +3,12 @@ get_sparse_decode_metadata, built on mla_decode's kv_slots form.
 
 Each query token has its own list of top-k cache slots (from the caller's indexer), so each token is a
 "request" of one query token for the dense decode kernel:
-  1. compact_sparse_indices writes each row's valid indices (position < topk_length, 0 <= index <
-     num_slots) in order to the front of a [R, topk] slot list, and their count;
-  2. get_decode_metadata schedules R one-token requests of those counts (causal=False);
+  1. get_decode_metadata schedules R one-token requests of topk keys each (causal=False): shapes only,
+     so get_sparse_decode_metadata makes it once per step for every layer;
+  2. compact_sparse_indices writes each row's valid indices (position < topk_length, 0 <= index <
+     num_slots) in order to the front of a [R, topk] slot list, and their count, on every call;
   3. mla_decode(kv_slots=True) gathers the listed cache rows (DeepSeek-V3.2's ds_mla_fp8 rows too:
-     the 64-row kernel dequantises them in shared memory);
+     the 64-row kernel dequantises them in shared memory), each row's blocks ending at its count;
   4. an attention sink, if given, rescales out with a few elementwise ops.
 Every step runs on the device without a host sync, so the whole call is CUDA-graph capturable and
 traceable by torch.compile. Arguments are checked by _validation (static checks always; value checks on
@@ -35,36 +36,25 @@ def _row_lengths(topk_length: Optional[Tensor], indices: Tensor) -> Optional[Ten
     return topk_length.contiguous()
 
 
-def _sparse_metadata(indices: Tensor, topk_length: Optional[Tensor], num_slots: int,
-                     num_heads_q: int) -> SparseDecodeMetadata:
-    rows = math.prod(indices.shape[:-1])
-    slots, counts = torch.ops.mla_attn.compact_sparse_indices(indices.reshape(rows, indices.shape[-1]),
-                                                              _row_lengths(topk_length, indices), num_slots)
-    decode = get_decode_metadata(counts, num_heads_q, s_q=1, causal=False)
-    return SparseDecodeMetadata(slots, counts, decode, num_slots)
+def _sparse_schedule(rows: int, topk: int, num_heads_q: int, device: torch.device) -> SparseDecodeMetadata:
+    lengths = torch.full((rows,), topk, dtype=torch.int32, device=device)
+    return SparseDecodeMetadata(get_decode_metadata(lengths, num_heads_q, s_q=1, causal=False), rows, topk)
 
 
-def get_sparse_decode_metadata(indices: Tensor, kv_cache: Tensor, num_heads_q: int, *,
-                               topk_length: Optional[Tensor] = None,
-                               validate: Optional[bool] = None) -> SparseDecodeMetadata:
-    """The index compaction and split-KV schedule of mla_sparse_decode, computed on the device without
-    a host sync; pass the result as metadata= to every call (layer) that shares indices, topk_length,
-    the cache's size and h_q. It holds values computed from indices: recompute it (inside the CUDA
-    graph, if captured) whenever they change.
+def get_sparse_decode_metadata(indices: Tensor, num_heads_q: int) -> SparseDecodeMetadata:
+    """The split-KV schedule of mla_sparse_decode, computed on the device without a host sync. It depends
+    on shapes alone (the query tokens R and topk of indices, h_q), as FlashMLA's metadata does: make it once
+    per step and pass it as metadata= to every layer's call, whatever its indices and topk_length.
 
-    indices int32 [B, s_q, topk] with topk_length int32 [B], or [T, topk] with topk_length [T];
-    kv_cache as for mla_sparse_decode (only its shape is read).
+    indices int32 [B, s_q, topk] or [T, topk] (only its shape and device are read).
     """
-    check.check_sparse_cache(kv_cache, None)
     check.check_int("num_heads_q", num_heads_q, 1, check.MAX_HEADS_Q)
     check.check_tensor("indices", indices)
     if indices.dim() not in (2, 3):
         raise ValueError(f"indices must be [B, s_q, topk] or [T, topk], got shape {tuple(indices.shape)}")
-    check.check_sparse_indices(indices, topk_length, tuple(indices.shape[:-1]), indices)
-    check.check_device("kv_cache", kv_cache, "indices", indices)
-    if check.want_value_checks(validate, indices.device):
-        check.check_topk_length_values(topk_length, indices.shape[-1])
-    return _sparse_metadata(indices, topk_length, kv_cache.shape[0] * kv_cache.shape[1], num_heads_q)
+    if indices.dtype != torch.int32:
+        raise TypeError(f"indices must be int32, got {indices.dtype}")
+    return _sparse_schedule(math.prod(indices.shape[:-1]), indices.shape[-1], num_heads_q, indices.device)
 
 
 def _apply_sink(out: Tensor, lse: Tensor, attn_sink: Tensor) -> None:
@@ -98,29 +88,31 @@ def mla_sparse_decode(q: Tensor, kv_cache: Tensor, indices: Tensor, *, softmax_s
     -inf: no effect); the returned lse is the attention's own.
     Returns out [.., h_q, 512] in q's dtype, plus lse float32 [.., h_q] (natural log) if return_lse.
     A token with no valid index gets out 0 and lse +inf, with or without a sink.
-    metadata: from get_sparse_decode_metadata on the same indices / topk_length (then they are only
-    checked for shape here). _kernel (private, for tests and benchmarks): the split kernel to run
+    metadata: get_sparse_decode_metadata(indices, h_q), made once per step (shapes only); computed on
+    every call when omitted. The index compaction runs on every call. _kernel (private, for tests and benchmarks): the split kernel to run
     (metadata.DECODE_KERNELS); the call is a decode of max_seqlen_q 1, so rows = h_q.
     """
     check.check_softmax_scale(softmax_scale)
     rows = check.check_sparse_decode(q, q_pe, kv_cache, indices, topk_length, attn_sink, out)
     check.check_decode_options(q, kv_cache, k_scale, False, _kernel, 1)
-    h_q = q.shape[-2]
+    h_q, topk = q.shape[-2], indices.shape[-1]
     if metadata is None:
-        if check.want_value_checks(validate, q.device):
-            check.check_topk_length_values(topk_length, indices.shape[-1])
-        metadata = _sparse_metadata(indices, topk_length, kv_cache.shape[0] * kv_cache.shape[1], h_q)
+        metadata = _sparse_schedule(rows, topk, h_q, q.device)
     else:
-        check.check_sparse_metadata(metadata, indices, kv_cache, q)
+        check.check_sparse_metadata(metadata, indices, q)
     if check.want_value_checks(validate, q.device):
+        check.check_topk_length_values(topk_length, topk)
         check.check_scale_value("k_scale", k_scale)
+    slots, counts = torch.ops.mla_attn.compact_sparse_indices(indices.reshape(rows, topk),
+                                                              _row_lengths(topk_length, indices),
+                                                              kv_cache.shape[0] * kv_cache.shape[1])
 
     # Each query token is a request of one token: [R, 1, h_q, D] views (reshape copies a batched q only
     # when its batch and token strides do not merge).
     q_rows = q.reshape(rows, 1, h_q, q.shape[-1])
     q_pe_rows = None if q_pe is None else q_pe.reshape(rows, 1, h_q, q_pe.shape[-1])
     md = metadata.decode
-    args = (q_rows, q_pe_rows, kv_cache, metadata.slots, metadata.counts, None, 1, float(softmax_scale), False,
+    args = (q_rows, q_pe_rows, kv_cache, slots, counts, None, 1, float(softmax_scale), False,
             md.tile_sched, md.req_splits, md.num_sm_parts)
     kw = dict(k_scale=k_scale, split_kernel=_kernel, kv_slots=True)
     if out is None:

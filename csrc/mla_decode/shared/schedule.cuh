@@ -46,10 +46,17 @@ struct PartRange {
     seg.first_token = p.cu_seqlens_q ? p.cu_seqlens_q[b] : 0;
     seg.seqlen_q = p.cu_seqlens_q ? p.cu_seqlens_q[b + 1] - seg.first_token : p.max_seqlen_q;
     if (m_block * kBlockM >= seg.seqlen_q * p.num_heads_q) return false;
-    const int seqlen = b == begin_b ? begin_seqlen : p.cache_seqlens[b];
+    const int seqlen = b == begin_b && !p.kv_slots ? begin_seqlen : p.cache_seqlens[b];
     seg.seqlen_k = min(max(seqlen, 0), p.max_keys);
     seg.blk_lo = b == begin_b ? begin_blk : 0;
     seg.blk_hi = b == last_b ? last_hi : mla_common::ceil_div(max(seqlen, 0), kBlockN);
+    if (p.kv_slots) {
+      // Slot lists (sparse top-k) may be scheduled for max_keys keys each, from shapes alone, while a
+      // row holds fewer valid slots: its blocks end at its own count, and a piece past it is empty (its
+      // partial has LSE -inf).
+      seg.blk_hi = min(seg.blk_hi, mla_common::ceil_div(seg.seqlen_k, kBlockN));
+      seg.blk_lo = min(seg.blk_lo, seg.blk_hi);
+    }
     seg.split = b == begin_b ? begin_split : 0;
     return true;
   }
