@@ -3,7 +3,9 @@ memcheck and racecheck in seconds. Decode: split and unsplit requests, tail bloc
 varlen causal, page sizes 16, 32 and 64 (TMA) and 1 and 24 (cp.async gather), q_pe split, each with a 16-bit, an FP8 and a
 ds_mla_fp8 cache and through
 every split kernel that can run it. Prefill: partial and causal-diagonal blocks, empty
-rows, k_pe split. Then an LSE merge and a KV-cache write + gather round trip."""
+rows, k_pe split. Then an LSE merge and a KV-cache write + gather round trip. Sparse top-k decode with
+invalid indices and lengths (rows ending before their scheduled pieces, empty rows) over a 16-bit, an
+FP8 and a ds_mla_fp8 cache, with the schedule made once for two index sets."""
 import os
 import sys
 
@@ -14,6 +16,7 @@ import mla_attn  # noqa: E402
 from cases import make_decode_case, make_prefill_case  # noqa: E402
 from conftest import decode_kernels_for  # noqa: E402
 from fp8_cases import dequantized, to_ds_case, to_fp8_case  # noqa: E402
+from sparse_cases import check_sparse, make_sparse_case, run_sparse, to_device  # noqa: E402
 from mla_attn._ops import prefill_cpu  # noqa: E402
 from mla_attn.reference import mla_decode_ref  # noqa: E402
 
@@ -110,10 +113,30 @@ def check_decode():
     assert worst[False] < 3e-2 and worst[True] < 0.2, worst  # e4m3 Q and P: tests/test_decode_fp8_mma_gpu.py
 
 
+SPARSE_CASES = [  # (lead, h_q, topk, page_size, cache)
+    ((2, 2), 16, 700, 64, "16-bit"),
+    ((3,), 128, 300, 1, "ds"),
+    ((2,), 64, 2048, 24, "fp8"),
+]
+
+
+def check_sparse_decode():
+    for lead, h_q, topk, page, fmt in SPARSE_CASES:
+        md = None
+        for seed in (0, 1):  # one schedule (shapes only) for two index sets
+            case = to_device(make_sparse_case(lead, h_q, topk, page, lengths=True, fp8=fmt == "fp8",
+                                              ds_fp8=fmt == "ds", seed=seed), "cuda")
+            md = md or mla_attn.get_sparse_decode_metadata(case["indices"], h_q)
+            out, lse = run_sparse(case, metadata=md)
+            check_sparse(case, out, lse)  # against float64; raises on a mismatch
+            print(f"sparse lead={lead} h_q={h_q} topk={topk} page={page} cache={fmt} seed={seed}: ok", flush=True)
+
+
 def main():
     check_prefill()
     check_merge_and_cache()
     check_decode()
+    check_sparse_decode()
 
 
 if __name__ == "__main__":
