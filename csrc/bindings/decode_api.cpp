@@ -52,7 +52,7 @@ void mla_decode_cuda_impl(const Tensor& q, const std::optional<Tensor>& q_pe, co
                           const Tensor& req_splits, int64_t num_sm_parts, Tensor& out, Tensor& lse,
                           const std::optional<Tensor>& k_scale, const std::optional<Tensor>& q_scale,
                           bool deterministic, bool fp8_mma, const std::optional<c10::string_view>& kernel_name,
-                          bool kv_slots) {
+                          bool kv_slots, bool skip_invalid_slots) {
   using namespace mla_decode;
   check_sm90(q, "decode");
   const bool fp8_kv = kv_cache.scalar_type() == at::kFloat8_e4m3fn;
@@ -119,6 +119,10 @@ void mla_decode_cuda_impl(const Tensor& q, const std::optional<Tensor>& q_pe, co
   const DecodeProblem problem{.fp8_cache = fp8_kv, .ds_mla_fp8_cache = ds_kv, .max_seqlen_q = max_seqlen_q, .heads_q = heads, .batch = batch,
                               .deterministic = deterministic, .fp8_mma = fp8_mma};
   const DecodeKernel kernel = resolve_decode_kernel(kernel_name, problem);
+  // Only the 64-row kernel's ds_mla_fp8 form skips invalid slots (it copies each row by itself and
+  // masks the keys it did not copy); the other kernels require every listed slot to be valid.
+  TORCH_CHECK_VALUE(!skip_invalid_slots || (kv_slots && ds_kv && kernel == DecodeKernel::kRows64),
+                    "mla_attn: skip_invalid_slots needs kv_slots and a ds_mla_fp8 cache (the rows64 kernel)");
   const int tiles = int(problem.q_tiles());
   TORCH_CHECK(num_sm_parts >= 1 && num_sm_parts <= tile_sched.size(0) && num_sm_parts <= kMaxSmParts,
               "mla_attn: num_sm_parts out of range");
@@ -151,6 +155,7 @@ void mla_decode_cuda_impl(const Tensor& q, const std::optional<Tensor>& q_pe, co
   p.block_table_stride = block_table.stride(0);
   p.max_pages = int(block_table.size(1));
   p.kv_slots = kv_slots;
+  p.skip_invalid_slots = skip_invalid_slots;
   p.max_keys = int(std::min<int64_t>(block_table.size(1) * (kv_slots ? 1 : page_size), INT32_MAX));
   p.cache_seqlens = cache_seqlens.data_ptr<int>();
   p.cu_seqlens_q = varlen ? cu_seqlens_q->data_ptr<int>() : nullptr;
@@ -221,14 +226,15 @@ std::tuple<Tensor, Tensor> mla_decode_cuda(const Tensor& q, const std::optional<
                                            const Tensor& tile_sched, const Tensor& req_splits,
                                            int64_t num_sm_parts, const std::optional<Tensor>& k_scale,
                                            const std::optional<Tensor>& q_scale, bool deterministic, bool fp8_mma,
-                                           std::optional<c10::string_view> kernel, bool kv_slots) {
+                                           std::optional<c10::string_view> kernel, bool kv_slots,
+                                           bool skip_invalid_slots) {
   auto out_shape = q.sizes().vec();
   out_shape.back() = mla_decode::kHeadDimV;
   Tensor out = at::empty(out_shape, q.options());
   Tensor lse = at::empty(q.sizes().slice(0, q.dim() - 1), q.options().dtype(at::kFloat));
   mla_decode_cuda_impl(q, q_pe, kv_cache, block_table, cache_seqlens, cu_seqlens_q, max_seqlen_q,
                        softmax_scale, causal, tile_sched, req_splits, num_sm_parts, out, lse, k_scale,
-                       q_scale, deterministic, fp8_mma, kernel, kv_slots);
+                       q_scale, deterministic, fp8_mma, kernel, kv_slots, skip_invalid_slots);
   return {out, lse};
 }
 
@@ -238,14 +244,15 @@ void mla_decode_out_cuda(const Tensor& q, const std::optional<Tensor>& q_pe, con
                          double softmax_scale, bool causal, const Tensor& tile_sched,
                          const Tensor& req_splits, int64_t num_sm_parts, Tensor out, Tensor lse,
                          const std::optional<Tensor>& k_scale, const std::optional<Tensor>& q_scale,
-                         bool deterministic, bool fp8_mma, std::optional<c10::string_view> kernel, bool kv_slots) {
+                         bool deterministic, bool fp8_mma, std::optional<c10::string_view> kernel, bool kv_slots,
+                         bool skip_invalid_slots) {
   TORCH_CHECK(out.scalar_type() == q.scalar_type() && out.size(-1) == mla_decode::kHeadDimV &&
                   out.stride(-1) == 1,
               "mla_attn: out must be [.., h_q, 512] of q's dtype, contiguous in the last dim");
   TORCH_CHECK(lse.scalar_type() == at::kFloat, "mla_attn: lse must be float32");
   mla_decode_cuda_impl(q, q_pe, kv_cache, block_table, cache_seqlens, cu_seqlens_q, max_seqlen_q,
                        softmax_scale, causal, tile_sched, req_splits, num_sm_parts, out, lse, k_scale,
-                       q_scale, deterministic, fp8_mma, kernel, kv_slots);
+                       q_scale, deterministic, fp8_mma, kernel, kv_slots, skip_invalid_slots);
 }
 
 std::tuple<Tensor, Tensor> get_decode_metadata_cuda(const Tensor& cache_seqlens,

@@ -10,6 +10,7 @@ constexpr int kBlockN = 64;          // keys per KV block
 constexpr int kStages = 2;           // KV blocks in flight (2 x 72 KB + 72 KB of Q fill shared memory)
 constexpr int kNumMathWarpgroups = 2;
 constexpr int kNumThreads = (kNumMathWarpgroups + 1) * 128;  // + one producer warpgroup
+constexpr int kProducerWarps = 4;
 constexpr int kMathRegisters = 232;  // 2 x 128 x 232 + 128 x 40 <= 64K registers
 constexpr int kProducerRegisters = 40;
 // Seesaw kernel (16-bit cache, seesaw/kernel.cuh). Its math warpgroups hold O (128 registers), S

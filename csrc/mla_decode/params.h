@@ -28,6 +28,10 @@ struct DecodeParams {
   const int* block_table;
   int64_t block_table_stride;
   bool kv_slots;
+  // With kv_slots (the 64-row kernel's row-staged forms only): entries outside [0, num_pages *
+  // page_size) are keys to skip (score -inf, zero row) rather than required valid, so that sparse top-k
+  // index rows go to the kernel as they are, without a compaction pass.
+  bool skip_invalid_slots;
   const int* cache_seqlens;  // [batch]
   const int* cu_seqlens_q;   // [batch + 1] or nullptr (uniform: every request has max_seqlen_q tokens)
 

@@ -42,13 +42,14 @@ def _metadata_cpu(cache_seqlens, cu_seqlens_q, max_seqlen_q, num_heads_q, causal
 
 def _decode_fake(q, q_pe, kv_cache, block_table, cache_seqlens, cu_seqlens_q, max_seqlen_q, softmax_scale, causal,
                  tile_sched, req_splits, num_sm_parts, *, k_scale=None, q_scale=None, deterministic=False,
-                 fp8_mma=False, split_kernel=None, kv_slots=False):
+                 fp8_mma=False, split_kernel=None, kv_slots=False, skip_invalid_slots=False):
     return q.new_empty(q.shape[:-1] + (D_V,)), q.new_empty(q.shape[:-1], dtype=torch.float32)
 
 
 def _decode_out_fake(q, q_pe, kv_cache, block_table, cache_seqlens, cu_seqlens_q, max_seqlen_q, softmax_scale,
                      causal, tile_sched, req_splits, num_sm_parts, out, lse, *, k_scale=None, q_scale=None,
-                     deterministic=False, fp8_mma=False, split_kernel=None, kv_slots=False):
+                     deterministic=False, fp8_mma=False, split_kernel=None, kv_slots=False,
+                     skip_invalid_slots=False):
     return None
 
 
@@ -56,14 +57,19 @@ def _decode(q: Tensor, q_pe: Optional[Tensor], kv_cache: Tensor, block_table: Te
            cu_seqlens_q: Optional[Tensor], max_seqlen_q: int, softmax_scale: float, causal: bool,
            tile_sched: Tensor, req_splits: Tensor, num_sm_parts: int, out: Optional[Tensor],
            k_scale: Optional[Tensor], q_scale: Optional[Tensor], fp8_mma: bool, kernel: Optional[str],
-           kv_slots: bool) -> tuple[Tensor, Tensor]:
+           kv_slots: bool, skip_invalid_slots: bool) -> tuple[Tensor, Tensor]:
     """The decode op on CPU tensors: checks, then the float32 reference (out, lse). With kv_slots the
-    table lists cache slots: the reference reads the cache as pages of one slot."""
+    table lists cache slots: the reference reads the cache as pages of one slot (skip_invalid_slots:
+    the valid ones of each row's first cache_seqlens, compacted first)."""
     check.check_softmax_scale(softmax_scale)
     batch, max_seqlen_q = check.check_decode(q, q_pe, kv_cache, block_table, cache_seqlens, cu_seqlens_q,
                                              max_seqlen_q, out)
     check.check_decode_options(q, kv_cache, k_scale, fp8_mma, kernel, max_seqlen_q, q_scale)
     check.check_schedule(tile_sched, req_splits, num_sm_parts, batch, q)
+    check.check_skip_invalid_slots(skip_invalid_slots, kv_slots, kv_cache)
+    if skip_invalid_slots:
+        block_table, cache_seqlens = torch.ops.mla_attn.compact_sparse_indices(
+            block_table, cache_seqlens, kv_cache.shape[0] * kv_cache.shape[1])
     if k_scale is not None:  # FP8 cache: the reference runs on the dequantized values
         kv_cache = kv_cache.float() * k_scale.float()
     elif kv_cache.dtype == torch.uint8:  # ds_mla_fp8 rows
@@ -78,19 +84,20 @@ def _decode(q: Tensor, q_pe: Optional[Tensor], kv_cache: Tensor, block_table: Te
 
 def _decode_cpu(q, q_pe, kv_cache, block_table, cache_seqlens, cu_seqlens_q, max_seqlen_q, softmax_scale, causal,
                 tile_sched, req_splits, num_sm_parts, *, k_scale=None, q_scale=None, deterministic=False,
-                fp8_mma=False, split_kernel=None, kv_slots=False):
+                fp8_mma=False, split_kernel=None, kv_slots=False, skip_invalid_slots=False):
     out, lse = _decode(q, q_pe, kv_cache, block_table, cache_seqlens, cu_seqlens_q, max_seqlen_q, softmax_scale,
                        causal, tile_sched, req_splits, num_sm_parts, None, k_scale, q_scale, fp8_mma, split_kernel,
-                       kv_slots)
+                       kv_slots, skip_invalid_slots)
     return out.to(q.dtype), lse
 
 
 def _decode_out_cpu(q, q_pe, kv_cache, block_table, cache_seqlens, cu_seqlens_q, max_seqlen_q, softmax_scale, causal,
                     tile_sched, req_splits, num_sm_parts, out, lse, *, k_scale=None, q_scale=None,
-                    deterministic=False, fp8_mma=False, split_kernel=None, kv_slots=False):
+                    deterministic=False, fp8_mma=False, split_kernel=None, kv_slots=False,
+                    skip_invalid_slots=False):
     o, l = _decode(q, q_pe, kv_cache, block_table, cache_seqlens, cu_seqlens_q, max_seqlen_q, softmax_scale,
                    causal, tile_sched, req_splits, num_sm_parts, out, k_scale, q_scale, fp8_mma, split_kernel,
-                   kv_slots)
+                   kv_slots, skip_invalid_slots)
     check.check_lse("lse", lse, q.shape[:-1], "q", q)
     out.copy_(o)
     lse.copy_(l)

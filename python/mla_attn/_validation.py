@@ -327,6 +327,13 @@ def check_schedule(tile_sched: Tensor, req_splits: Tensor, num_sm_parts: int, ba
     check_num_sm_parts(num_sm_parts, tile_sched.shape[0])
 
 
+def check_skip_invalid_slots(skip_invalid_slots: bool, kv_slots: bool, kv_cache: Tensor) -> None:
+    """skip_invalid_slots (the decode op's private option for mla_sparse_decode): kv_slots rows of a
+    ds_mla_fp8 cache, which only the rows64 kernel reads."""
+    if skip_invalid_slots and not (kv_slots and kv_cache.dtype == torch.uint8):
+        raise ValueError("skip_invalid_slots needs kv_slots and a ds_mla_fp8 (uint8) kv_cache")
+
+
 def check_metadata(md: object, batch: int, max_seqlen_q: int, causal: bool, deterministic: bool, q: Tensor) -> None:
     if not isinstance(md, DecodeMetadata):
         raise TypeError(f"metadata must be a DecodeMetadata from get_decode_metadata, got {type(md).__name__}")

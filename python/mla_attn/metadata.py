@@ -202,3 +202,4 @@ class SparseDecodeMetadata(NamedTuple):
     decode: DecodeMetadata  # the schedule of mla_decode over R requests of topk keys each
     rows: int  # R, the query tokens
     topk: int
+    lengths: torch.Tensor  # int32 [R], all topk: the row lengths of a call without topk_length

@@ -6,7 +6,8 @@ Each query token has its own list of top-k cache slots (from the caller's indexe
   1. get_decode_metadata schedules R one-token requests of topk keys each (causal=False): shapes only,
      so get_sparse_decode_metadata makes it once per step for every layer;
   2. compact_sparse_indices writes each row's valid indices (position < topk_length, 0 <= index <
-     num_slots) in order to the front of a [R, topk] slot list, and their count, on every call;
+     num_slots) in order to the front of a [R, topk] slot list, and their count, on every call; not for
+     a ds_mla_fp8 cache, whose kernel takes the index rows as they are and skips invalid slots itself;
   3. mla_decode(kv_slots=True) gathers the listed cache rows (DeepSeek-V3.2's ds_mla_fp8 rows too:
      the 64-row kernel dequantises them in shared memory), each row's blocks ending at its count;
   4. an attention sink, if given, rescales out with a few elementwise ops.
@@ -38,7 +39,7 @@ def _row_lengths(topk_length: Optional[Tensor], indices: Tensor) -> Optional[Ten
 
 def _sparse_schedule(rows: int, topk: int, num_heads_q: int, device: torch.device) -> SparseDecodeMetadata:
     lengths = torch.full((rows,), topk, dtype=torch.int32, device=device)
-    return SparseDecodeMetadata(get_decode_metadata(lengths, num_heads_q, s_q=1, causal=False), rows, topk)
+    return SparseDecodeMetadata(get_decode_metadata(lengths, num_heads_q, s_q=1, causal=False), rows, topk, lengths)
 
 
 def get_sparse_decode_metadata(indices: Tensor, num_heads_q: int) -> SparseDecodeMetadata:
@@ -103,9 +104,17 @@ def mla_sparse_decode(q: Tensor, kv_cache: Tensor, indices: Tensor, *, softmax_s
     if check.want_value_checks(validate, q.device):
         check.check_topk_length_values(topk_length, topk)
         check.check_scale_value("k_scale", k_scale)
-    slots, counts = torch.ops.mla_attn.compact_sparse_indices(indices.reshape(rows, topk),
-                                                              _row_lengths(topk_length, indices),
-                                                              kv_cache.shape[0] * kv_cache.shape[1])
+    row_lengths = _row_lengths(topk_length, indices)
+    # A ds_mla_fp8 cache is read by the rows64 kernel alone, which copies each key row by itself and skips
+    # the invalid slots (score -inf, zero row): the index rows go as they are. The other kernels need
+    # every listed slot valid: the valid indices are compacted to the front of each row first.
+    skip_invalid = kv_cache.dtype == torch.uint8
+    if skip_invalid:
+        slots = indices.reshape(rows, topk).contiguous()
+        counts = metadata.lengths if row_lengths is None else row_lengths
+    else:
+        slots, counts = torch.ops.mla_attn.compact_sparse_indices(indices.reshape(rows, topk), row_lengths,
+                                                                  kv_cache.shape[0] * kv_cache.shape[1])
 
     # Each query token is a request of one token: [R, 1, h_q, D] views (reshape copies a batched q only
     # when its batch and token strides do not merge).
@@ -114,7 +123,7 @@ def mla_sparse_decode(q: Tensor, kv_cache: Tensor, indices: Tensor, *, softmax_s
     md = metadata.decode
     args = (q_rows, q_pe_rows, kv_cache, slots, counts, None, 1, float(softmax_scale), False,
             md.tile_sched, md.req_splits, md.num_sm_parts)
-    kw = dict(k_scale=k_scale, split_kernel=_kernel, kv_slots=True)
+    kw = dict(k_scale=k_scale, split_kernel=_kernel, kv_slots=True, skip_invalid_slots=skip_invalid)
     if out is None:
         out, lse = torch.ops.mla_attn.mla_decode(*args, **kw)
         out = out.view(q.shape[:-1] + (D_V,))

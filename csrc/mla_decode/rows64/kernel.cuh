@@ -50,8 +50,8 @@ using mla_common::named_barrier_sync;
 // fp8 cache: both math warpgroups convert a block's staged e4m3 rows to the fp16 tile the WGMMAs
 // read, in two slab groups; the owner issues the first group's QK^T before converting the second (the
 // WGMMAs run while it converts). Math thread t converts 16-byte chunk t % 4 of row t / 4 in every slab
-// (columns 16 (t % 4) ... + 15 of the slab); rows past the sequence end become zeros (never copied),
-// so no tail zeroing is needed. e4m3 values are exact in fp16; a
+// (columns 16 (t % 4) ... + 15 of the slab); rows the producer did not copy (key_copied: past the
+// sequence end, or skipped slots) become zeros, so no tail zeroing is needed. e4m3 values are exact in fp16; a
 // per-tensor scale is applied to the scores and the output. ds_mla_fp8: each 128-column group of a
 // row is multiplied by its power-of-two scale in fp16, exact for the scales 2^-13 (the quantiser's
 // smallest) to 2^7 (|values| up to 57344; larger overflow fp16), and the bf16 rope slab becomes fp16
@@ -76,7 +76,7 @@ struct Fp8SlabConverter {
     return row * 128 + ((chunk ^ (row % 8)) << 4);
   }
   // Writes this thread's chunk, converted (times `scale` with kScaled), to the 16-bit slab `slab` of
-  // the tile at tile_addr (zeros for rows >= valid_keys: the e4m3 bytes are zeroed before the
+  // the tile at tile_addr (zeros for a row not copied: the e4m3 bytes are zeroed before the
   // conversion, 4 selects, not 8).
   template <bool kScaled = false>
   __device__ __forceinline__ static void write(uint32_t tile_addr, uint32_t offset, int slab, bool zero, uint4 in,
@@ -113,10 +113,10 @@ struct Fp8SlabConverter {
   }
   // Converts the tile of `stage` once its rows have landed, calling on_group(first_slab, end_slab) after
   // each group is visible to WGMMA. A group's slabs are all read, then all written, so that their loads
-  // are in flight together.
+  // are in flight together. Returns the block's key_copied mask.
   template <typename OnGroup>
-  __device__ __forceinline__ static void convert_tile(typename Traits::SharedStorage& ss, int stage, uint32_t phase,
-                                                      int tid, int valid_keys, OnGroup&& on_group) {
+  __device__ __forceinline__ static uint64_t convert_tile(typename Traits::SharedStorage& ss, int stage, uint32_t phase,
+                                                          int tid, OnGroup&& on_group) {
     auto publish = [&](int first_slab, int end_slab) {
       cutlass::arch::fence_view_async_shared();
       mla_common::named_barrier_sync<int(Rows64Barrier::kFp8Converted), 256>();
@@ -125,14 +125,14 @@ struct Fp8SlabConverter {
     // The tile's base from a warp-uniform stage, this thread's offset in a slab, its row's zeroing.
     const uint32_t tile_addr = mla_common::smem_addr(ss.k[mla_common::warp_uniform(stage)]);
     const uint32_t offset = write_offset(tid);
-    const bool zero = tid / 4 >= valid_keys;
     uint4 staged[4];
     constexpr bool kScaled = Traits::kDsMlaFp8;
-    cutlass::arch::ClusterBarrier::wait(&ss.kv_full[stage][0], phase);  // the whole block
+    cutlass::arch::ClusterBarrier::wait(&ss.kv_full[stage][0], phase);  // the whole block, and key_copied
+    const uint64_t copied = ss.key_copied[stage];
+    const bool zero = !((copied >> (tid / 4)) & 1);
     const uint32_t staged_row = tile_addr + Traits::kRowStagingOffset + (tid / 4) * Traits::kRowStagingStride;
     auto read_slab = [&](int slab) { return mla_common::ld_shared_16(staged_row + slab * kTmaColumns + (tid % 4) * 16); };
-    // ds_mla_fp8: the row's scales, zero for a row past the sequence end (not copied: stale ones could
-    // be inf or NaN).
+    // ds_mla_fp8: the row's scales, zero for a row not copied (stale ones could be inf or NaN).
     __half2 scales[4] = {};
     if constexpr (kScaled) {
       const uint4 raw = zero ? make_uint4(0, 0, 0, 0) : mla_common::ld_shared_16(staged_row + mla_common::kDsScaleOffset);
@@ -156,6 +156,7 @@ struct Fp8SlabConverter {
     for (int i = 0; i < kRest; ++i) write<kScaled>(tile_addr, offset, kFirst + i, zero, rest[i], scale_of(kFirst + i));
     if constexpr (Traits::kDsMlaFp8) convert_rope(tile_addr, offset, zero, tid);
     publish(kFirst, kSlabs);
+    return copied;
   }
 };
 
@@ -305,8 +306,9 @@ __device__ void consume_kv_tiles(const DecodeParams& p, typename Traits::SharedS
           warpgroup_wait<0>();  // this WG's PV of the previous block
           release_previous_stage();
         }
+        uint64_t copied = ~0ull;  // fp8: the keys the producer copied; the others are masked below
         if constexpr (Traits::kFp8Kv) {
-          Fp8SlabConverter<Traits>::convert_tile(ss, stage, phase, tid, valid_keys, [&](int first_slab, int end_slab) {
+          copied = Fp8SlabConverter<Traits>::convert_tile(ss, stage, phase, tid, [&](int first_slab, int end_slab) {
             issue_qk(first_slab, end_slab);
             if (first_slab == 0 && release_early) {
               warpgroup_wait<1>();  // the PV group issued before this first QK group
@@ -331,7 +333,7 @@ __device__ void consume_kv_tiles(const DecodeParams& p, typename Traits::SharedS
         // -- Online softmax in log2 units over the 64 keys of the block.
         float base[2];
         owner_softmax_step(tSrS, tScS, blk * kBlockN, last_key, is_full_block(blk, lowest_last_key), score_scale,
-                           kMaxSlack, row_max, row_sum, base, rescale);
+                           kMaxSlack, row_max, row_sum, base, rescale, copied);
         // The other WG must be done reading the previous P before it is overwritten.
         if (blk > seg.blk_lo) named_barrier_sync<int(Rows64Barrier::kPFree0), 256>(warpgroup);
 #pragma unroll
@@ -359,7 +361,7 @@ __device__ void consume_kv_tiles(const DecodeParams& p, typename Traits::SharedS
         };
         if constexpr (kReleaseFirst) release_previous_stage();
         if constexpr (Traits::kFp8Kv) {
-          Fp8SlabConverter<Traits>::convert_tile(ss, stage, phase, tid, valid_keys, [](int, int) {});
+          Fp8SlabConverter<Traits>::convert_tile(ss, stage, phase, tid, [](int, int) {});
         }
         if constexpr (!kReleaseFirst) release_previous_stage();
         if (blk > seg.blk_lo) named_barrier_sync<int(Rows64Barrier::kPFree0), 256>(owner);

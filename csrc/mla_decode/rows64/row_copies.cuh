@@ -5,7 +5,10 @@
 // and its 64 bf16 rope values (128 bytes) in another, into the rope slab (kDsRopeSlabOffset). Row gathers
 // by 16-byte cp.async were bound by an SM's cp.async path (docs/design-decisions.md, "What bounds the
 // gather"); a bulk copy moves a row per instruction. One kv_full barrier per stage counts the block's
-// bytes (a whole row per key before the sequence end; the converter zeroes the rows past it).
+// bytes: each producer warp arrives once with the bytes of the rows it copies, after it has stored
+// which of its 16 keys those are in key_copied (keys past the sequence end, and with
+// skip_invalid_slots keys whose slot lies outside the cache, are not copied; the converter zeroes
+// their rows and the softmax masks them).
 #pragma once
 #include <cutlass/arch/barrier.h>
 
@@ -18,24 +21,25 @@
 
 namespace mla_decode {
 
-// Thread 0 initialises the ring's barriers: kv_full[stage][0] (one arrival, with the block's bytes) and
-// kv_empty[stage] (the math warpgroups); the caller syncs the CTA after.
+// Thread 0 initialises the ring's barriers: kv_full[stage][0] (one arrival per producer warp, with its
+// rows' bytes) and kv_empty[stage] (the math warpgroups); the caller syncs the CTA after.
 template <typename Traits>
 __device__ __forceinline__ void init_row_ring(typename Traits::SharedStorage& ss) {
   if (threadIdx.x != 0) return;
   for (int s = 0; s < Traits::kStages; ++s) {
-    cutlass::arch::ClusterTransactionBarrier::init(&ss.kv_full[s][0], 1);
+    cutlass::arch::ClusterTransactionBarrier::init(&ss.kv_full[s][0], kProducerWarps);
     cutlass::arch::ClusterBarrier::init(&ss.kv_empty[s], kNumMathWarpgroups * kStageReleaseArrivals);
   }
   cutlass::arch::fence_barrier_init();
 }
 
 // Producer warp `warp` (0-3): its lanes copy rows [16 * warp, 16 * warp + 16) of each block of the
-// schedule, one row per lane; lane 0 of warp 0 posts the block's bytes.
+// schedule, one row per lane; its lane 0 posts which of them and how many bytes.
 template <typename Traits>
 __device__ void produce_staged_rows(const DecodeParams& p, const DecodeTma& tma, typename Traits::SharedStorage& ss,
                                    const PartRange& range, int warp) {
-  constexpr int kRowsPerWarp = kBlockN / 4;
+  constexpr int kRowsPerWarp = kBlockN / kProducerWarps;
+  const int num_slots = p.num_pages * p.page_size;
   // The bytes of a row: staged (e4m3 values, and the ds_mla_fp8 scales) and the ds_mla_fp8 rope.
   constexpr uint32_t kStagedBytes = Traits::kDsMlaFp8 ? mla_common::kDsRopeOffset : kHeadDimK;
   constexpr uint32_t kRopeBytes = Traits::kDsMlaFp8 ? mla_common::kDsRowBytes - kStagedBytes : 0;
@@ -44,16 +48,19 @@ __device__ void produce_staged_rows(const DecodeParams& p, const DecodeTma& tma,
     const int stage = iteration % Traits::kStages;
     const int row = warp * kRowsPerWarp + lane;
     const int key = blk * kBlockN + row;
-    const bool copies = lane < kRowsPerWarp && key < seg.seqlen_k;
+    bool copies = lane < kRowsPerWarp && key < seg.seqlen_k;
+    if (p.skip_invalid_slots && copies) copies = table[key] >= 0 && table[key] < num_slots;
+    const uint32_t copied = __ballot_sync(0xffffffffu, copies);  // bits 0-15: this warp's rows
     const uint8_t* src = static_cast<const uint8_t*>(p.kv) + (copies ? cache_row_offset(p, tma, table, key) : 0);
     if (iteration >= Traits::kStages) {  // the math warpgroups are done with the stage
       cutlass::arch::ClusterBarrier::wait(&ss.kv_empty[stage], ((iteration / Traits::kStages) - 1) & 1);
     }
     const uint32_t full = mla_common::smem_addr(&ss.kv_full[stage][0]);
-    if (warp == 0 && lane == 0) {  // may follow some of the copies' completions (the count dips below zero)
-      const int valid_rows = min(max(seg.seqlen_k - blk * kBlockN, 0), kBlockN);
+    if (lane == 0) {  // the stage is free: its key_copied too; the arrival publishes this store
+      reinterpret_cast<uint16_t*>(&ss.key_copied[stage])[warp] = uint16_t(copied);
+      // May follow some of the copies' completions (the count dips below zero).
       cutlass::arch::ClusterTransactionBarrier::arrive_and_expect_tx(&ss.kv_full[stage][0],
-                                                                     valid_rows * (kStagedBytes + kRopeBytes));
+                                                                     __popc(copied) * (kStagedBytes + kRopeBytes));
     }
     if (copies) {
       const uint32_t tile = mla_common::smem_addr(ss.k[stage]);

@@ -69,6 +69,7 @@ struct Rows64Traits {
     float row_sum[kNumMathWarpgroups][kBlockM];  // per-warpgroup softmax denominators (epilogue)
     uint64_t kv_full[kStages][kSlabs];           // TMA bytes of one 64-column slab have landed (fp8: [0], the block's rows)
     uint64_t kv_empty[kStages];                  // both math warpgroups are done with a K tile
+    uint64_t key_copied[kStages];                // row-staged forms: bit k, key k of the block was copied
   };
   // Row staging (kRowStaged): key row r's staged bytes at kRowStagingOffset + r * kRowStagingStride:
   // an e4m3 row's 576 values, or a ds_mla_fp8 row's 512 e4m3 values and 4 scales (528 bytes, as in the
