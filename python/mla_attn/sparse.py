@@ -90,7 +90,7 @@ def mla_sparse_decode(q: Tensor, kv_cache: Tensor, indices: Tensor, *, softmax_s
     Returns out [.., h_q, 512] in q's dtype, plus lse float32 [.., h_q] (natural log) if return_lse.
     A token with no valid index gets out 0 and lse +inf, with or without a sink.
     metadata: get_sparse_decode_metadata(indices, h_q), made once per step (shapes only); computed on
-    every call when omitted. The index compaction runs on every call. _kernel (private, for tests and benchmarks): the split kernel to run
+    every call when omitted. _kernel (private, for tests and benchmarks): the split kernel to run
     (metadata.DECODE_KERNELS); the call is a decode of max_seqlen_q 1, so rows = h_q.
     """
     check.check_softmax_scale(softmax_scale)

@@ -1,5 +1,5 @@
-// The producer of the row-staged forms of the 64-row kernel (Rows64Traits::kRowStaged: the ds_mla_fp8
-// cache, and a gathered e4m3 cache): every key row of a block arrives whole by bulk copy on the TMA unit
+// The producer of the row-staged forms of the 64-row kernel (Rows64Traits::kRowStaged: its fp8 forms,
+// ds_mla_fp8 and e4m3, at every page size): every key row of a block arrives whole by bulk copy on the TMA unit
 // (cp.async.bulk, no tensor map) into the stage's staging rows (Rows64Traits: kRowStagingOffset): an
 // e4m3 row's 576 bytes in one copy; a ds_mla_fp8 row's 512 e4m3 values and 4 scales (528 bytes) in one
 // and its 64 bf16 rope values (128 bytes) in another, into the rope slab (kDsRopeSlabOffset). Row gathers

@@ -12,8 +12,9 @@ namespace mla_decode {
 // in log2 units: times the row's score scale, which is > 0 and so commutes with the max. Keys past
 // the row's last visible key, and keys whose bit in `loaded` is clear (bit k: key block_key0 + k),
 // become -inf in S (a select, so the stale, even NaN, scores of keys never loaded vanish); a block no
-// row masks (`full_block`: all but the last one or two of a request) skips the compare and select. S itself stays unscaled: the caller's P = exp2(S scale - base) is
-// one FFMA and an EX2 per score (measured faster than scaling S first, most at long contexts).
+// row masks (`full_block`: all but the last one or two of a request) skips the compare and select.
+// S itself stays unscaled: the caller's P = exp2(S scale - base) is one FFMA and an EX2 per score
+// (measured faster than scaling S first, most at long contexts).
 template <typename TensorS, typename KeyOf>
 __device__ __forceinline__ void block_max_of_scores(TensorS& tSrS, KeyOf&& key_of, const int (&last_key)[2],
                                                     bool full_block, const float (&scale)[2], float (&block_max)[2],
