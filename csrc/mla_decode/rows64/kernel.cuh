@@ -113,9 +113,9 @@ struct Fp8SlabConverter {
   }
   // Converts the tile of `stage` once its rows have landed, calling on_group(first_slab, end_slab) after
   // each group is visible to WGMMA. A group's slabs are all read, then all written, so that their loads
-  // are in flight together. Returns the block's key_copied mask.
+  // are in flight together.
   template <typename OnGroup>
-  __device__ __forceinline__ static uint64_t convert_tile(typename Traits::SharedStorage& ss, int stage, uint32_t phase,
+  __device__ __forceinline__ static void convert_tile(typename Traits::SharedStorage& ss, int stage, uint32_t phase,
                                                           int tid, OnGroup&& on_group) {
     auto publish = [&](int first_slab, int end_slab) {
       cutlass::arch::fence_view_async_shared();
@@ -156,7 +156,6 @@ struct Fp8SlabConverter {
     for (int i = 0; i < kRest; ++i) write<kScaled>(tile_addr, offset, kFirst + i, zero, rest[i], scale_of(kFirst + i));
     if constexpr (Traits::kDsMlaFp8) convert_rope(tile_addr, offset, zero, tid);
     publish(kFirst, kSlabs);
-    return copied;
   }
 };
 
@@ -306,9 +305,8 @@ __device__ void consume_kv_tiles(const DecodeParams& p, typename Traits::SharedS
           warpgroup_wait<0>();  // this WG's PV of the previous block
           release_previous_stage();
         }
-        uint64_t copied = ~0ull;  // fp8: the keys the producer copied; the others are masked below
         if constexpr (Traits::kFp8Kv) {
-          copied = Fp8SlabConverter<Traits>::convert_tile(ss, stage, phase, tid, [&](int first_slab, int end_slab) {
+          Fp8SlabConverter<Traits>::convert_tile(ss, stage, phase, tid, [&](int first_slab, int end_slab) {
             issue_qk(first_slab, end_slab);
             if (first_slab == 0 && release_early) {
               warpgroup_wait<1>();  // the PV group issued before this first QK group
@@ -332,6 +330,9 @@ __device__ void consume_kv_tiles(const DecodeParams& p, typename Traits::SharedS
 
         // -- Online softmax in log2 units over the 64 keys of the block.
         float base[2];
+        // fp8: the keys the producer copied; the others are masked. Read here, not kept from the
+        // conversion: held across the QK^T issue, the mask made ptxas spill.
+        const uint64_t copied = Traits::kRowStaged ? ss.key_copied[stage] : ~0ull;
         owner_softmax_step(tSrS, tScS, blk * kBlockN, last_key, is_full_block(blk, lowest_last_key), score_scale,
                            kMaxSlack, row_max, row_sum, base, rescale, copied);
         // The other WG must be done reading the previous P before it is overwritten.

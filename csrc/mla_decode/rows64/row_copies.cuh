@@ -39,7 +39,6 @@ template <typename Traits>
 __device__ void produce_staged_rows(const DecodeParams& p, const DecodeTma& tma, typename Traits::SharedStorage& ss,
                                    const PartRange& range, int warp) {
   constexpr int kRowsPerWarp = kBlockN / kProducerWarps;
-  const int num_slots = p.num_pages * p.page_size;
   // The bytes of a row: staged (e4m3 values, and the ds_mla_fp8 scales) and the ds_mla_fp8 rope.
   constexpr uint32_t kStagedBytes = Traits::kDsMlaFp8 ? mla_common::kDsRopeOffset : kHeadDimK;
   constexpr uint32_t kRopeBytes = Traits::kDsMlaFp8 ? mla_common::kDsRowBytes - kStagedBytes : 0;
@@ -49,12 +48,12 @@ __device__ void produce_staged_rows(const DecodeParams& p, const DecodeTma& tma,
     const int row = warp * kRowsPerWarp + lane;
     const int key = blk * kBlockN + row;
     bool copies = lane < kRowsPerWarp && key < seg.seqlen_k;
-    if (p.skip_invalid_slots && copies) copies = table[key] >= 0 && table[key] < num_slots;
-    const uint32_t copied = __ballot_sync(0xffffffffu, copies);  // bits 0-15: this warp's rows
+    if (p.skip_invalid_slots && copies) copies = uint32_t(table[key]) < uint32_t(p.num_pages * p.page_size);
     const uint8_t* src = static_cast<const uint8_t*>(p.kv) + (copies ? cache_row_offset(p, tma, table, key) : 0);
     if (iteration >= Traits::kStages) {  // the math warpgroups are done with the stage
       cutlass::arch::ClusterBarrier::wait(&ss.kv_empty[stage], ((iteration / Traits::kStages) - 1) & 1);
     }
+    const uint32_t copied = __ballot_sync(0xffffffffu, copies);  // bits 0-15: this warp's rows
     const uint32_t full = mla_common::smem_addr(&ss.kv_full[stage][0]);
     if (lane == 0) {  // the stage is free: its key_copied too; the arrival publishes this store
       reinterpret_cast<uint16_t*>(&ss.key_copied[stage])[warp] = uint16_t(copied);

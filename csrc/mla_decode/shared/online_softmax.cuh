@@ -10,18 +10,20 @@ namespace mla_decode {
 
 // Row max of a 64 x 64 block of raw scores (element e: row r0 + 8 ((e >> 1) & 1), key key_of(e)),
 // in log2 units: times the row's score scale, which is > 0 and so commutes with the max. Keys past
-// the row's last visible key, and keys whose bit in `loaded` is clear (bit k: key block_key0 + k),
-// become -inf in S (a select, so the stale, even NaN, scores of keys never loaded vanish); a block no
-// row masks (`full_block`: all but the last one or two of a request) skips the compare and select.
-// S itself stays unscaled: the caller's P = exp2(S scale - base) is one FFMA and an EX2 per score
-// (measured faster than scaling S first, most at long contexts).
+// the row's last visible key, and keys whose bit in `loaded` is clear, become -inf in S (a select, so
+// the stale, even NaN, scores of keys never loaded vanish); a block no row masks (`full_block`: all
+// but the last one or two of a request) skips the compare and select. `loaded` is the block's key
+// mask shifted to this thread's first column (2 (lane % 4)): element e's key is then bit
+// 8 (e >> 2) + (e & 1), a shift by a constant. S itself stays unscaled: the caller's
+// P = exp2(S scale - base) is one FFMA and an EX2 per score (measured faster than scaling S first,
+// most at long contexts).
 template <typename TensorS, typename KeyOf>
 __device__ __forceinline__ void block_max_of_scores(TensorS& tSrS, KeyOf&& key_of, const int (&last_key)[2],
                                                     bool full_block, const float (&scale)[2], float (&block_max)[2],
-                                                    uint64_t loaded = ~0ull, int block_key0 = 0) {
+                                                    uint64_t loaded = ~0ull) {
   static_assert(int(decltype(cute::size(tSrS))::value) == 32, "a 64 x 64 accumulator fragment");
   block_max[0] = block_max[1] = -INFINITY;
-  if (full_block && loaded == ~0ull) {
+  if (full_block && (loaded | 0xfcfcfcfcfcfcfcfcull) == ~0ull) {  // this thread's 16 keys all loaded
     // Four chains per row of 4 elements, then a tree: 6 dependent FMNMX on the softmax's path
     // instead of 16 (the compiler keeps a chain of fmaxf in order).
     float chain[2][4];
@@ -36,8 +38,8 @@ __device__ __forceinline__ void block_max_of_scores(TensorS& tSrS, KeyOf&& key_o
 #pragma unroll
     for (int e = 0; e < int(cute::size(tSrS)); ++e) {
       const int i = (e >> 1) & 1;
-      const int key = key_of(e);
-      const float s = key <= last_key[i] && ((loaded >> (key - block_key0)) & 1) ? tSrS(e) : -INFINITY;
+      const bool was_loaded = (loaded >> (8 * (e >> 2) + (e & 1))) & 1;
+      const float s = key_of(e) <= last_key[i] && was_loaded ? tSrS(e) : -INFINITY;
       tSrS(e) = s;
       block_max[i] = fmaxf(block_max[i], s);
     }
@@ -75,7 +77,7 @@ __device__ __forceinline__ void owner_softmax_step(TensorS& tSrS, const TensorC&
                                                    float (&rescale)[2], uint64_t loaded = ~0ull) {
   float block_max[2];
   block_max_of_scores(tSrS, [&](int e) { return key0 + int(cute::get<1>(tScS(e))); }, last_key, full_block,
-                      score_scale, block_max, loaded, key0);
+                      score_scale, block_max, loaded >> (2 * (threadIdx.x % 4)));
 #pragma unroll
   for (int i = 0; i < 2; ++i) {
     const float new_max = next_running_max(row_max[i], block_max[i], max_slack);
