@@ -116,6 +116,8 @@ def check_decode():
 SPARSE_CASES = [  # (lead, h_q, topk, page_size, cache)
     ((2, 2), 16, 700, 64, "16-bit"),
     ((3,), 128, 300, 1, "ds"),
+    ((4,), 16, 700, 64, "ds"),  # the narrow kernel's ds_mla_fp8 form: 16 rows
+    ((4,), 32, 500, 1, "ds"),   # 32 rows
     ((2,), 64, 2048, 24, "fp8"),
 ]
 

@@ -54,8 +54,9 @@ def to_device(case, device="cuda"):
 def decode_kernels_for(cache_dtype, rows):
     """The decode kernels that run a call with this cache dtype and rows = max_seqlen_q * h_q: the
     tests' own statement of the rule mla_decode(_kernel=) enforces."""
-    if cache_dtype == torch.uint8:  # ds_mla_fp8 rows: the 64-row kernel only
-        return ["rows64"]
+    if cache_dtype == torch.uint8:  # ds_mla_fp8 rows: the 64-row kernel and the narrow kernel's form
+        runs = (("narrow16", rows <= 16), ("narrow32", rows <= 32), ("rows64", True))
+        return [kernel for kernel, ok in runs if ok]
     fp8 = cache_dtype == FP8
     runs = {
         "narrow16": rows <= 16,

@@ -2,8 +2,9 @@
 power-of-two scale per 128, bf16 rope) on the GPU, against the float32 reference on the dequantised cache,
 on the adversarial inputs of tests/cases.py: NaN in every slot past each length and in unused pages
 (NaN survives the quantisation), permuted block tables, zero-length requests, odd head counts, varlen
-causal queries. Only the 64-row kernel reads this layout (rows gathered one by one at every page size,
-converted to fp16 with their scales in shared memory); every other kernel refuses it."""
+causal queries. The 64-row kernel reads this layout (rows gathered one by one at every page size,
+converted to fp16 with their scales in shared memory), and so do the narrow kernels' form of it at up to
+16 / 32 query rows (the same rows, converted in registers); every other kernel refuses it."""
 import pytest
 import torch
 from cases import DECODE_CASES, make_decode_case
@@ -39,21 +40,22 @@ def test_ds_mla_fp8_decode_matches_reference(lens, s_q, h_q, page_size, varlen, 
     check_decode(case, causal, out, lse, kernel)
 
 
+@pytest.mark.parametrize("kernel,h_q", [(None, 64), ("narrow16", 16), ("narrow32", 32)])
 @pytest.mark.parametrize("low", [-9, -4, 2])
-def test_ds_mla_fp8_group_scales(low):
+def test_ds_mla_fp8_group_scales(low, kernel, h_q):
     """Each 128-column group of a row has its own scale: the groups of every row scaled by 2^(low + 6),
     2^(low + 3), 2^low, 2^(low + 3), so that the scales (about 2^-6 for unit data) span the quantiser's
-    smallest, 2^-13, to 2^2; the rope part stays unit-scale."""
-    case = make_decode_case([700, 64], 1, 64, 64, seed=23)
+    smallest, 2^-13, to 2^2; the rope part stays unit-scale. Every kernel that reads the layout."""
+    case = make_decode_case([700, 64], 1, h_q, 64, seed=23)
     kv = case["kv_cache"]
     group_factors = 2.0 ** torch.tensor([low + 6, low + 3, low, low + 3], dtype=torch.float32)
     kv[..., :512] *= group_factors.repeat_interleave(128).to(kv.dtype)
     case = to_device(to_ds_case(case))
-    out, lse = run_decode(case, True)
-    check_decode(case, True, out, lse, None)
+    out, lse = run_decode(case, True, _kernel=kernel)
+    check_decode(case, True, out, lse, kernel)
 
 
-@pytest.mark.parametrize("kernel", [k for k in DECODE_KERNELS if k != "rows64"])
+@pytest.mark.parametrize("kernel", [k for k in DECODE_KERNELS if k not in ("narrow16", "narrow32", "rows64")])
 def test_ds_mla_fp8_other_kernels_refuse(kernel):
     case = ds_case([100], 1, 16, 64, False, False, torch.bfloat16)
     with pytest.raises(ValueError, match="ds_mla_fp8"):

@@ -110,14 +110,16 @@ def test_sparse_decode_fp8_cache(lead, h_q, topk, page_size, lengths, sink, kern
 
 
 DS_CASES = [((4, 2), 16, 2048, 64, True, "finite"), ((7,), 128, 1500, 1, True, None), ((3,), 64, 70, 24, False, "mixed"),
-            ((3, 2), 128, 2048, 64, True, "finite"), ((5,), 100, 333, 16, False, None)]
+            ((3, 2), 128, 2048, 64, True, "finite"), ((5,), 100, 333, 16, False, None), ((6,), 32, 777, 1, True, "-inf"),
+            ((2, 3), 24, 2100, 16, False, None)]
 DS_PARAMS = [pytest.param(*c, kernel) for c in DS_CASES for kernel in [None] + decode_kernels_for(torch.uint8, c[1])]
 
 
 @pytest.mark.parametrize("lead,h_q,topk,page_size,lengths,sink,kernel", DS_PARAMS)
 def test_sparse_decode_ds_mla_fp8_cache(lead, h_q, topk, page_size, lengths, sink, kernel):
-    """DeepSeek-V3.2's 656-byte rows (uint8), gathered and dequantised by the 64-row kernel; the
-    reference reads the dequantised cache. CUDA-graph replay gives the same result."""
+    """DeepSeek-V3.2's 656-byte rows (uint8), gathered and dequantised by the 64-row kernel or the
+    narrow kernels (up to 32 heads); the reference reads the dequantised cache. CUDA-graph replay gives
+    the same result."""
     case = to_device(make_sparse_case(lead, h_q, topk, page_size, lengths=lengths, sink=sink, ds_fp8=True,
                                       seed=topk + h_q), "cuda")
     assert case["kv_cache"].dtype == torch.uint8

@@ -37,7 +37,8 @@ DecodeKernel resolve_decode_kernel(const std::optional<c10::string_view>& name, 
     TORCH_CHECK_VALUE(false, "mla_attn: unknown decode kernel '", *name, "'; the kernels are ", known);
   }
   TORCH_CHECK_VALUE(!problem.ds_mla_fp8_cache || decode_kernel_supports(*kernel, problem), "mla_attn: decode kernel '",
-                    *name, "' cannot run this case: only rows64 reads a ds_mla_fp8 cache");
+                    *name, "' cannot run this case: a ds_mla_fp8 cache is read by rows64, and by narrow16 / narrow32 "
+                    "at up to 16 / 32 query rows per request (max_seqlen_q x h_q); got ", problem.rows());
   TORCH_CHECK_VALUE(decode_kernel_supports(*kernel, problem), "mla_attn: decode kernel '", *name,
                     "' cannot run this case: it needs ", decode_kernel_requirement(*kernel), "; got ",
                     problem.rows(), " query rows per request and a ",
@@ -119,10 +120,10 @@ void mla_decode_cuda_impl(const Tensor& q, const std::optional<Tensor>& q_pe, co
   const DecodeProblem problem{.fp8_cache = fp8_kv, .ds_mla_fp8_cache = ds_kv, .max_seqlen_q = max_seqlen_q, .heads_q = heads, .batch = batch,
                               .deterministic = deterministic, .fp8_mma = fp8_mma};
   const DecodeKernel kernel = resolve_decode_kernel(kernel_name, problem);
-  // Only the 64-row kernel's ds_mla_fp8 form skips invalid slots (it copies each row by itself and
-  // masks the keys it did not copy); the other kernels require every listed slot to be valid.
-  TORCH_CHECK_VALUE(!skip_invalid_slots || (kv_slots && ds_kv && kernel == DecodeKernel::kRows64),
-                    "mla_attn: skip_invalid_slots needs kv_slots and a ds_mla_fp8 cache (the rows64 kernel)");
+  // Only the ds_mla_fp8 forms skip invalid slots (they copy each row by itself and mask the keys not
+  // copied); the other kernels require every listed slot to be valid.
+  TORCH_CHECK_VALUE(!skip_invalid_slots || (kv_slots && ds_kv),
+                    "mla_attn: skip_invalid_slots needs kv_slots and a ds_mla_fp8 cache");
   const int tiles = int(problem.q_tiles());
   TORCH_CHECK(num_sm_parts >= 1 && num_sm_parts <= tile_sched.size(0) && num_sm_parts <= kMaxSmParts,
               "mla_attn: num_sm_parts out of range");
@@ -202,10 +203,13 @@ void mla_decode_cuda_impl(const Tensor& q, const std::optional<Tensor>& q_pe, co
       q.scalar_type(), "decode", [&]<typename Element>() {
         switch (kernel) {
           case DecodeKernel::kNarrow16:
+            if (ds_kv) return run_mla_decode_narrow_ds_mla_fp8<Element, kNarrow16Rows>(p, tma, stream);
             return fp8_kv ? run_mla_decode_narrow<Element, kNarrow16Rows, 2, true>(p, tma, stream)
                           : run_mla_decode_narrow<Element, kNarrow16Rows, 2, false>(p, tma, stream);
           case DecodeKernel::kNarrow16x3: return run_mla_decode_narrow<Element, kNarrow16Rows, 3, true>(p, tma, stream);
-          case DecodeKernel::kNarrow32: return run_mla_decode_narrow<Element, kNarrow32Rows, 2, true>(p, tma, stream);
+          case DecodeKernel::kNarrow32:
+            if (ds_kv) return run_mla_decode_narrow_ds_mla_fp8<Element, kNarrow32Rows>(p, tma, stream);
+            return run_mla_decode_narrow<Element, kNarrow32Rows, 2, true>(p, tma, stream);
           case DecodeKernel::kRows64:
             if (ds_kv) return run_mla_decode_ds_mla_fp8<Element>(p, tma, stream);
             return fp8_kv ? run_mla_decode<Element, true>(p, tma, stream) : run_mla_decode<Element, false>(p, tma, stream);

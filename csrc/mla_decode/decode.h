@@ -48,6 +48,11 @@ cudaError_t run_mla_decode_seesaw(const DecodeParams& params, const DecodeTma& t
 template <typename Element, int kRows, int kMathWarpgroups, bool kFp8Kv>
 cudaError_t run_mla_decode_narrow(const DecodeParams& params, const DecodeTma& tma, cudaStream_t stream);
 
+// The narrow kernel (two math warpgroups) for the ds_mla_fp8 cache: rows copied whole, converted in
+// registers with their scales; always gathered (DecodeTma::gather).
+template <typename Element, int kRows>
+cudaError_t run_mla_decode_narrow_ds_mla_fp8(const DecodeParams& params, const DecodeTma& tma, cudaStream_t stream);
+
 // One-CTA scheduler kernel: fills tile_sched [num_sms] and req_splits [batch, 2] (8-byte aligned: a
 // large batch keeps its prefix sums there until the values are written). The partition depends on
 // the KV lengths only; query lengths and heads enter through num_sm_parts. With `deterministic`,

@@ -66,6 +66,9 @@ constexpr int kNarrow32Rows = kNarrowMaxRows;
 // registers to load ahead: slower than the 64-row kernel for a single request.
 constexpr int64_t kNarrow16x3MinBatch = 2;
 constexpr int64_t kNarrow32MinBatch = 2;
+// ds_mla_fp8 cache, 32 rows: against the 64-row kernel, sparse top-k 2048 at h_q 32, 0.86x at 32 index
+// rows, 0.98x at 64, 1.14x at 128, 1.17x at 256.
+constexpr int64_t kNarrow32DsMinBatch = 128;
 // 16-bit cache. The seesaw kernel overlaps one warpgroup's softmax with the other's MMAs, which pays
 // where the MMAs bound the time: where a request's rows fill two or more q-tiles, which share each
 // KV tile (at one q-tile the 64-row kernel's earlier stage release keeps more loads in flight), and
@@ -82,10 +85,15 @@ constexpr int64_t kSteadyMinQTiles = 128;
 // then depends on h_q alone (and a seesaw kernel always takes the steady loop, so that a request's
 // path depends on its length alone).
 constexpr DecodeKernel choose_decode_kernel(const DecodeProblem& p) {
-  // Only the 64-row kernel reads ds_mla_fp8 rows (its converter applies their per-128-column scales).
-  if (p.ds_mla_fp8_cache) return DecodeKernel::kRows64;
   const int64_t rows = p.rows();
   const bool narrow16 = !p.deterministic && rows <= kNarrow16Rows;
+  // ds_mla_fp8 rows: the 64-row kernel, or the narrow kernel's form for it (two math warpgroups: a
+  // third ran no faster, sparse top-k 2048 at h_q 16, batch 32 and 128).
+  if (p.ds_mla_fp8_cache) {
+    if (narrow16) return DecodeKernel::kNarrow16;
+    const bool narrow32 = !p.deterministic && rows <= kNarrow32Rows && p.batch >= kNarrow32DsMinBatch;
+    return narrow32 ? DecodeKernel::kNarrow32 : DecodeKernel::kRows64;
+  }
   if (!p.fp8_cache) {
     if (narrow16) return DecodeKernel::kNarrow16;  // 32 rows measured slower than the 64-row kernel
     const int64_t head_tiles = (p.heads_q + kBlockM - 1) / kBlockM;
@@ -117,7 +125,7 @@ constexpr bool decode_partials_fp32(DecodeKernel kernel, const DecodeProblem& p)
 }
 
 // What a kernel needs to run a case at all (for messages): its instantiations and the rows its
-// MMAs hold. Every kernel but rows64 also needs a cache other than ds_mla_fp8.
+// MMAs hold. A ds_mla_fp8 cache is read by rows64, narrow16 and narrow32 only.
 constexpr std::string_view decode_kernel_requirement(DecodeKernel kernel) {
   switch (kernel) {
     case DecodeKernel::kNarrow16: return "at most 16 query rows per request (max_seqlen_q x h_q)";
@@ -132,7 +140,10 @@ constexpr std::string_view decode_kernel_requirement(DecodeKernel kernel) {
 }
 
 constexpr bool decode_kernel_supports(DecodeKernel kernel, const DecodeProblem& p) {
-  if (p.ds_mla_fp8_cache) return kernel == DecodeKernel::kRows64;
+  if (p.ds_mla_fp8_cache) {
+    return kernel == DecodeKernel::kRows64 || (kernel == DecodeKernel::kNarrow16 && p.rows() <= kNarrow16Rows) ||
+           (kernel == DecodeKernel::kNarrow32 && p.rows() <= kNarrow32Rows);
+  }
   switch (kernel) {
     case DecodeKernel::kNarrow16: return p.rows() <= kNarrow16Rows;
     case DecodeKernel::kNarrow16x3: return p.fp8_cache && p.rows() <= kNarrow16Rows;

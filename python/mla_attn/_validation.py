@@ -35,7 +35,7 @@ _MERGE_DTYPES = HALF_DTYPES + (torch.float32,)
 _FP8_ONLY_KERNELS = ("narrow16_3wg", "narrow32", "fp8mma")
 _HALF_ONLY_KERNELS = ("seesaw", "seesaw_steady")
 _KERNEL_MAX_ROWS = {"narrow16": 16, "narrow16_3wg": 16, "narrow32": 32}
-_DS_MLA_FP8_KERNEL = "rows64"  # the one kernel that reads ds_mla_fp8 rows (csrc/mla_decode/dispatch.h)
+_DS_MLA_FP8_KERNELS = ("narrow16", "narrow32", "rows64")  # those that read ds_mla_fp8 rows (csrc/mla_decode/dispatch.h)
 # the MLAConfig dims the kernels are built for
 LAYER_DIMS = dict(kv_lora_rank=D_V, qk_rope_head_dim=D_PE, qk_nope_head_dim=PREFILL_D_NOPE, v_head_dim=PREFILL_D_V)
 
@@ -285,9 +285,10 @@ def check_decode_kernel(kernel: Optional[str], cache_dtype: torch.dtype, rows: i
         raise TypeError(f"kernel must be a str or None, got {type(kernel).__name__}")
     if kernel not in DECODE_KERNELS:
         raise ValueError(f"unknown decode kernel {kernel!r}; the kernels are {', '.join(DECODE_KERNELS)}")
-    if cache_dtype == torch.uint8 and kernel != _DS_MLA_FP8_KERNEL:
-        raise ValueError(f"decode kernel {kernel!r} cannot read a ds_mla_fp8 kv_cache; only {_DS_MLA_FP8_KERNEL!r} does")
-    if kernel in _FP8_ONLY_KERNELS and cache_dtype != FP8:
+    if cache_dtype == torch.uint8 and kernel not in _DS_MLA_FP8_KERNELS:
+        raise ValueError(f"decode kernel {kernel!r} cannot read a ds_mla_fp8 kv_cache; "
+                         f"{', '.join(_DS_MLA_FP8_KERNELS)} do")
+    if kernel in _FP8_ONLY_KERNELS and cache_dtype not in (FP8, torch.uint8):
         raise ValueError(f"decode kernel {kernel!r} needs a float8_e4m3fn kv_cache, got {cache_dtype}")
     if kernel in _HALF_ONLY_KERNELS and cache_dtype == FP8:
         raise ValueError(f"decode kernel {kernel!r} needs a 16-bit kv_cache, got {cache_dtype}")
@@ -329,7 +330,7 @@ def check_schedule(tile_sched: Tensor, req_splits: Tensor, num_sm_parts: int, ba
 
 def check_skip_invalid_slots(skip_invalid_slots: bool, kv_slots: bool, kv_cache: Tensor) -> None:
     """skip_invalid_slots (the decode op's private option for mla_sparse_decode): kv_slots rows of a
-    ds_mla_fp8 cache, which only the rows64 kernel reads."""
+    ds_mla_fp8 cache, whose kernels copy each row by itself and skip the invalid ones."""
     if skip_invalid_slots and not (kv_slots and kv_cache.dtype == torch.uint8):
         raise ValueError("skip_invalid_slots needs kv_slots and a ds_mla_fp8 (uint8) kv_cache")
 

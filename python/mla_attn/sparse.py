@@ -105,7 +105,7 @@ def mla_sparse_decode(q: Tensor, kv_cache: Tensor, indices: Tensor, *, softmax_s
         check.check_topk_length_values(topk_length, topk)
         check.check_scale_value("k_scale", k_scale)
     row_lengths = _row_lengths(topk_length, indices)
-    # A ds_mla_fp8 cache is read by the rows64 kernel alone, which copies each key row by itself and skips
+    # A ds_mla_fp8 cache is read by kernels that copy each key row by themselves (rows64, narrow) and skip
     # the invalid slots (score -inf, zero row): the index rows go as they are. The other kernels need
     # every listed slot valid: the valid indices are compacted to the front of each row first.
     skip_invalid = kv_cache.dtype == torch.uint8

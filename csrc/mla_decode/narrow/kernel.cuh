@@ -27,6 +27,12 @@
 //     Accumulator row 16w + g (+8) of m-tile m is dim 64m + 16w + 2g (+1), so the epilogue stores
 //     adjacent dim pairs. Keys stay in order, so P^T needs no permutation.
 //   C: row 16w + g (+8), column 8n + 2c (+1): a thread holds 2 keys x kRows / 4 query rows.
+// ds_mla_fp8 (row-staged, narrow/traits.h): the same fragments from the staging rows (16 bytes of a
+//   slab's 64-byte piece of the row; ldmatrix.trans rows = the keys' rows), each converted pair times
+//   its row's power-of-two scale in fp16 (HMUL2; exact for the scales 2^-13 to 2^7, as the 64-row
+//   kernel's converter); the rope slab is bf16: a thread loads its 16 dims (32 bytes) and converts
+//   them to fp16. V^T pairs hold two keys, so their scales come as f16x2 pairs from a table that the
+//   warpgroup builds per tile (v_scales). Rows not copied are zeroed and their keys masked.
 #pragma once
 #include <cute/tensor.hpp>
 #include <cutlass/arch/barrier.h>
@@ -40,11 +46,18 @@
 #include "mla_decode/shared/fp8_dequant.cuh"
 #include "mla_decode/shared/kv_producer.cuh"
 #include "mla_decode/shared/launch.cuh"
+#include "mla_decode/shared/row_copies.cuh"
 #include "mla_decode/shared/schedule.cuh"
 
 namespace mla_decode {
 using namespace cute;
 using mla_common::named_barrier_sync;
+
+#ifdef MLA_ATTN_RACECHECK
+constexpr bool kRacecheckBuild = true;  // see the catch-up below the tile loop
+#else
+constexpr bool kRacecheckBuild = false;
+#endif
 
 // Column of the permuted Q tile that holds dim d (even) of a query row; d + 1 follows it.
 __device__ __forceinline__ int q_column(int d) {
@@ -63,6 +76,8 @@ __device__ void consume_narrow_tiles(const DecodeParams& p, typename Traits::Sha
   constexpr int kMTiles = kHeadDimV / 64;
   constexpr int kMathWarpgroups = Traits::kMathWarpgroups, kMathThreads = Traits::kMathThreads;
   constexpr int kAheadK = Traits::kAheadK, kAheadV = Traits::kAheadV;
+  constexpr bool kRowStaged = Traits::kRowStaged, kDs = Traits::kDsMlaFp8;
+  constexpr int kRowStride = Traits::kRowStride;
   const int tid = threadIdx.x % 128, warp = tid / 32, lane = tid % 32, g = lane / 4, c = lane % 4;
 
   typename Traits::TiledMmaQK mma_qk;
@@ -101,7 +116,7 @@ __device__ void consume_narrow_tiles(const DecodeParams& p, typename Traits::Sha
     // held (spilled) across the whole tile loop. k_scale is read here, in flight with Q, and kept in
     // shared memory for the epilogue rather than in a register across the tile loop.
     const int thread = mla_common::opaque(int(threadIdx.x));
-    const float k_scale = Traits::kFp8Kv ? *mla_common::opaque(p.k_scale) : 1.f;
+    const float k_scale = Traits::kFp8Kv && !kDs ? *mla_common::opaque(p.k_scale) : 1.f;
     const int row = thread / kThreadsPerRow, first = thread % kThreadsPerRow;
     const bool valid = row < s.seqlen_q * p.num_heads_q;
     const int t = valid ? row / p.num_heads_q : 0;
@@ -168,7 +183,25 @@ __device__ void consume_narrow_tiles(const DecodeParams& p, typename Traits::Sha
       // -- Tail tile: zero the key rows past the sequence end (never loaded, or slots past L), so
       // that 0-probability keys cannot inject NaN/Inf through P V.
       const int valid_keys = max(seg.seqlen_k - blk * kBlockN, 0);
-      if (valid_keys < kBlockN) {
+      if constexpr (kRowStaged) {
+        // Row-staged: the block's rows landed at once; those not copied (past the sequence end, or
+        // invalid slots) are zeroed, and their keys masked in the softmax.
+        cutlass::arch::ClusterBarrier::wait(&ss.kv_full[stage][0], phase);
+        const uint64_t copied = ss.key_copied[stage];
+        if (copied != ~0ull || kRacecheckBuild) {
+          constexpr int kChunksPerRow = kRowStride / 16;
+          // Opaque thread index, not unrolled: the loop's first addresses were hoisted out and spilled.
+#pragma unroll 1
+          for (int i = mla_common::opaque(tid); i < kBlockN * kChunksPerRow; i += 128) {
+            const int row = i / kChunksPerRow;
+            if (!((copied >> row) & 1)) {
+              mla_common::st_shared_zero16(tile + Traits::staged_slot(row) * kRowStride + (i % kChunksPerRow) * 16);
+            }
+          }
+          cutlass::arch::fence_view_async_shared();  // before the bulk copies (async proxy) reuse the stage
+          warpgroup_sync();
+        }
+      } else if (valid_keys < kBlockN) {
         for (int slab = 0; slab < kSlabs; ++slab) cutlass::arch::ClusterBarrier::wait(&ss.kv_full[stage][slab], phase);
         constexpr int kChunksPerSlabRow = Traits::kSlabRowBytes / 16, kChunksPerRow = kSlabs * kChunksPerSlabRow;
         for (int i = tid; i < (kBlockN - valid_keys) * kChunksPerRow; i += 128) {
@@ -182,17 +215,68 @@ __device__ void consume_narrow_tiles(const DecodeParams& p, typename Traits::Sha
 
       // fp8: the raw V^T fragments of m-tile m (2 ldmatrix.x4.trans: 4 k-steps of A).
       uint32_t raw_v[kMTiles][2][4];
+      // Row-staged: this thread's row of key rows 16 warp + g (+ 8), and its ldmatrix rows of V^T, from an
+      // opaque thread index at each use: hoisted out of the loops or held across them, these offsets
+      // were spilled.
+      auto k_row_addr = [&] {
+        const int t = mla_common::opaque(tid);
+        return tile_addr + Traits::staged_slot(16 * (t / 32) + t % 32 / 4) * kRowStride;
+      };
       auto load_v = [&](int m) {
 #pragma unroll
         for (int pair = 0; pair < 2; ++pair) {  // k-steps 2 pair, 2 pair + 1: keys 32 pair + lane
-          mla_common::ldsm_x4_trans(tile_addr + m * kFp8SlabBytes + fp8_slab_offset(32 * pair + lane, warp), raw_v[m][pair]);
+          uint32_t addr;
+          if constexpr (kRowStaged) {
+            const int t = mla_common::opaque(tid);
+            addr = tile_addr + Traits::staged_slot(32 * pair + t % 32) * kRowStride + m * kTmaColumns + t / 32 * 16;
+          } else {
+            addr = tile_addr + m * kFp8SlabBytes + fp8_slab_offset(32 * pair + lane, warp);
+          }
+          mla_common::ldsm_x4_trans(addr, raw_v[m][pair]);
         }
+      };
+      // ds_mla_fp8: the tile's V^T scale pairs into this warpgroup's table: thread (group tid / 32, word j)
+      // writes the pair of keys 16 step + 8 half + 2 c and + 1 for (c, step, half) = (j / 8, j / 2 % 4, j % 2),
+      // so that a PV thread reads its 8 pairs of a group as two 16-byte words. Loaded at the first
+      // slab, once this warpgroup's previous PV groups are done.
+      const uint32_t v_scale_table = mla_common::smem_addr(ss.v_scales) +
+                                     4 * mla_common::kDsNumTiles * 32 * (2 * warpgroup + (iteration / kMathWarpgroups) % 2);
+      auto build_v_scale_table = [&] {
+        const int t = mla_common::opaque(tid), group = t / 32, j = t % 32;
+        const int key = 16 * ((j / 2) % 4) + 8 * (j % 2) + 2 * (j / 8);  // even: key + 1 is 4 slots on
+        const uint8_t* scale0 = tile + Traits::staged_slot(key) * kRowStride + mla_common::kDsScaleOffset + 4 * group;
+        const __half2 pair = __floats2half2_rn(*reinterpret_cast<const float*>(scale0),
+                                               *reinterpret_cast<const float*>(scale0 + 4 * kRowStride));
+        mla_common::st_shared_4(v_scale_table + 4 * (group * 32 + j), *reinterpret_cast<const uint32_t*>(&pair));
       };
       if constexpr (Traits::kFp8Kv) {
         // -- S^T = K Q^T: per slab, 16 bytes of rows 16w + g and 16w + g + 8 -> 4 k-steps of A. The raw
         // bytes are loaded kAheadK slabs before their conversion, so LDS latency is off the chain.
         uint4 raw_k[kSlabs][2];
+        uint4 raw_rope[2][2];  // ds_mla_fp8: this thread's 16 bf16 rope values of each of its rows
+        auto load_rope = [&] {
+#pragma unroll
+          for (int half = 0; half < 2; ++half) {
+            const uint32_t rope = k_row_addr() + half * 8 * kRowStride + mla_common::kDsRopeOffset + 32 * c;
+            raw_rope[half][0] = mla_common::ld_shared_16(rope);
+            raw_rope[half][1] = mla_common::ld_shared_16(rope + 16);
+          }
+        };
+        // One slab ahead (kAheadK 1: few registers), the rope is loaded where it is converted instead.
+        constexpr bool kRopeAhead = kAheadK > 1;
         auto load_k = [&](int slab) {
+          if constexpr (kRowStaged) {
+            // Returns at once (the tile has landed), but keeps ptxas from moving these loads into the
+            // previous slab's WGMMA stage, where they made it serialise the chain (C7515).
+            cutlass::arch::ClusterBarrier::wait(&ss.kv_full[stage][0], phase);
+            if (kDs && slab == kSlabs - 1) {
+              if (kRopeAhead) load_rope();
+            } else {
+              raw_k[slab][0] = mla_common::ld_shared_16(k_row_addr() + slab * kTmaColumns + 16 * c);
+              raw_k[slab][1] = mla_common::ld_shared_16(k_row_addr() + 8 * kRowStride + slab * kTmaColumns + 16 * c);
+            }
+            return;
+          }
           cutlass::arch::ClusterBarrier::wait(&ss.kv_full[stage][slab], phase);
           const uint32_t slab_addr = tile_addr + slab * kFp8SlabBytes;
           raw_k[slab][0] = mla_common::ld_shared_16(slab_addr + fp8_slab_offset(16 * warp + g, c));
@@ -208,15 +292,38 @@ __device__ void consume_narrow_tiles(const DecodeParams& p, typename Traits::Sha
           // This A buffer was read two commit groups ago. Slab 0 also waits for the previous PV: a
           // register-A WGMMA chain that starts with PV groups in flight makes ptxas serialize it.
           if (slab == 0) warpgroup_wait<0>(); else warpgroup_wait<1>();
+          if (kDs && slab == 0) build_v_scale_table();
           const int buf = (slab % 2) * kSteps;
-          const uint4 lo = raw_k[slab][0], hi = raw_k[slab][1];
-          const uint32_t row0[4] = {lo.x, lo.y, lo.z, lo.w}, row8[4] = {hi.x, hi.y, hi.z, hi.w};
+          if (kDs && slab == kSlabs - 1) {
+            // bf16 rope: word w of a row's 32 bytes holds dims 16 c + 2 w, + 1; k-step t takes words 2t, 2t + 1.
+            if (!kRopeAhead) load_rope();
 #pragma unroll
-          for (int t = 0; t < kSteps; ++t) {
-            uint32_t* a = a_regs + 4 * (buf + t);
-            e4m3x4_to_f16x2(row0[t], a[0], a[2]);
-            e4m3x4_to_f16x2(row8[t], a[1], a[3]);
-            for (int i = 0; i < 4; ++i) warpgroup_fence_operand(a[i]);  // converted before the arrive
+            for (int t = 0; t < kSteps; ++t) {
+              uint32_t* a = a_regs + 4 * (buf + t);
+#pragma unroll
+              for (int half = 0; half < 2; ++half) {
+                const uint4 w = raw_rope[half][t / 2];
+                a[half] = bf16x2_to_f16x2(t % 2 ? w.z : w.x);
+                a[half + 2] = bf16x2_to_f16x2(t % 2 ? w.w : w.y);
+              }
+              for (int i = 0; i < 4; ++i) warpgroup_fence_operand(a[i]);
+            }
+          } else {
+            const uint4 lo = raw_k[slab][0], hi = raw_k[slab][1];
+            const uint32_t row0[4] = {lo.x, lo.y, lo.z, lo.w}, row8[4] = {hi.x, hi.y, hi.z, hi.w};
+#pragma unroll
+            for (int t = 0; t < kSteps; ++t) {
+              uint32_t* a = a_regs + 4 * (buf + t);
+              e4m3x4_to_f16x2(row0[t], a[0], a[2]);
+              e4m3x4_to_f16x2(row8[t], a[1], a[3]);
+              if constexpr (kDs) {  // the scales of this thread's rows 16 warp + g and + 8 for this slab's group
+                const uint32_t scale_addr = k_row_addr() + mla_common::kDsScaleOffset + 4 * (slab / 2);
+                const __half2 scale = __floats2half2_rn(mla_common::ld_shared_f32(scale_addr),
+                                                        mla_common::ld_shared_f32(scale_addr + 8 * kRowStride));
+                for (int i = 0; i < 4; ++i) a[i] = hmul2_bits(a[i], i % 2 ? __high2half2(scale) : __low2half2(scale));
+              }
+              for (int i = 0; i < 4; ++i) warpgroup_fence_operand(a[i]);  // converted before the arrive
+            }
           }
           Tensor tSrQ = thr.partition_fragment_B(make_tensor(make_smem_ptr(ss.q), typename Traits::SmemLayoutQ{}));
           warpgroup_arrive();
@@ -263,10 +370,19 @@ __device__ void consume_narrow_tiles(const DecodeParams& p, typename Traits::Sha
       }
 #pragma unroll
       for (int j = 0; j < kCols; ++j) tile_max[j] = -INFINITY;
+      // Row-staged: bit h, whether key key_row + 8 h was copied (read now: held from the tile's start,
+      // it would cost registers across the QK chain).
+      uint32_t copied = 3;
+      if constexpr (kRowStaged) {
+        const uint64_t mask = ss.key_copied[stage] >> (16 * warp + g);
+        copied = uint32_t(mask & 1) | uint32_t((mask >> 7) & 2);
+      }
 #pragma unroll
       for (int e = 0; e < size(tSrS); ++e) {
         const int j = col_index(e);
-        const float s = key_row + 8 * ((e >> 1) & 1) <= last_key[j] ? tSrS(e) * score_scale[j] : -INFINITY;
+        const int half = (e >> 1) & 1;
+        const bool visible = key_row + 8 * half <= last_key[j] && ((copied >> half) & 1);
+        const float s = visible ? tSrS(e) * score_scale[j] : -INFINITY;
         tSrS(e) = s;
         tile_max[j] = fmaxf(tile_max[j], s);
       }
@@ -323,6 +439,10 @@ __device__ void consume_narrow_tiles(const DecodeParams& p, typename Traits::Sha
           }
           warpgroup_wait<1>();  // the WGMMAs that read this A buffer (two groups ago) are done
           const int buf = (m % 2) * kSteps;
+          // ds_mla_fp8: the scale pairs of this thread's keys in the m-tile's 128-column group, word
+          // 2 step + h for keys 16 step + 8 h + 2 c and + 1, 16 bytes per two k-steps.
+          const uint32_t v_scale_words = v_scale_table + 4 * ((m / 2) * 32 + 8 * c);
+          uint4 w;
 #pragma unroll
           for (int step = 0; step < kSteps; ++step) {
             // raw_v[m][step / 2][2 (step % 2)]: keys 0-7 of the k-step, [.. + 1]: keys 8-15.
@@ -330,6 +450,14 @@ __device__ void consume_narrow_tiles(const DecodeParams& p, typename Traits::Sha
             uint32_t* a = a_regs + 4 * (buf + step);
             e4m3x4_to_f16x2(__byte_perm(r[0], 0, 0x3120), a[0], a[1]);
             e4m3x4_to_f16x2(__byte_perm(r[1], 0, 0x3120), a[2], a[3]);
+            if constexpr (kDs) {
+              if (step % 2 == 0) w = mla_common::ld_shared_16(v_scale_words + 8 * step);
+              const uint32_t pair0 = step % 2 ? w.z : w.x, pair1 = step % 2 ? w.w : w.y;
+              a[0] = hmul2_bits(a[0], *reinterpret_cast<const __half2*>(&pair0));
+              a[1] = hmul2_bits(a[1], *reinterpret_cast<const __half2*>(&pair0));
+              a[2] = hmul2_bits(a[2], *reinterpret_cast<const __half2*>(&pair1));
+              a[3] = hmul2_bits(a[3], *reinterpret_cast<const __half2*>(&pair1));
+            }
             for (int i = 0; i < 4; ++i) warpgroup_fence_operand(a[i]);
           }
           warpgroup_fence_operand(tOrO);
@@ -364,12 +492,13 @@ __device__ void consume_narrow_tiles(const DecodeParams& p, typename Traits::Sha
       // racecheck orders the hand-offs below correctly only if all math warpgroups have run their
       // warpgroup-local barriers equally often (scripts/racecheck_probe.cu), which the kernel does not
       // need: each catches up with the one that ran most in this request (2 per tile, 1 more for a
-      // tail tile).
+      // tail tile; row-staged: 3 per tile, the zeroing's sync always taken in this build).
       const int num_blocks = seg.blk_hi - seg.blk_lo, it0 = iteration - num_blocks;
       const int first_tail = max(seg.blk_lo, seg.seqlen_k / kBlockN);  // tiles with valid_keys < kBlockN
       auto owned_below = [](int x, int w) { return (x + kMathWarpgroups - 1 - w) / kMathWarpgroups; };  // x >= 0
       auto count_own = [&](int first, int count, int w) { return max(owned_below(first + count, w) - owned_below(first, w), 0); };
       auto local_syncs = [&](int w) {
+        if constexpr (kRowStaged) return 3 * count_own(it0, num_blocks, w);
         return 2 * count_own(it0, num_blocks, w) +
                count_own(it0 + first_tail - seg.blk_lo, seg.blk_hi - first_tail, w);
       };
@@ -502,15 +631,18 @@ struct NarrowKernel {
   static constexpr int kThreads = Traits::kThreads, kMathWarpgroups = Traits::kMathWarpgroups;
   static constexpr int kMathRegisters = Traits::kMathRegisters, kProducerRegisters = kNarrowProducerRegisters;
 
-  // kv_empty: the 4 warps of the warpgroup that consumed a tile arrive.
+  // kv_empty: the 4 warps of the warpgroup that consumed a tile arrive. Row-staged: whole rows by
+  // bulk copy (shared/row_copies.cuh).
   template <bool kGather>
   __device__ __forceinline__ static void init_barriers(SharedStorage& ss) {
-    init_kv_ring<Traits, kGather>(ss, 4);
+    if constexpr (Traits::kRowStaged) init_row_ring<Traits>(ss, 4);
+    else init_kv_ring<Traits, kGather>(ss, 4);
   }
   template <bool kGather>
   __device__ __forceinline__ static void produce(const DecodeParams& p, const DecodeTma& tma, SharedStorage& ss,
                                                  const PartRange& range, int warp) {
-    produce_kv_tiles<Traits, kGather>(p, tma, ss, range, 0, warp, 4);
+    if constexpr (Traits::kRowStaged) produce_staged_rows<Traits>(p, tma, ss, range, warp);
+    else produce_kv_tiles<Traits, kGather>(p, tma, ss, range, 0, warp, 4);
   }
   __device__ __forceinline__ static void consume(const DecodeParams& p, const DecodeTma&, SharedStorage& ss,
                                                  const PartRange& range, int warpgroup) {
@@ -518,9 +650,23 @@ struct NarrowKernel {
   }
 };
 
+// fp8, 16 rows: TMA boxes where the keys come in runs of 16 rows of a page, else (DecodeTma::gather)
+// the row-staged form.
 template <typename Element, int kRows, int kMathWarpgroups, bool kFp8Kv>
 cudaError_t run_mla_decode_narrow(const DecodeParams& params, const DecodeTma& tma, cudaStream_t stream) {
+  if constexpr (kFp8Kv && kRows == 16) {
+    if (tma.gather) {
+      return launch_split_and_combine<NarrowKernel<NarrowTraits<Element, kRows, kMathWarpgroups, true, true>>,
+                                      /*kMayStoreFp32Partials=*/true>(params, tma, stream);
+    }
+  }
   return launch_split_and_combine<NarrowKernel<NarrowTraits<Element, kRows, kMathWarpgroups, kFp8Kv>>,
+                                  /*kMayStoreFp32Partials=*/true>(params, tma, stream);
+}
+
+template <typename Element, int kRows>
+cudaError_t run_mla_decode_narrow_ds_mla_fp8(const DecodeParams& params, const DecodeTma& tma, cudaStream_t stream) {
+  return launch_split_and_combine<NarrowKernel<NarrowTraits<Element, kRows, 2, true, true, true>>,
                                   /*kMayStoreFp32Partials=*/true>(params, tma, stream);
 }
 

@@ -5,6 +5,8 @@
 #include <cstdint>
 #include <type_traits>
 
+#include "common/device_utils.cuh"
+#include "common/ds_mla_fp8_layout.h"
 #include "mla_decode/config.h"
 #include "mla_decode/shared/fp8_dequant.cuh"
 
@@ -23,18 +25,33 @@ using namespace cute;
 // rows three fit (3 x 128 x 160 + 128 x 24 <= 64K), loading 1 K slab and 2 V^T m-tiles ahead: more
 // tiles in flight, but each takes longer (dispatch: decode_api.cpp). 16-bit: two stages fit, one
 // per warpgroup.
-template <typename Element_, int kRows_, int kMathWarpgroups_, bool kFp8Kv_>
+// kRowStaged (fp8): each key row arrives whole by bulk copy (shared/row_copies.cuh) into a staging row
+// of the stage, and the math threads load their A fragments from there as from a TMA-staged fp8 tile:
+// at 16 rows, the form for rows that are gathered (page sizes not a multiple of 16, slot lists), where
+// TMA boxes of 16+ rows cannot serve; its TMA form then never gathers. At 32 rows (registers for one
+// K slab ahead) the e4m3 form spilled in ptxas: that kernel gathers by cp.async.
+// kDsMlaFp8: DeepSeek-V3.2's cache (common/ds_mla_fp8_layout.h; row-staged): per-128-column
+// power-of-two scales and 64 bf16 rope values beside the 512 e4m3 values of a row.
+template <typename Element_, int kRows_, int kMathWarpgroups_, bool kFp8Kv_, bool kRowStaged_ = false,
+          bool kDsMlaFp8_ = false>
 struct NarrowTraits {
   using Element = Element_;  // q and out
   static constexpr bool kFp8Kv = kFp8Kv_;
+  static constexpr bool kRowStaged = kRowStaged_;
+  static constexpr bool kDsMlaFp8 = kDsMlaFp8_;
+  static_assert(kFp8Kv || !kRowStaged, "row-staged rows are e4m3");
+  static_assert(kRowStaged || !kDsMlaFp8, "ds_mla_fp8 rows are row-staged");
+  static constexpr bool kGatherOnly = kRowStaged;  // no TMA map (shared/launch.cuh)
+  static constexpr bool kTmaOnly = kFp8Kv && !kRowStaged && kRows_ == 16;
   // fp8: the MMAs run in fp16 whatever q's type: e4m3 converts to fp16 in one instruction (to bf16
   // it takes four), every e4m3 value is exact in fp16, and a bf16 Q row is stored as fp16 times a
   // power of two that brings its largest value to [2^14, 2^15) (narrow/kernel.cuh: load_q).
   using MmaElement = std::conditional_t<kFp8Kv, cutlass::half_t, Element>;
   using KvElement = std::conditional_t<kFp8Kv, uint8_t, Element>;  // of a stage, as TMA writes it
   static constexpr int kRows = kRows_;
-  // 16-bit: two 72 KB stages (a third would not fit beside Q and P^T).
-  static constexpr int kStages = kFp8Kv ? kNarrowStages : 2;
+  // 16-bit: two 72 KB stages (a third would not fit beside Q and P^T). Row-staged: 37 KB (e4m3) or 41 KB
+  // (ds_mla_fp8) stages, as many as fit.
+  static constexpr int kStages = kRowStaged ? (kDsMlaFp8 ? 4 : kNarrowStages) : kFp8Kv ? kNarrowStages : 2;
   static_assert(kRows == 16 || kRows == 32, "N of the MMAs");
   static constexpr int kMathWarpgroups = kMathWarpgroups_;
   static_assert(kMathWarpgroups == 2 || (kMathWarpgroups == 3 && kRows == 16 && kFp8Kv), "O^T must fit in registers");
@@ -76,11 +93,27 @@ struct NarrowTraits {
                                                    GMMA::Major::MN, GMMA::Major::K>()))>;
   static constexpr int kSlabBytes = kBlockN * kTmaColumns * int(sizeof(KvElement));  // of a stage
   static constexpr int kSlabRowBytes = kTmaColumns * int(sizeof(KvElement));
+  // Row staging (kRowStaged): key row r of a block lands whole (576 or 656 bytes) at slot
+  // staged_slot(r) of the stage. The stride is an odd number of 16-byte units (592 = 37 x 16, 656 =
+  // 41 x 16), so 8 consecutive slots take 8 distinct 16-byte bank groups and slots 4 apart groups 4
+  // apart; the slot order (bit 0 of r moved to bit 2) gives the 8 keys an ldmatrix of V^T reads at
+  // once (r ... r + 7, r % 8 = 0) 8 distinct groups, and puts rows r and r + 1 (r even), which a
+  // quarter-warp's 16-byte K loads read 64 bytes each of, 64 bytes apart: both conflict-free.
+  static constexpr int kRowStride = kDsMlaFp8 ? mla_common::kDsRowBytes : kHeadDimK + 16;
+  static_assert(kRowStride % 16 == 0 && (kRowStride / 16) % 2 == 1, "bank groups of the staging slots");
+  static constexpr int kStageBytes = kRowStaged ? kBlockN * kRowStride : kBlockN * kHeadDimK * int(sizeof(KvElement));
+  __device__ static constexpr int staged_slot(int row) { return (row & ~7) | ((row & 1) << 2) | ((row >> 1) & 3); }
+  // The producer's one copy per row (shared/row_copies.cuh).
+  static constexpr uint32_t kStagedBytes = kDsMlaFp8 ? mla_common::kDsRowBytes : kHeadDimK, kRopeBytes = 0;
+  // ds_mla_fp8: per math warpgroup, two tiles' V^T scales as f16x2 pairs in the order a thread reads
+  // them (narrow/kernel.cuh); one word where unused.
+  static constexpr int kVScaleWords = kDsMlaFp8 ? kMathWarpgroups * 2 * mla_common::kDsNumTiles * 32 : 1;
 
   struct SharedStorage {
     alignas(1024) MmaElement q[cosize_v<SmemLayoutQ>];  // also the O hand-off buffer of the epilogue
     alignas(1024) MmaElement pt[kMathWarpgroups][cosize_v<SmemLayoutPt>];
-    alignas(1024) KvElement kv[kStages][kBlockN * kHeadDimK];  // tiles as TMA stages them
+    alignas(1024) KvElement kv[kStages][kStageBytes / sizeof(KvElement)];  // tiles as TMA or the row copies stage them
+    uint32_t v_scales[kVScaleWords];
     float col_stat[kMathWarpgroups][4][kRows];     // per warp: block max of a column (epilogue: sum)
     float run_max[kMathWarpgroups][kRows];         // each warpgroup's running max per query row (log2)
     int last_key[kRows];                           // last visible key of each query row (causal)
@@ -88,6 +121,7 @@ struct NarrowTraits {
     float k_scale;                                 // *params.k_scale, 1 for a 16-bit cache (epilogue)
     uint64_t kv_full[kStages][kSlabs];
     uint64_t kv_empty[kStages];  // the 4 warps of the warpgroup that consumed the tile are done
+    uint64_t key_copied[kStages];  // row-staged: bit k, key k of the block was copied
   };
   static constexpr int kSmemBytes = int(sizeof(SharedStorage));
   static_assert(kSmemBytes + 1024 <= 227 * 1024, "shared memory map exceeds the sm_90 limit");
@@ -96,6 +130,9 @@ struct NarrowTraits {
   // Rows start at multiples of 16, where the 128-byte swizzle leaves a row in place.
   __device__ static void* kv_copy_dst(SharedStorage& ss, int stage, int slab, int row) {
     return reinterpret_cast<uint8_t*>(ss.kv[stage]) + slab * kSlabBytes + row * kSlabRowBytes;
+  }
+  __device__ static uint32_t staged_row_addr(SharedStorage& ss, int stage, int row) {
+    return mla_common::smem_addr(ss.kv[stage]) + staged_slot(row) * kRowStride;
   }
 };
 

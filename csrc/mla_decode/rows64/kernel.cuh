@@ -31,7 +31,6 @@
 #include "common/device_utils.cuh"
 #include "mla_decode/config.h"
 #include "mla_decode/params.h"
-#include "mla_decode/rows64/row_copies.cuh"
 #include "mla_decode/rows64/traits.h"
 #include "mla_decode/shared/causal_mask.cuh"
 #include "mla_decode/shared/epilogue.cuh"
@@ -41,6 +40,7 @@
 #include "mla_decode/shared/mma_issue.cuh"
 #include "mla_decode/shared/online_softmax.cuh"
 #include "mla_decode/shared/q_load.cuh"
+#include "mla_decode/shared/row_copies.cuh"
 #include "mla_decode/shared/schedule.cuh"
 
 namespace mla_decode {
@@ -415,12 +415,12 @@ __device__ void consume_kv_tiles(const DecodeParams& p, typename Traits::SharedS
 }
 
 // The kernel's policy for the shared shell (shared/kernel_shell.cuh); the row-staged forms have their own
-// producer (rows64/row_copies.cuh).
+// producer (shared/row_copies.cuh).
 template <typename Traits>
 struct Rows64Kernel : KvRingKernel<Traits> {
   template <bool kGather>
   __device__ __forceinline__ static void init_barriers(typename Traits::SharedStorage& ss) {
-    if constexpr (Traits::kRowStaged) init_row_ring<Traits>(ss);
+    if constexpr (Traits::kRowStaged) init_row_ring<Traits>(ss, kNumMathWarpgroups * kStageReleaseArrivals);
     else KvRingKernel<Traits>::template init_barriers<kGather>(ss);
   }
   template <bool kGather>

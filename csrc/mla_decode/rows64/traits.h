@@ -6,6 +6,7 @@
 #include <cutlass/arch/barrier.h>
 #include <type_traits>
 
+#include "common/device_utils.cuh"
 #include "common/ds_mla_fp8_layout.h"
 #include "mla_decode/config.h"
 #include "mla_decode/shared/fp8_dequant.cuh"
@@ -22,7 +23,7 @@ struct Rows64Traits {
   // DeepSeek-V3.2's cache (common/ds_mla_fp8_layout.h; implies kFp8Kv and kRowStaged): per-128-column
   // power-of-two scales beside the e4m3 values, the rope in bf16.
   static constexpr bool kDsMlaFp8 = kDsMlaFp8_;
-  // Every fp8 form: each key row arrives whole by bulk copy (rows64/row_copies.cuh; no TMA map) into
+  // Every fp8 form: each key row arrives whole by bulk copy (shared/row_copies.cuh; no TMA map) into
   // staging rows and is converted in place to the fp16 tile (Fp8SlabConverter), at every page size (faster
   // than TMA boxes of 9 e4m3 slabs even where the keys come in runs of one page: docs/design-decisions.md).
   static constexpr bool kRowStaged = kFp8Kv;
@@ -86,9 +87,19 @@ struct Rows64Traits {
   static constexpr int kSlabsBelowStaging = kRowStagingOffset / k16BitSlabBytes;
   static_assert(kRowStagingStride % 128 == 64 && kRowStagingStride >= kHeadDimK && kRowStagingOffset % 16 == 0,
                 "staging rows: 16-byte aligned, bank-spread, room for a row");
+  // The producer's copies of a row (shared/row_copies.cuh): its staged bytes (e4m3 values, and the
+  // ds_mla_fp8 scales) and the ds_mla_fp8 rope, each where the converter reads it.
+  static constexpr uint32_t kStagedBytes = kDsMlaFp8 ? mla_common::kDsRopeOffset : kHeadDimK;
+  static constexpr uint32_t kRopeBytes = kDsMlaFp8 ? mla_common::kDsRowBytes - kStagedBytes : 0;
+  __device__ static uint32_t staged_row_addr(SharedStorage& ss, int stage, int row) {
+    return mla_common::smem_addr(ss.k[stage]) + kRowStagingOffset + row * kRowStagingStride;
+  }
+  __device__ static uint32_t rope_row_addr(SharedStorage& ss, int stage, int row) {
+    return mla_common::smem_addr(ss.k[stage]) + kDsRopeSlabOffset + row * 128;
+  }
   // Where the producer's copy of rows [row, row + rows_per_copy) of a slab lands (16-bit cache).
   __device__ static void* kv_copy_dst(SharedStorage& ss, int stage, int slab, int row) {
-    static_assert(!kFp8Kv, "the fp8 forms copy whole rows (rows64/row_copies.cuh)");
+    static_assert(!kFp8Kv, "the fp8 forms copy whole rows (shared/row_copies.cuh)");
     Tensor sK = make_tensor(make_smem_ptr(ss.k[stage]), SmemLayoutK{});
     return &sK(row, slab * kTmaColumns);
   }

@@ -2,7 +2,7 @@
 // into a ring of Traits::kStages stages: by TMA where keys come in runs of >= 16 rows of one page
 // (BlockCopies), else row by row by cp.async into the same swizzled layout (GatheredRows: page sizes
 // that are not a multiple of 16, the sparse key lists of kv_slots). The 64-row kernel's fp8 forms copy
-// whole rows instead (rows64/row_copies.cuh).
+// whole rows instead (shared/row_copies.cuh).
 #pragma once
 #include <cute/tensor.hpp>
 #include <cute/arch/copy_sm90_tma.hpp>

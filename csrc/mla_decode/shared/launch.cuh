@@ -17,6 +17,9 @@ namespace mla_decode {
 // ds_mla_fp8 rows have no TMA map); the caller then sets DecodeTma::gather.
 template <typename Traits>
 inline constexpr bool kGathersOnly = requires { requires Traits::kGatherOnly; };
+// Whether it never gathers (Traits::kTmaOnly: a kernel whose gathered rows go to another form).
+template <typename Traits>
+inline constexpr bool kNeverGathers = requires { requires Traits::kTmaOnly; };
 
 // Launches the split kernel (grid: q-tiles x parts; its gathering variant where DecodeTma::gather)
 // and, when any request is split, the combine kernel chained with PDL. kMayStoreFp32Partials: the
@@ -26,6 +29,7 @@ cudaError_t launch_split_and_combine(const DecodeParams& params, const DecodeTma
   using Element = typename Kernel::Traits::Element;
   const auto kernel = [&] {
     if constexpr (kGathersOnly<typename Kernel::Traits>) return mla_decode_split_kernel<Kernel, true>;
+    else if constexpr (kNeverGathers<typename Kernel::Traits>) return mla_decode_split_kernel<Kernel, false>;
     else return tma.gather ? mla_decode_split_kernel<Kernel, true> : mla_decode_split_kernel<Kernel, false>;
   }();
   constexpr int smem = Kernel::Traits::kSmemBytes + 1024;  // + slack to align the map to 1024 bytes

@@ -1,0 +1,3 @@
+#include "mla_decode/narrow/kernel.cuh"
+template cudaError_t mla_decode::run_mla_decode_narrow_ds_mla_fp8<cutlass::half_t, 16>(
+    const mla_decode::DecodeParams&, const mla_decode::DecodeTma&, cudaStream_t);
