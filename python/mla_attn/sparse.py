@@ -9,7 +9,7 @@ Each query token has its own list of top-k cache slots (from the caller's indexe
      num_slots) in order to the front of a [R, topk] slot list, and their count, on every call; not for
      a ds_mla_fp8 cache, whose kernel takes the index rows as they are and skips invalid slots itself;
   3. mla_decode(kv_slots=True) gathers the listed cache rows (DeepSeek-V3.2's ds_mla_fp8 rows too:
-     the 64-row kernel dequantises them in shared memory), each row's blocks ending at its count;
+     the kernels dequantise them to fp16), each row's blocks ending at its count;
   4. an attention sink, if given, rescales out with a few elementwise ops.
 Every step runs on the device without a host sync, so the whole call is CUDA-graph capturable and
 traceable by torch.compile. Arguments are checked by _validation (static checks always; value checks on
@@ -77,8 +77,8 @@ def mla_sparse_decode(q: Tensor, kv_cache: Tensor, indices: Tensor, *, softmax_s
     kv_cache [num_pages, page_size(, 1), 576], page_size 1..256, in q's dtype or float8_e4m3fn with
     k_scale (float32 [1]: value = stored * k_scale); or DeepSeek-V3.2's FP8 layout, uint8 [num_pages,
     page_size(, 1), 656] with its scales in the rows (kv_format "ds_mla_fp8" of write_kv_cache; rows back
-    to back), no k_scale, read by the 64-row kernel (rows64), which dequantises the gathered rows to fp16
-    in shared memory: exactly for |latent values| up to 57344 (scale <= 2^7) and rope values within
+    to back), no k_scale, whose gathered rows the kernels (rows64; narrow16/narrow32 at h_q <= 16/32)
+    dequantise to fp16: exactly for |latent values| up to 57344 (scale <= 2^7) and rope values within
     fp16's range; larger values overflow.
     indices int32 [B, s_q, topk] (or [T, topk]), topk >= 1: the cache slots (page * page_size + row in
     page) each query token attends to. An index of -1, or any slot outside the cache, is skipped; a
