@@ -76,7 +76,8 @@ __device__ void consume_narrow_tiles(const DecodeParams& p, typename Traits::Sha
   constexpr int kMTiles = kHeadDimV / 64;
   constexpr int kMathWarpgroups = Traits::kMathWarpgroups, kMathThreads = Traits::kMathThreads;
   constexpr int kAheadK = Traits::kAheadK, kAheadV = Traits::kAheadV;
-  constexpr bool kRowStaged = Traits::kRowStaged, kDs = Traits::kDsMlaFp8;
+  constexpr bool kRowStaged = Traits::kRowStaged, kDs = Traits::kDsMlaFp8, kRegisterA = Traits::kRegisterA;
+  constexpr bool k16BitRows = kRowStaged && !Traits::kFp8Kv;  // 16-bit rows, loaded as they are
   constexpr int kRowStride = Traits::kRowStride;
   const int tid = threadIdx.x % 128, warp = tid / 32, lane = tid % 32, g = lane / 4, c = lane % 4;
 
@@ -148,7 +149,7 @@ __device__ void consume_narrow_tiles(const DecodeParams& p, typename Traits::Sha
     for (int i = 0; i < kChunksPerThread; ++i) {
       const int d0 = (first + i * kThreadsPerRow) * 8;
       if (d0 >= kHeadDimK) continue;
-      if constexpr (!Traits::kFp8Kv) {
+      if constexpr (!kRegisterA) {
         *reinterpret_cast<uint4*>(&sQ(row, d0)) = chunk[i];
         continue;
       }
@@ -222,7 +223,19 @@ __device__ void consume_narrow_tiles(const DecodeParams& p, typename Traits::Sha
         const int t = mla_common::opaque(tid);
         return tile_addr + Traits::staged_slot(16 * (t / 32) + t % 32 / 4) * kRowStride;
       };
+      // 16-bit rows: per k-step one ldmatrix.x4.trans, lanes 8i ... 8i + 7 giving keys 16 step + 8 (i / 2)
+      // + (lane % 8) at dims 16 warp + 8 (i % 2) of the m-tile: A registers 0-3 as they are.
+      uint32_t raw_v16[kMTiles][kSteps][4];
       auto load_v = [&](int m) {
+        if constexpr (k16BitRows) {
+#pragma unroll
+          for (int step = 0; step < kSteps; ++step) {
+            const int t = mla_common::opaque(tid), l = t % 32;
+            const int key = 16 * step + 8 * (l / 16) + l % 8, dim = 64 * m + 16 * (t / 32) + 8 * ((l / 8) % 2);
+            mla_common::ldsm_x4_trans(tile_addr + Traits::staged_slot(key) * kRowStride + 2 * dim, raw_v16[m][step]);
+          }
+          return;
+        }
 #pragma unroll
         for (int pair = 0; pair < 2; ++pair) {  // k-steps 2 pair, 2 pair + 1: keys 32 pair + lane
           uint32_t addr;
@@ -249,10 +262,12 @@ __device__ void consume_narrow_tiles(const DecodeParams& p, typename Traits::Sha
                                                *reinterpret_cast<const float*>(scale0 + 4 * kRowStride));
         mla_common::st_shared_4(v_scale_table + 4 * (group * 32 + j), *reinterpret_cast<const uint32_t*>(&pair));
       };
-      if constexpr (Traits::kFp8Kv) {
+      if constexpr (kRegisterA) {
         // -- S^T = K Q^T: per slab, 16 bytes of rows 16w + g and 16w + g + 8 -> 4 k-steps of A. The raw
         // bytes are loaded kAheadK slabs before their conversion, so LDS latency is off the chain.
+        // 16-bit rows: 32 bytes of each row per slab, as the ds_mla_fp8 rope below.
         uint4 raw_k[kSlabs][2];
+        uint4 raw_k16[kSlabs][2][2];
         uint4 raw_rope[2][2];  // ds_mla_fp8: this thread's 16 bf16 rope values of each of its rows
         auto load_rope = [&] {
 #pragma unroll
@@ -269,7 +284,14 @@ __device__ void consume_narrow_tiles(const DecodeParams& p, typename Traits::Sha
             // Returns at once (the tile has landed), but keeps ptxas from moving these loads into the
             // previous slab's WGMMA stage, where they made it serialise the chain (C7515).
             cutlass::arch::ClusterBarrier::wait(&ss.kv_full[stage][0], phase);
-            if (kDs && slab == kSlabs - 1) {
+            if constexpr (k16BitRows) {
+#pragma unroll
+              for (int half = 0; half < 2; ++half) {
+                const uint32_t words = k_row_addr() + half * 8 * kRowStride + slab * 2 * kTmaColumns + 32 * c;
+                raw_k16[slab][half][0] = mla_common::ld_shared_16(words);
+                raw_k16[slab][half][1] = mla_common::ld_shared_16(words + 16);
+              }
+            } else if (kDs && slab == kSlabs - 1) {
               if (kRopeAhead) load_rope();
             } else {
               raw_k[slab][0] = mla_common::ld_shared_16(k_row_addr() + slab * kTmaColumns + 16 * c);
@@ -294,20 +316,26 @@ __device__ void consume_narrow_tiles(const DecodeParams& p, typename Traits::Sha
           if (slab == 0) warpgroup_wait<0>(); else warpgroup_wait<1>();
           if (kDs && slab == 0) build_v_scale_table();
           const int buf = (slab % 2) * kSteps;
-          if (kDs && slab == kSlabs - 1) {
-            // bf16 rope: word w of a row's 32 bytes holds dims 16 c + 2 w, + 1; k-step t takes words 2t, 2t + 1.
-            if (!kRopeAhead) load_rope();
+          // 16-bit words of a row, 32 bytes per thread: word w holds dims 16 c + 2 w, + 1; k-step t takes
+          // words 2t, 2t + 1 (the permutation of the fp8 fragments, so Q is stored alike).
+          auto words_to_a = [&](const uint4 (&words)[2][2], auto&& cvt) {
 #pragma unroll
             for (int t = 0; t < kSteps; ++t) {
               uint32_t* a = a_regs + 4 * (buf + t);
 #pragma unroll
               for (int half = 0; half < 2; ++half) {
-                const uint4 w = raw_rope[half][t / 2];
-                a[half] = bf16x2_to_f16x2(t % 2 ? w.z : w.x);
-                a[half + 2] = bf16x2_to_f16x2(t % 2 ? w.w : w.y);
+                const uint4 w = words[half][t / 2];
+                a[half] = cvt(t % 2 ? w.z : w.x);
+                a[half + 2] = cvt(t % 2 ? w.w : w.y);
               }
               for (int i = 0; i < 4; ++i) warpgroup_fence_operand(a[i]);
             }
+          };
+          if constexpr (k16BitRows) {
+            words_to_a(raw_k16[slab], [](uint32_t w) { return w; });
+          } else if (kDs && slab == kSlabs - 1) {  // bf16 rope -> fp16
+            if (!kRopeAhead) load_rope();
+            words_to_a(raw_rope, [](uint32_t w) { return bf16x2_to_f16x2(w); });
           } else {
             const uint4 lo = raw_k[slab][0], hi = raw_k[slab][1];
             const uint32_t row0[4] = {lo.x, lo.y, lo.z, lo.w}, row8[4] = {hi.x, hi.y, hi.z, hi.w};
@@ -427,7 +455,7 @@ __device__ void consume_narrow_tiles(const DecodeParams& p, typename Traits::Sha
         for (int j = 0; j < kCols; ++j) ss.run_max[warpgroup][col_of(j)] = new_max[j];
       }
 
-      if constexpr (Traits::kFp8Kv) {
+      if constexpr (kRegisterA) {
         // -- O^T += V^T P^T, per m-tile (64 dims).
         Tensor tOrPt = thr.partition_fragment_B(sPt);
 #pragma unroll
@@ -445,9 +473,14 @@ __device__ void consume_narrow_tiles(const DecodeParams& p, typename Traits::Sha
           uint4 w;
 #pragma unroll
           for (int step = 0; step < kSteps; ++step) {
+            uint32_t* a = a_regs + 4 * (buf + step);
+            if constexpr (k16BitRows) {
+              for (int i = 0; i < 4; ++i) a[i] = raw_v16[m][step][i];
+              for (int i = 0; i < 4; ++i) warpgroup_fence_operand(a[i]);
+              continue;
+            }
             // raw_v[m][step / 2][2 (step % 2)]: keys 0-7 of the k-step, [.. + 1]: keys 8-15.
             const uint32_t* r = raw_v[m][step / 2] + 2 * (step % 2);
-            uint32_t* a = a_regs + 4 * (buf + step);
             e4m3x4_to_f16x2(__byte_perm(r[0], 0, 0x3120), a[0], a[1]);
             e4m3x4_to_f16x2(__byte_perm(r[1], 0, 0x3120), a[2], a[3]);
             if constexpr (kDs) {
@@ -650,13 +683,13 @@ struct NarrowKernel {
   }
 };
 
-// fp8, 16 rows: TMA boxes where the keys come in runs of 16 rows of a page, else (DecodeTma::gather)
-// the row-staged form.
+// 16 rows: TMA boxes where the keys come in runs of 16 rows of a page, else (DecodeTma::gather) the
+// row-staged form.
 template <typename Element, int kRows, int kMathWarpgroups, bool kFp8Kv>
 cudaError_t run_mla_decode_narrow(const DecodeParams& params, const DecodeTma& tma, cudaStream_t stream) {
-  if constexpr (kFp8Kv && kRows == 16) {
+  if constexpr (kRows == 16) {
     if (tma.gather) {
-      return launch_split_and_combine<NarrowKernel<NarrowTraits<Element, kRows, kMathWarpgroups, true, true>>,
+      return launch_split_and_combine<NarrowKernel<NarrowTraits<Element, kRows, kMathWarpgroups, kFp8Kv, true>>,
                                       /*kMayStoreFp32Partials=*/true>(params, tma, stream);
     }
   }

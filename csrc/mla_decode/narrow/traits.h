@@ -25,11 +25,11 @@ using namespace cute;
 // rows three fit (3 x 128 x 160 + 128 x 24 <= 64K), loading 1 K slab and 2 V^T m-tiles ahead: more
 // tiles in flight, but each takes longer (dispatch: decode_api.cpp). 16-bit: two stages fit, one
 // per warpgroup.
-// kRowStaged (fp8): each key row arrives whole by bulk copy (shared/row_copies.cuh) into a staging row
-// of the stage, and the math threads load their A fragments from there as from a TMA-staged fp8 tile:
-// at 16 rows, the form for rows that are gathered (page sizes not a multiple of 16, slot lists), where
-// TMA boxes of 16+ rows cannot serve; its TMA form then never gathers. At 32 rows (registers for one
-// K slab ahead) the e4m3 form spilled in ptxas: that kernel gathers by cp.async.
+// kRowStaged: each key row arrives whole by bulk copy (shared/row_copies.cuh) into a staging row of
+// the stage, and the math threads load their A fragments from there (register-A WGMMAs, a 16-bit
+// cache too): at 16 rows, the form for rows that are gathered (page sizes not a multiple of 16, slot
+// lists), where TMA boxes of 16+ rows cannot serve; its TMA form then never gathers. At 32 rows
+// (registers for one K slab ahead) the e4m3 form spilled in ptxas: that kernel gathers by cp.async.
 // kDsMlaFp8: DeepSeek-V3.2's cache (common/ds_mla_fp8_layout.h; row-staged): per-128-column
 // power-of-two scales and 64 bf16 rope values beside the 512 e4m3 values of a row.
 template <typename Element_, int kRows_, int kMathWarpgroups_, bool kFp8Kv_, bool kRowStaged_ = false,
@@ -39,10 +39,12 @@ struct NarrowTraits {
   static constexpr bool kFp8Kv = kFp8Kv_;
   static constexpr bool kRowStaged = kRowStaged_;
   static constexpr bool kDsMlaFp8 = kDsMlaFp8_;
-  static_assert(kFp8Kv || !kRowStaged, "row-staged rows are e4m3");
   static_assert(kRowStaged || !kDsMlaFp8, "ds_mla_fp8 rows are row-staged");
   static constexpr bool kGatherOnly = kRowStaged;  // no TMA map (shared/launch.cuh)
-  static constexpr bool kTmaOnly = kFp8Kv && !kRowStaged && kRows_ == 16;
+  static constexpr bool kTmaOnly = !kRowStaged && kRows_ == 16;
+  // A operands loaded into registers by the math threads (fp8: converted there) rather than read by
+  // the WGMMAs from the stage.
+  static constexpr bool kRegisterA = kFp8Kv || kRowStaged;
   // fp8: the MMAs run in fp16 whatever q's type: e4m3 converts to fp16 in one instruction (to bf16
   // it takes four), every e4m3 value is exact in fp16, and a bf16 Q row is stored as fp16 times a
   // power of two that brings its largest value to [2^14, 2^15) (narrow/kernel.cuh: load_q).
@@ -51,7 +53,7 @@ struct NarrowTraits {
   static constexpr int kRows = kRows_;
   // 16-bit: two 72 KB stages (a third would not fit beside Q and P^T). Row-staged: 37 KB (e4m3) or 41 KB
   // (ds_mla_fp8) stages, as many as fit.
-  static constexpr int kStages = kRowStaged ? (kDsMlaFp8 ? 4 : kNarrowStages) : kFp8Kv ? kNarrowStages : 2;
+  static constexpr int kStages = !kFp8Kv ? 2 : kRowStaged ? (kDsMlaFp8 ? 4 : kNarrowStages) : kNarrowStages;
   static_assert(kRows == 16 || kRows == 32, "N of the MMAs");
   static constexpr int kMathWarpgroups = kMathWarpgroups_;
   static_assert(kMathWarpgroups == 2 || (kMathWarpgroups == 3 && kRows == 16 && kFp8Kv), "O^T must fit in registers");
@@ -66,8 +68,9 @@ struct NarrowTraits {
   // fp8: K slabs (QK) / V^T m-tiles (PV) whose raw fragments are loaded ahead of their conversion,
   // as far as registers allow without spills. The V^T ones do not depend on P, so they load under
   // the softmax. (All 9 K slabs ahead makes ptxas serialize the QK chain.)
-  static constexpr int kAheadK = kRows == 32 ? 1 : kMathWarpgroups == 2 ? 4 : 1;
-  static constexpr int kAheadV = kRows == 32 ? 0 : kMathWarpgroups == 2 ? kHeadDimV / 64 : 2;
+  // 16-bit row-staged: a slab's K fragments and an m-tile's V^T fragments are twice as many registers.
+  static constexpr int kAheadK = !kFp8Kv ? 2 : kRows == 32 ? 1 : kMathWarpgroups == 2 ? 4 : 1;
+  static constexpr int kAheadV = !kFp8Kv ? 2 : kRows == 32 ? 0 : kMathWarpgroups == 2 ? kHeadDimV / 64 : 2;
 
   // Q [kRows, 576], K-major, 128-byte swizzle: the B operand of S^T. fp8: its columns are permuted
   // within each 64-column slab as the A fragments loaded from the fp8 tile (narrow/kernel.cuh: q_column).
@@ -85,10 +88,10 @@ struct NarrowTraits {
   // 64 x kRows x 16. fp8: A (K or V^T) from registers; 16-bit: from the stage (V^T MN-major). B from
   // shared memory.
   using TiledMmaQK = std::conditional_t<
-      kFp8Kv, decltype(make_tiled_mma(GMMA::rs_op_selector<MmaElement, MmaElement, float, Shape<_64, Int<kRows>, _16>>())),
+      kRegisterA, decltype(make_tiled_mma(GMMA::rs_op_selector<MmaElement, MmaElement, float, Shape<_64, Int<kRows>, _16>>())),
       decltype(make_tiled_mma(GMMA::ss_op_selector<MmaElement, MmaElement, float, Shape<_64, Int<kRows>, _16>>()))>;
   using TiledMmaPV = std::conditional_t<
-      kFp8Kv, TiledMmaQK,
+      kRegisterA, TiledMmaQK,
       decltype(make_tiled_mma(GMMA::ss_op_selector<MmaElement, MmaElement, float, Shape<_64, Int<kRows>, _16>,
                                                    GMMA::Major::MN, GMMA::Major::K>()))>;
   static constexpr int kSlabBytes = kBlockN * kTmaColumns * int(sizeof(KvElement));  // of a stage
@@ -99,12 +102,13 @@ struct NarrowTraits {
   // apart; the slot order (bit 0 of r moved to bit 2) gives the 8 keys an ldmatrix of V^T reads at
   // once (r ... r + 7, r % 8 = 0) 8 distinct groups, and puts rows r and r + 1 (r even), which a
   // quarter-warp's 16-byte K loads read 64 bytes each of, 64 bytes apart: both conflict-free.
-  static constexpr int kRowStride = kDsMlaFp8 ? mla_common::kDsRowBytes : kHeadDimK + 16;
+  static constexpr int kRowStride = kDsMlaFp8 ? mla_common::kDsRowBytes : kHeadDimK * int(sizeof(KvElement)) + 16;
   static_assert(kRowStride % 16 == 0 && (kRowStride / 16) % 2 == 1, "bank groups of the staging slots");
   static constexpr int kStageBytes = kRowStaged ? kBlockN * kRowStride : kBlockN * kHeadDimK * int(sizeof(KvElement));
   __device__ static constexpr int staged_slot(int row) { return (row & ~7) | ((row & 1) << 2) | ((row >> 1) & 3); }
   // The producer's one copy per row (shared/row_copies.cuh).
-  static constexpr uint32_t kStagedBytes = kDsMlaFp8 ? mla_common::kDsRowBytes : kHeadDimK, kRopeBytes = 0;
+  static constexpr uint32_t kStagedBytes = kRowStride - (kDsMlaFp8 ? 0 : 16), kRopeBytes = 0;
+  static constexpr int kCacheElementBytes = int(sizeof(KvElement));  // cache_row_offset counts elements
   // ds_mla_fp8: per math warpgroup, two tiles' V^T scales as f16x2 pairs in the order a thread reads
   // them (narrow/kernel.cuh); one word where unused.
   static constexpr int kVScaleWords = kDsMlaFp8 ? kMathWarpgroups * 2 * mla_common::kDsNumTiles * 32 : 1;

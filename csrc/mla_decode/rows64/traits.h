@@ -91,6 +91,7 @@ struct Rows64Traits {
   // ds_mla_fp8 scales) and the ds_mla_fp8 rope, each where the converter reads it.
   static constexpr uint32_t kStagedBytes = kDsMlaFp8 ? mla_common::kDsRopeOffset : kHeadDimK;
   static constexpr uint32_t kRopeBytes = kDsMlaFp8 ? mla_common::kDsRowBytes - kStagedBytes : 0;
+  static constexpr int kCacheElementBytes = 1;  // cache_row_offset counts elements: bytes of an fp8 cache
   __device__ static uint32_t staged_row_addr(SharedStorage& ss, int stage, int row) {
     return mla_common::smem_addr(ss.k[stage]) + kRowStagingOffset + row * kRowStagingStride;
   }

@@ -1,9 +1,9 @@
 // The producer of the row-staged forms (Traits::kRowStaged: the 64-row kernel's fp8 forms, ds_mla_fp8
-// and e4m3, and the narrow kernel's ds_mla_fp8 form): every key row of a block arrives whole by bulk
+// and e4m3, and the narrow kernel's gathering forms): every key row of a block arrives whole by bulk
 // copy on the TMA unit (cp.async.bulk, no tensor map) into the stage's staging rows, where the kernel
 // reads it from: Traits::staged_row_addr gets a row's first kStagedBytes (rows64: an e4m3 row's 576
-// bytes, or a ds_mla_fp8 row's 512 e4m3 values and 4 scales; narrow: the whole 656-byte ds_mla_fp8
-// row), Traits::rope_row_addr the kRopeBytes after them (rows64's ds_mla_fp8 rope, into its 16-bit
+// bytes, or a ds_mla_fp8 row's 512 e4m3 values and 4 scales; narrow: the whole row, 576, 656 or 1152
+// bytes), Traits::rope_row_addr the kRopeBytes after them (rows64's ds_mla_fp8 rope, into its 16-bit
 // rope slab; none elsewhere). Row gathers by 16-byte cp.async were bound by an SM's cp.async path
 // (docs/design-decisions.md, "What bounds the gather"); a bulk copy moves a row per instruction. One
 // kv_full barrier per stage counts the block's bytes: each producer warp arrives once with the bytes
@@ -48,7 +48,8 @@ __device__ void produce_staged_rows(const DecodeParams& p, const DecodeTma& tma,
     const int key = blk * kBlockN + row;
     bool copies = lane < kRowsPerWarp && key < seg.seqlen_k;
     if (p.skip_invalid_slots && copies) copies = uint32_t(table[key]) < uint32_t(p.num_pages * p.page_size);
-    const uint8_t* src = static_cast<const uint8_t*>(p.kv) + (copies ? cache_row_offset(p, tma, table, key) : 0);
+    const uint8_t* src = static_cast<const uint8_t*>(p.kv) +
+                         (copies ? cache_row_offset(p, tma, table, key) * Traits::kCacheElementBytes : 0);
     if (iteration >= Traits::kStages) {  // the consumers are done with the stage
       cutlass::arch::ClusterBarrier::wait(&ss.kv_empty[stage], ((iteration / Traits::kStages) - 1) & 1);
     }
