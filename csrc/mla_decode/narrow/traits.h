@@ -17,8 +17,8 @@ using namespace cute;
 // S^T = K Q^T and O^T = V^T P^T, so the 64-row M side is keys / output dims, and a few query rows
 // cost only their share of the tensor cores.
 // kFp8Kv: an e4m3 cache, whose A operands are converted in registers (register-A WGMMAs); a 16-bit
-// cache feeds K and V^T to the WGMMAs straight from the stage (shared-memory A: V^T is the stage seen
-// MN-major, as B of the 64-row kernel's PV).
+// cache's TMA form feeds K and V^T to the WGMMAs straight from the stage (shared-memory A: V^T is the
+// stage seen MN-major, as B of the 64-row kernel's PV).
 // kMathWarpgroups: each math warpgroup runs its own tiles' dependent chain (QK -> softmax -> PV),
 // and a chain is latency-bound. fp8: two warpgroups have registers to load 4 K slabs and all V^T
 // fragments of a tile ahead (16 rows; O^T takes 64 registers) or one K slab (32 rows: 128); at 16
@@ -51,8 +51,8 @@ struct NarrowTraits {
   using MmaElement = std::conditional_t<kFp8Kv, cutlass::half_t, Element>;
   using KvElement = std::conditional_t<kFp8Kv, uint8_t, Element>;  // of a stage, as TMA writes it
   static constexpr int kRows = kRows_;
-  // 16-bit: two 72 KB stages (a third would not fit beside Q and P^T). Row-staged: 37 KB (e4m3) or 41 KB
-  // (ds_mla_fp8) stages, as many as fit.
+  // 16-bit: two 72 KB stages (73 KB row-staged; a third would not fit beside Q and P^T). Row-staged fp8:
+  // 37 KB (e4m3) or 41 KB (ds_mla_fp8) stages, as many as fit.
   static constexpr int kStages = !kFp8Kv ? 2 : kRowStaged ? (kDsMlaFp8 ? 4 : kNarrowStages) : kNarrowStages;
   static_assert(kRows == 16 || kRows == 32, "N of the MMAs");
   static constexpr int kMathWarpgroups = kMathWarpgroups_;
@@ -96,10 +96,10 @@ struct NarrowTraits {
                                                    GMMA::Major::MN, GMMA::Major::K>()))>;
   static constexpr int kSlabBytes = kBlockN * kTmaColumns * int(sizeof(KvElement));  // of a stage
   static constexpr int kSlabRowBytes = kTmaColumns * int(sizeof(KvElement));
-  // Row staging (kRowStaged): key row r of a block lands whole (576 or 656 bytes) at slot
+  // Row staging (kRowStaged): key row r of a block lands whole (576, 656 or 1152 bytes) at slot
   // staged_slot(r) of the stage. The stride is an odd number of 16-byte units (592 = 37 x 16, 656 =
-  // 41 x 16), so 8 consecutive slots take 8 distinct 16-byte bank groups and slots 4 apart groups 4
-  // apart; the slot order (bit 0 of r moved to bit 2) gives the 8 keys an ldmatrix of V^T reads at
+  // 41 x 16, 1168 = 73 x 16), so 8 consecutive slots take 8 distinct 16-byte bank groups and slots 4
+  // apart groups 4 apart; the slot order (bit 0 of r moved to bit 2) gives the 8 keys an ldmatrix of V^T reads at
   // once (r ... r + 7, r % 8 = 0) 8 distinct groups, and puts rows r and r + 1 (r even), which a
   // quarter-warp's 16-byte K loads read 64 bytes each of, 64 bytes apart: both conflict-free.
   static constexpr int kRowStride = kDsMlaFp8 ? mla_common::kDsRowBytes : kHeadDimK * int(sizeof(KvElement)) + 16;
