@@ -44,7 +44,8 @@ cudaError_t run_mla_decode_seesaw(const DecodeParams& params, const DecodeTma& t
 
 // The same for at most kRows (16 or 32) query rows per request (max_seqlen_q x heads): the narrow
 // kernel, whose MMAs have N = kRows, with kMathWarpgroups (2, or 3 at 16 rows with an fp8 cache)
-// consuming tiles (narrow/kernel.cuh, narrow/traits.h). kFp8Kv as above.
+// consuming tiles (narrow/kernel.cuh, narrow/traits.h). kFp8Kv as above; at 16 rows gathered rows
+// (DecodeTma::gather) are copied whole into staging rows instead of by cp.async.
 template <typename Element, int kRows, int kMathWarpgroups, bool kFp8Kv>
 cudaError_t run_mla_decode_narrow(const DecodeParams& params, const DecodeTma& tma, cudaStream_t stream);
 

@@ -10,6 +10,9 @@
 // never needs a 16-bit copy in shared memory: each math thread loads its A fragments from it (LDS
 // for K, ldmatrix.trans for V^T), converts them to fp16 in registers (exact; the MMAs run in fp16
 // for bf16 q too, see narrow/traits.h), and issues register-A WGMMAs; shared memory holds 5 fp8 stages.
+// Gathered rows at 16 rows (fp8 and 16-bit; and every ds_mla_fp8 call) arrive whole by bulk copy into
+// staging rows (row-staged, narrow/traits.h), which the math threads load the same register-A
+// fragments from (a 16-bit row's as they are).
 //
 // Warpgroup roles (W = Traits::kMathWarpgroups, 2 or 3 (16 rows, batch > 1); (W + 1) x 128 threads):
 //   WG W  producer: its 4 warps issue the TMA copies (shared/kv_producer.cuh), slabs w, w + 4, w + 8.
