@@ -56,12 +56,6 @@ namespace mla_decode {
 using namespace cute;
 using mla_common::named_barrier_sync;
 
-#ifdef MLA_ATTN_RACECHECK
-constexpr bool kRacecheckBuild = true;  // see the catch-up below the tile loop
-#else
-constexpr bool kRacecheckBuild = false;
-#endif
-
 // Column of the permuted Q tile that holds dim d (even) of a query row; d + 1 follows it.
 __device__ __forceinline__ int q_column(int d) {
   const int r = d % kTmaColumns;
@@ -237,18 +231,18 @@ __device__ void consume_narrow_tiles(const DecodeParams& p, typename Traits::Sha
             const int key = 16 * step + 8 * (l / 16) + l % 8, dim = 64 * m + 16 * (t / 32) + 8 * ((l / 8) % 2);
             mla_common::ldsm_x4_trans(tile_addr + Traits::staged_slot(key) * kRowStride + 2 * dim, raw_v16[m][step]);
           }
-          return;
-        }
+        } else {
 #pragma unroll
-        for (int pair = 0; pair < 2; ++pair) {  // k-steps 2 pair, 2 pair + 1: keys 32 pair + lane
-          uint32_t addr;
-          if constexpr (kRowStaged) {
-            const int t = mla_common::opaque(tid);
-            addr = tile_addr + Traits::staged_slot(32 * pair + t % 32) * kRowStride + m * kTmaColumns + t / 32 * 16;
-          } else {
-            addr = tile_addr + m * kFp8SlabBytes + fp8_slab_offset(32 * pair + lane, warp);
+          for (int pair = 0; pair < 2; ++pair) {  // k-steps 2 pair, 2 pair + 1: keys 32 pair + lane
+            uint32_t addr;
+            if constexpr (kRowStaged) {
+              const int t = mla_common::opaque(tid);
+              addr = tile_addr + Traits::staged_slot(32 * pair + t % 32) * kRowStride + m * kTmaColumns + t / 32 * 16;
+            } else {
+              addr = tile_addr + m * kFp8SlabBytes + fp8_slab_offset(32 * pair + lane, warp);
+            }
+            mla_common::ldsm_x4_trans(addr, raw_v[m][pair]);
           }
-          mla_common::ldsm_x4_trans(addr, raw_v[m][pair]);
         }
       };
       // ds_mla_fp8: the tile's V^T scale pairs into this warpgroup's table: thread (group tid / 32, word j)
@@ -347,7 +341,9 @@ __device__ void consume_narrow_tiles(const DecodeParams& p, typename Traits::Sha
               uint32_t* a = a_regs + 4 * (buf + t);
               e4m3x4_to_f16x2(row0[t], a[0], a[2]);
               e4m3x4_to_f16x2(row8[t], a[1], a[3]);
-              if constexpr (kDs) {  // the scales of this thread's rows 16 warp + g and + 8 for this slab's group
+              // ds_mla_fp8: the scales of this thread's rows 16 warp + g and + 8 for this slab's group,
+              // loaded per slab: held across the QK chain, they spilled at 32 rows.
+              if constexpr (kDs) {
                 const uint32_t scale_addr = k_row_addr() + mla_common::kDsScaleOffset + 4 * (slab / 2);
                 const __half2 scale = __floats2half2_rn(mla_common::ld_shared_f32(scale_addr),
                                                         mla_common::ld_shared_f32(scale_addr + 8 * kRowStride));

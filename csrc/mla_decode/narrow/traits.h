@@ -53,7 +53,7 @@ struct NarrowTraits {
   static constexpr int kRows = kRows_;
   // 16-bit: two 72 KB stages (73 KB row-staged; a third would not fit beside Q and P^T). Row-staged fp8:
   // 37 KB (e4m3) or 41 KB (ds_mla_fp8) stages, as many as fit.
-  static constexpr int kStages = !kFp8Kv ? 2 : kRowStaged ? (kDsMlaFp8 ? 4 : kNarrowStages) : kNarrowStages;
+  static constexpr int kStages = !kFp8Kv ? 2 : kDsMlaFp8 ? 4 : kNarrowStages;
   static_assert(kRows == 16 || kRows == 32, "N of the MMAs");
   static constexpr int kMathWarpgroups = kMathWarpgroups_;
   static_assert(kMathWarpgroups == 2 || (kMathWarpgroups == 3 && kRows == 16 && kFp8Kv), "O^T must fit in registers");
@@ -85,8 +85,8 @@ struct NarrowTraits {
                                              Shape<Int<kBlockN>, Int<kHeadDimK>>{}));
   using SmemLayoutVt = decltype(tile_to_shape(GMMA::Layout_MN_SW128_Atom<MmaElement>{},
                                               Shape<Int<kHeadDimV>, Int<kBlockN>>{}, Step<_2, _1>{}));
-  // 64 x kRows x 16. fp8: A (K or V^T) from registers; 16-bit: from the stage (V^T MN-major). B from
-  // shared memory.
+  // 64 x kRows x 16. kRegisterA: A (K or V^T) from registers; a 16-bit TMA form: from the stage (V^T
+  // MN-major). B from shared memory.
   using TiledMmaQK = std::conditional_t<
       kRegisterA, decltype(make_tiled_mma(GMMA::rs_op_selector<MmaElement, MmaElement, float, Shape<_64, Int<kRows>, _16>>())),
       decltype(make_tiled_mma(GMMA::ss_op_selector<MmaElement, MmaElement, float, Shape<_64, Int<kRows>, _16>>()))>;

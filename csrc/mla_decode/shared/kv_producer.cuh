@@ -186,10 +186,11 @@ __device__ __forceinline__ void racecheck_acquire_stage(typename Traits::SharedS
 // does not carry the order of those writes through the named barrier to thread 0's arrival and on
 // to the producer's next copies into the stage (scripts/racecheck_probe.cu).
 #ifdef MLA_ATTN_RACECHECK
-inline constexpr bool kEveryThreadReleases = true;
+inline constexpr bool kRacecheckBuild = true;
 #else
-inline constexpr bool kEveryThreadReleases = false;
+inline constexpr bool kRacecheckBuild = false;
 #endif
+inline constexpr bool kEveryThreadReleases = kRacecheckBuild;
 inline constexpr int kStageReleaseArrivals = kEveryThreadReleases ? 128 : 1;  // per warpgroup
 
 // Thread 0 initialises the ring's barriers: kv_full[stage][slab] (kKvFullArrivals) and
