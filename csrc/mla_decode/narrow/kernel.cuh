@@ -307,10 +307,11 @@ __device__ void consume_narrow_tiles(const DecodeParams& p, typename Traits::Sha
         warpgroup_fence_operand(tSrS);
 #pragma unroll
         for (int slab = 0; slab < kSlabs; ++slab) {
-          if (slab + kAheadK < kSlabs) load_k(slab + kAheadK);
+          if (kAheadK > 0 && slab + kAheadK < kSlabs) load_k(slab + kAheadK);
           // This A buffer was read two commit groups ago. Slab 0 also waits for the previous PV: a
           // register-A WGMMA chain that starts with PV groups in flight makes ptxas serialize it.
           if (slab == 0) warpgroup_wait<0>(); else warpgroup_wait<1>();
+          if (kAheadK == 0) load_k(slab);
           if (kDs && slab == 0) build_v_scale_table();
           const int buf = (slab % 2) * kSteps;
           // 16-bit words of a row, 32 bytes per thread: word w holds dims 16 c + 2 w, + 1; k-step t takes

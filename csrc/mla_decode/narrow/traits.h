@@ -68,8 +68,10 @@ struct NarrowTraits {
   // fp8: K slabs (QK) / V^T m-tiles (PV) whose raw fragments are loaded ahead of their conversion,
   // as far as registers allow without spills. The V^T ones do not depend on P, so they load under
   // the softmax. (All 9 K slabs ahead makes ptxas serialize the QK chain.)
-  // 16-bit row-staged: a slab's K fragments and an m-tile's V^T fragments are twice as many registers.
-  static constexpr int kAheadK = !kFp8Kv ? 2 : kRows == 32 ? 1 : kMathWarpgroups == 2 ? 4 : 1;
+  // 16-bit row-staged: a slab's K fragments and an m-tile's V^T fragments are twice as many registers;
+  // K's are loaded after the wait that frees their A buffer (kAheadK 0): loaded any earlier, they are
+  // the WGMMAs' own input registers (no conversion in between) and ptxas serialises the QK chain (C7513).
+  static constexpr int kAheadK = !kFp8Kv ? 0 : kRows == 32 ? 1 : kMathWarpgroups == 2 ? 4 : 1;
   static constexpr int kAheadV = !kFp8Kv ? 2 : kRows == 32 ? 0 : kMathWarpgroups == 2 ? kHeadDimV / 64 : 2;
 
   // Q [kRows, 576], K-major, 128-byte swizzle: the B operand of S^T. fp8: its columns are permuted
