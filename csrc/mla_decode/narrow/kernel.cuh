@@ -675,7 +675,7 @@ struct NarrowKernel {
   __device__ __forceinline__ static void produce(const DecodeParams& p, const DecodeTma& tma, SharedStorage& ss,
                                                  const PartRange& range, int warp) {
     if constexpr (Traits::kRowStaged) produce_staged_rows<Traits>(p, tma, ss, range, warp);
-    else produce_kv_tiles<Traits, kGather>(p, tma, ss, range, 0, warp, 4);
+    else produce_kv_tiles<Traits, kGather>(p, tma, ss, range, 0, warp);
   }
   __device__ __forceinline__ static void consume(const DecodeParams& p, const DecodeTma&, SharedStorage& ss,
                                                  const PartRange& range, int warpgroup) {

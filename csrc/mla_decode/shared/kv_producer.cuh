@@ -107,28 +107,35 @@ struct GatheredRows {
     return g;
   }
 
-  // Byte address in shared memory of 16-byte chunk `chunk` of row `row` of a slab, in the layout TMA
-  // writes: 128-byte swizzle of 16-bit rows, or the 64-byte swizzle of fp8 ones (fp8_slab_offset).
-  __device__ static uint8_t* chunk_dst(typename Traits::SharedStorage& ss, int stage, int slab, int row, int chunk) {
-    uint8_t* slab_base = static_cast<uint8_t*>(Traits::kv_copy_dst(ss, stage, slab, 0));
-    if constexpr (Traits::kFp8Kv) return slab_base + fp8_slab_offset(row, chunk);
-    else return slab_base + row * kRowBytes + ((chunk ^ (row & 7)) << 4);
+  // Byte offset within a slab of 16-byte chunk `chunk` of row `row`, in the layout TMA writes: 128-byte
+  // swizzle of 16-bit rows, or the 64-byte swizzle of fp8 ones (fp8_slab_offset). Slabs are 64 rows
+  // each, back to back (every kernel's Traits::kv_copy_dst).
+  static constexpr int kSlabBytes = kBlockN * kRowBytes;
+  __device__ static int chunk_offset(int row, int chunk) {
+    if constexpr (Traits::kFp8Kv) return fp8_slab_offset(row, chunk);
+    else return row * kRowBytes + ((chunk ^ (row & 7)) << 4);
   }
 
-  // Copies slabs first_slab, first_slab + slab_step, ... < end_slab of all 64 rows; the calling warp
-  // then arrives on their barriers.
+  // Copies slabs first_slab + k * kStep, k < count <= kMaxCount, of all 64 rows; the calling warp then
+  // arrives on their barriers. Slab k of a row lands at an immediate offset from slab 0's chunk and
+  // comes from one from the row's source: the issue of these copies is on the gather's critical path
+  // (a stage refills no sooner than its last copy is issued).
+  template <int kMaxCount, int kStep>
   __device__ void copy(const DecodeParams& p, typename Traits::SharedStorage& ss, int stage, int first_slab,
-                       int slab_step, int end_slab, int lane) const {
+                       int count, int lane) const {
     const int chunk = lane % kChunksPerRow;
-    const uint8_t* kv = static_cast<const uint8_t*>(p.kv) + chunk * 16;
-    // Not unrolled: the producer runs on 24-40 registers.
+    const uint8_t* kv = static_cast<const uint8_t*>(p.kv) + chunk * 16 + first_slab * kRowBytes;
+    const uint32_t first = mla_common::smem_addr(Traits::kv_copy_dst(ss, stage, first_slab, 0));
+    // Not unrolled over rows: the producer runs on 24-40 registers.
 #pragma unroll 1
     for (int j = 0; j < kBlockN / kRowsPerPass; ++j) {
       const int row = lane / kChunksPerRow + j * kRowsPerPass;
       const int64_t src = __shfl_sync(0xffffffff, j * kRowsPerPass < 32 ? offset[0] : offset[1], row % 32);
-      for (int slab = first_slab; slab < end_slab; slab += slab_step) {
-        mla_common::cp_async_16(chunk_dst(ss, stage, slab, row, chunk), kv + max(src, int64_t(0)) + slab * kRowBytes,
-                                src >= 0);
+      const uint8_t* from = kv + max(src, int64_t(0));
+      const uint32_t to = first + chunk_offset(row, chunk);
+#pragma unroll
+      for (int k = 0; k < kMaxCount; ++k) {
+        if (k < count) mla_common::cp_async_16(to + k * kStep * kSlabBytes, from + k * kStep * kRowBytes, src >= 0);
       }
     }
 #ifdef MLA_ATTN_RACECHECK
@@ -136,11 +143,9 @@ struct GatheredRows {
     // the completion arrival below as the end of the copies, so this build waits for them and arrives
     // plainly (the same 32 arrivals, later).
     mla_common::cp_async_wait_all();
-    for (int slab = first_slab; slab < end_slab; slab += slab_step) cutlass::arch::ClusterBarrier::arrive(&ss.kv_full[stage][slab]);
+    for (int k = 0; k < count; ++k) cutlass::arch::ClusterBarrier::arrive(&ss.kv_full[stage][first_slab + k * kStep]);
 #else
-    for (int slab = first_slab; slab < end_slab; slab += slab_step) {
-      cutlass::arch::cpasync_barrier_arrive_noinc(&ss.kv_full[stage][slab]);
-    }
+    for (int k = 0; k < count; ++k) cutlass::arch::cpasync_barrier_arrive_noinc(&ss.kv_full[stage][first_slab + k * kStep]);
 #endif
   }
 };
@@ -207,17 +212,16 @@ __device__ __forceinline__ void init_kv_ring(typename Traits::SharedStorage& ss,
   cutlass::arch::fence_barrier_init();
 }
 
-// Issues the K-tile loads of this CTA's schedule for slabs first_slab, first_slab + slab_step, ...
-// into a ring of Traits::kStages stages, one kv_empty barrier per stage. Runs on one warp (several
-// warps split the slabs: TMA issue from one thread is serial, and page 16 needs 4 copies x 9 slabs
-// per tile).
+// Issues the K-tile loads of this CTA's schedule for slabs warp, warp + 4, warp + 8 into a ring of
+// Traits::kStages stages, one kv_empty barrier per stage. Runs on each of the producer's four warps
+// (TMA issue from one thread is serial, and page 16 needs 4 copies x 9 slabs per tile).
 // Traits: kStages, kFp8Kv, MmaElement (of the 16-bit tile), SharedStorage (kv_full [kStages][kSlabs], kv_empty [kStages])
 // and kv_copy_dst(ss, stage, slab, row): where rows [row, row + rows_per_copy) of a slab land.
 // kGather (DecodeTma::gather): rows gathered one by one instead of TMA boxes of 16-64 rows.
 template <typename Traits, bool kGather>
 __device__ void produce_kv_tiles(const DecodeParams& p, const DecodeTma& tma,
                                  typename Traits::SharedStorage& ss, const PartRange& range,
-                                 int m_block, int first_slab, int slab_step) {
+                                 int m_block, int warp) {
   const int lane = threadIdx.x % 32;
   auto wait_free = [&](int stage, int iteration) {
     if (iteration >= Traits::kStages) {
@@ -229,12 +233,12 @@ __device__ void produce_kv_tiles(const DecodeParams& p, const DecodeTma& tma,
     if constexpr (kGather) {
       const auto rows = GatheredRows<Traits>::plan(p, tma, pages, seg, blk, lane);
       wait_free(stage, iteration);
-      rows.copy(p, ss, stage, first_slab, slab_step, kSlabs, lane);
+      rows.template copy<3, 4>(p, ss, stage, warp, warp == 0 ? 3 : 2, lane);  // slabs warp, warp + 4 (, 8)
     } else {
       const auto copies = BlockCopies<Traits>::plan(p, tma, pages, seg, blk, lane);
       wait_free(stage, iteration);
-      for (int slab = first_slab; slab < kSlabs; slab += slab_step) copies.expect(ss, stage, slab, lane);
-      for (int slab = first_slab; slab < kSlabs; slab += slab_step) copies.copy(tma, ss, stage, slab, lane);
+      for (int slab = warp; slab < kSlabs; slab += 4) copies.expect(ss, stage, slab, lane);
+      for (int slab = warp; slab < kSlabs; slab += 4) copies.copy(tma, ss, stage, slab, lane);
     }
   });
 }
@@ -256,7 +260,7 @@ struct KvRingKernel {
   template <bool kGather>
   __device__ __forceinline__ static void produce(const DecodeParams& p, const DecodeTma& tma, SharedStorage& ss,
                                                  const PartRange& range, int warp) {
-    produce_kv_tiles<Traits, kGather>(p, tma, ss, range, blockIdx.x, warp, 4);
+    produce_kv_tiles<Traits, kGather>(p, tma, ss, range, blockIdx.x, warp);
   }
 };
 
