@@ -118,7 +118,8 @@ void mla_decode_cuda_impl(const Tensor& q, const std::optional<Tensor>& q_pe, co
   TORCH_CHECK(heads >= 1 && heads <= 128, "mla_attn: h_q must be in [1, 128]");
   TORCH_CHECK(max_seqlen_q >= 1, "mla_attn: max_seqlen_q must be >= 1");
   const DecodeProblem problem{.fp8_cache = fp8_kv, .ds_mla_fp8_cache = ds_kv, .max_seqlen_q = max_seqlen_q, .heads_q = heads, .batch = batch,
-                              .deterministic = deterministic, .fp8_mma = fp8_mma};
+                              .deterministic = deterministic, .fp8_mma = fp8_mma,
+                              .gathered_rows = kv_slots || page_size % 16 != 0};
   const DecodeKernel kernel = resolve_decode_kernel(kernel_name, problem);
   // Only the ds_mla_fp8 forms skip invalid slots (they copy each row by itself and mask the keys not
   // copied); the other kernels require every listed slot to be valid.

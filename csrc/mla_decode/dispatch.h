@@ -52,6 +52,7 @@ struct DecodeProblem {
   int64_t batch;
   bool deterministic;  // a request's result must not depend on the rest of the batch
   bool fp8_mma;        // e4m3 MMAs allowed (opt-in)
+  bool gathered_rows;  // keys gathered row by row (slot lists, or pages not a multiple of 16)
 
   constexpr int64_t rows() const { return max_seqlen_q * heads_q; }  // query rows of the longest request
   constexpr int64_t q_tiles() const { return (rows() + kBlockM - 1) / kBlockM; }  // per request
@@ -96,6 +97,11 @@ constexpr DecodeKernel choose_decode_kernel(const DecodeProblem& p) {
   }
   if (!p.fp8_cache) {
     if (narrow16) return DecodeKernel::kNarrow16;  // 32 rows measured slower than the 64-row kernel
+    // Gathered rows (by cp.async): the 64-row kernel, whose four producer warps all copy each stage
+    // (the seesaw kernel gives a stage two), since the copies bound the time: sparse top-k 2048, bf16,
+    // h_q 128 s1 / s2 at batch 32 and 128, 1.11-1.13x the seesaw kernel. Batch-independent, so
+    // `deterministic` takes it too.
+    if (p.gathered_rows) return DecodeKernel::kRows64;
     const int64_t head_tiles = (p.heads_q + kBlockM - 1) / kBlockM;
     const bool seesaw = p.deterministic
                             ? head_tiles >= kSeesawMinQTilesPerRequest
