@@ -57,10 +57,11 @@ __device__ void produce_seesaw_tiles(const DecodeParams& p, const DecodeTma& tma
     if constexpr (kGather) {
       const auto rows = GatheredRows<Traits>::plan(p, tma, pages, seg, blk, lane);
       if (reused) cutlass::arch::ClusterBarrier::wait(&ss.kv_empty[stage][half], free_parity);
-      rows.template copy<4, 1>(p, ss, stage, 4 * half, 4, lane);
+      // One pass at a time: two at once spilled here.
+      rows.template copy<4, 1, 1>(p, ss, stage, 4 * half, 4, lane);
       if (half == 0) {
         if (reused) cutlass::arch::ClusterBarrier::wait(&ss.kv_empty[stage][1], free_parity);
-        rows.template copy<1, 1>(p, ss, stage, kSlabs - 1, 1, lane);
+        rows.template copy<1, 1, 1>(p, ss, stage, kSlabs - 1, 1, lane);
       }
     } else {
       const auto copies = BlockCopies<Traits>::plan(p, tma, pages, seg, blk, lane);

@@ -84,8 +84,8 @@ __device__ __forceinline__ int64_t cache_row_offset(const DecodeParams& p, const
 }
 
 // The cp.async gather of one KV block, as seen by one lane of a producer warp. A lane holds the cache
-// byte offsets of key rows lane and lane + 32 of the block (-1: past the sequence end, zero-filled);
-// the lanes that copy a row get its offset by shuffles. Each slab is issued by one warp, whose 32
+// byte offsets of key rows lane and lane + 32 of the block (0 past the sequence end, where rows are
+// zero-filled: rows >= valid_rows); the lanes that copy a row get its offset by shuffles. Each slab is issued by one warp, whose 32
 // lanes then arrive on its kv_full barrier (count 32) when their copies have landed (.noinc: the
 // arrival is the cp.async completion's, as CUTLASS's cp.async GMMA pipelines do).
 template <typename Traits>
@@ -94,15 +94,17 @@ struct GatheredRows {
   static constexpr int kChunksPerRow = kRowBytes / 16;
   static constexpr int kRowsPerPass = 32 / kChunksPerRow;  // rows one warp instruction covers
   int64_t offset[2];
+  int valid_rows;  // rows of the block before the sequence end
 
   __device__ static GatheredRows plan(const DecodeParams& p, const DecodeTma& tma, const int* table,
                                       const Segment& seg, int blk, int lane) {
     constexpr int kElementBytes = Traits::kFp8Kv ? 1 : 2;
     GatheredRows g;
+    g.valid_rows = seg.seqlen_k - blk * kBlockN;
 #pragma unroll
     for (int i = 0; i < 2; ++i) {
-      const int key = blk * kBlockN + lane + 32 * i;
-      g.offset[i] = key < seg.seqlen_k ? cache_row_offset(p, tma, table, key) * kElementBytes : -1;
+      const int row = lane + 32 * i;
+      g.offset[i] = row < g.valid_rows ? cache_row_offset(p, tma, table, blk * kBlockN + row) * kElementBytes : 0;
     }
     return g;
   }
@@ -120,22 +122,22 @@ struct GatheredRows {
   // arrives on their barriers. Slab k of a row lands at an immediate offset from slab 0's chunk and
   // comes from one from the row's source: the issue of these copies is on the gather's critical path
   // (a stage refills no sooner than its last copy is issued).
-  template <int kMaxCount, int kStep>
+  // kPassUnroll: passes of 4 (16-bit) or 8 (fp8) rows in flight at once, as registers allow.
+  template <int kMaxCount, int kStep, int kPassUnroll>
   __device__ void copy(const DecodeParams& p, typename Traits::SharedStorage& ss, int stage, int first_slab,
                        int count, int lane) const {
     const int chunk = lane % kChunksPerRow;
     const uint8_t* kv = static_cast<const uint8_t*>(p.kv) + chunk * 16 + first_slab * kRowBytes;
     const uint32_t first = mla_common::smem_addr(Traits::kv_copy_dst(ss, stage, first_slab, 0));
-    // Not unrolled over rows: the producer runs on 24-40 registers.
-#pragma unroll 1
+#pragma unroll kPassUnroll
     for (int j = 0; j < kBlockN / kRowsPerPass; ++j) {
       const int row = lane / kChunksPerRow + j * kRowsPerPass;
-      const int64_t src = __shfl_sync(0xffffffff, j * kRowsPerPass < 32 ? offset[0] : offset[1], row % 32);
-      const uint8_t* from = kv + max(src, int64_t(0));
+      const uint8_t* from = kv + __shfl_sync(0xffffffff, j * kRowsPerPass < 32 ? offset[0] : offset[1], row % 32);
       const uint32_t to = first + chunk_offset(row, chunk);
+      const bool valid = row < valid_rows;
 #pragma unroll
       for (int k = 0; k < kMaxCount; ++k) {
-        if (k < count) mla_common::cp_async_16(to + k * kStep * kSlabBytes, from + k * kStep * kRowBytes, src >= 0);
+        if (k < count) mla_common::cp_async_16(to + k * kStep * kSlabBytes, from + k * kStep * kRowBytes, valid);
       }
     }
 #ifdef MLA_ATTN_RACECHECK
@@ -233,7 +235,7 @@ __device__ void produce_kv_tiles(const DecodeParams& p, const DecodeTma& tma,
     if constexpr (kGather) {
       const auto rows = GatheredRows<Traits>::plan(p, tma, pages, seg, blk, lane);
       wait_free(stage, iteration);
-      rows.template copy<3, 4>(p, ss, stage, warp, warp == 0 ? 3 : 2, lane);  // slabs warp, warp + 4 (, 8)
+      rows.template copy<3, 4, 2>(p, ss, stage, warp, warp == 0 ? 3 : 2, lane);  // slabs warp, warp + 4 (, 8)
     } else {
       const auto copies = BlockCopies<Traits>::plan(p, tma, pages, seg, blk, lane);
       wait_free(stage, iteration);
