@@ -119,10 +119,10 @@ struct GatheredRows {
   }
 
   // Copies slabs first_slab + k * kStep, k < count <= kMaxCount, of all 64 rows; the calling warp then
-  // arrives on their barriers. Slab k of a row lands at an immediate offset from slab 0's chunk and
-  // comes from one from the row's source: the issue of these copies is on the gather's critical path
-  // (a stage refills no sooner than its last copy is issued).
-  // kPassUnroll: passes of 4 (16-bit) or 8 (fp8) rows in flight at once, as registers allow.
+  // arrives on their barriers. Each copy of a row is at immediate offsets from the row's first
+  // destination and source: the issue of these copies is on the gather's critical path (a stage
+  // refills no sooner than its last copy is issued). kPassUnroll: passes (4 rows of 16-bit, 8 of fp8)
+  // unrolled, as registers allow.
   template <int kMaxCount, int kStep, int kPassUnroll>
   __device__ void copy(const DecodeParams& p, typename Traits::SharedStorage& ss, int stage, int first_slab,
                        int count, int lane) const {
