@@ -84,10 +84,11 @@ __device__ __forceinline__ int64_t cache_row_offset(const DecodeParams& p, const
 }
 
 // The cp.async gather of one KV block, as seen by one lane of a producer warp. A lane holds the cache
-// byte offsets of key rows lane and lane + 32 of the block (0 past the sequence end, where rows are
-// zero-filled: rows >= valid_rows); the lanes that copy a row get its offset by shuffles. Each slab is issued by one warp, whose 32
-// lanes then arrive on its kv_full barrier (count 32) when their copies have landed (.noinc: the
-// arrival is the cp.async completion's, as CUTLASS's cp.async GMMA pipelines do).
+// byte offsets of key rows lane and lane + 32 of the block (0 for rows >= valid_rows, past the
+// sequence end, which are zero-filled); the lanes that copy a row get its offset by shuffles. Each
+// slab is issued by one warp, whose 32 lanes then arrive on its kv_full barrier (count 32) when their
+// copies have landed (.noinc: the arrival is the cp.async completion's, as CUTLASS's cp.async GMMA
+// pipelines do).
 template <typename Traits>
 struct GatheredRows {
   static constexpr int kRowBytes = Traits::kFp8Kv ? kTmaColumns : kTmaColumns * 2;  // of a slab
