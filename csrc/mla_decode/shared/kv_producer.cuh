@@ -236,12 +236,12 @@ __device__ void produce_kv_tiles(const DecodeParams& p, const DecodeTma& tma,
     if constexpr (kGather) {
       const auto rows = GatheredRows<Traits>::plan(p, tma, pages, seg, blk, lane);
       wait_free(stage, iteration);
-      rows.template copy<3, 4, 2>(p, ss, stage, warp, warp == 0 ? 3 : 2, lane);  // slabs warp, warp + 4 (, 8)
+      rows.template copy<3, kProducerWarps, 2>(p, ss, stage, warp, warp == 0 ? 3 : 2, lane);  // slabs warp, warp + 4 (, 8)
     } else {
       const auto copies = BlockCopies<Traits>::plan(p, tma, pages, seg, blk, lane);
       wait_free(stage, iteration);
-      for (int slab = warp; slab < kSlabs; slab += 4) copies.expect(ss, stage, slab, lane);
-      for (int slab = warp; slab < kSlabs; slab += 4) copies.copy(tma, ss, stage, slab, lane);
+      for (int slab = warp; slab < kSlabs; slab += kProducerWarps) copies.expect(ss, stage, slab, lane);
+      for (int slab = warp; slab < kSlabs; slab += kProducerWarps) copies.copy(tma, ss, stage, slab, lane);
     }
   });
 }
