@@ -136,12 +136,6 @@ __device__ void consume_narrow_tiles(const DecodeParams& p, typename Traits::Sha
       for (int x = 1; x < kThreadsPerRow; x *= 2) row_max = fmaxf(row_max, __shfl_xor_sync(0xffffffff, row_max, x));
       scale = fp16_row_scale(row_max);
     }
-    if (first == 0) {  // per-row softmax constants (read per tile: registers are scarce at kRows 32)
-      ss.score_scale[row] = p.scale_log2 * k_scale / scale;
-      ss.last_key[row] = p.causal ? min(s.seqlen_k - s.seqlen_q + t, s.seqlen_k - 1) : s.seqlen_k - 1;
-      for (int w = 0; w < kMathWarpgroups; ++w) ss.run_max[w][row] = -INFINITY;
-      if (row == 0) ss.k_scale = k_scale;
-    }
 #pragma unroll
     for (int i = 0; i < kChunksPerThread; ++i) {
       const int d0 = (first + i * kThreadsPerRow) * 8;
@@ -156,6 +150,12 @@ __device__ void consume_narrow_tiles(const DecodeParams& p, typename Traits::Sha
         if constexpr (!std::is_same_v<Element, MmaElement>) pair = scaled_f16x2<Element>(w[k], scale);
         *reinterpret_cast<uint32_t*>(&sQ(row, q_column(d0 + 2 * k))) = pair;
       }
+    }
+    if (first == 0) {  // per-row softmax constants (read per tile: registers are scarce at kRows 32)
+      ss.score_scale[row] = p.scale_log2 * k_scale / scale;
+      ss.last_key[row] = p.causal ? min(s.seqlen_k - s.seqlen_q + t, s.seqlen_k - 1) : s.seqlen_k - 1;
+      for (int w = 0; w < kMathWarpgroups; ++w) ss.run_max[w][row] = -INFINITY;
+      if (row == 0) ss.k_scale = k_scale;
     }
   };
 
