@@ -283,6 +283,7 @@ __device__ void consume_fp8mma_tiles(const DecodeParams& p, typename Traits::Sha
 // The kernel's policy for the shared shell (shared/kernel_shell.cuh).
 template <typename Traits>
 struct Fp8MmaKernel : KvRingKernel<Traits> {
+  template <bool kGather>
   __device__ __forceinline__ static void consume(const DecodeParams& p, const DecodeTma&,
                                                  typename Traits::SharedStorage& ss, const PartRange& range, int) {
     consume_fp8mma_tiles<Traits>(p, ss, range, blockIdx.x);

@@ -677,6 +677,7 @@ struct NarrowKernel {
     if constexpr (Traits::kRowStaged) produce_staged_rows<Traits>(p, tma, ss, range, warp);
     else produce_kv_tiles<Traits, kGather>(p, tma, ss, range, 0, warp);
   }
+  template <bool kGather>
   __device__ __forceinline__ static void consume(const DecodeParams& p, const DecodeTma&, SharedStorage& ss,
                                                  const PartRange& range, int warpgroup) {
     consume_narrow_tiles<Traits>(p, ss, range, warpgroup);

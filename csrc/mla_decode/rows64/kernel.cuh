@@ -163,8 +163,10 @@ struct Fp8SlabConverter {
 // computes its full S = Q K^T (64 x 64), the online-softmax step and P, and publishes P and the new
 // row max in shared memory; both warpgroups then rescale their half of O and add P V for their 256
 // columns. (The softmax is not overlapped with MMAs yet: docs/decode.md, "Limits".)
-template <typename Traits>
-__device__ void consume_kv_tiles(const DecodeParams& p, typename Traits::SharedStorage& ss,
+// kGather: the producer gathers the rows by cp.async (shared/kv_producer.cuh: GatheredRows); gathered:
+// DecodeTma::gather, the same fact as a run-time value (see release_early).
+template <typename Traits, bool kGather>
+__device__ void consume_kv_tiles(const DecodeParams& p, bool gathered, typename Traits::SharedStorage& ss,
                                  const PartRange& range, int m_block) {
   using Element = typename Traits::Element;
   using MmaElement = typename Traits::MmaElement;
@@ -293,11 +295,13 @@ __device__ void consume_kv_tiles(const DecodeParams& p, typename Traits::SharedS
           warpgroup_commit_batch();
         };
         // The previous block's stage is free once this WG's PV of it completes (the other WG
-        // released it before its P V). With one q-tile the CTA's loads are what bounds it: release
-        // right after the first QK group, so that the next block's load starts while the rest of
-        // QK^T runs (measured faster with one q-tile, slower with two; fp8: its first converted group).
-        // kReleaseFirst: before this block's slabs are waited for.
-        const bool release_early = !kReleaseFirst && p.num_q_tiles == 1;
+        // released it before its P V). Where the CTA's loads bound it (one q-tile; rows gathered by
+        // cp.async, whose refill outlasts a block's MMAs), release right after the first QK group, so
+        // that the next block's load starts while the rest of QK^T runs (TMA boxes with two q-tiles:
+        // measured slower so; fp8: its first converted group). kReleaseFirst: before this block's
+        // slabs are waited for. Known true at compile time, the early release made ptxas serialise
+        // every WGMMA (C7514), hence the run-time flag.
+        const bool release_early = !kReleaseFirst && ((kGather && gathered) || p.num_q_tiles == 1);
         auto release_previous_stage = [&] {
           if (blk > seg.blk_lo) release_stage((iteration - 1) % kStages);
         };
@@ -429,9 +433,10 @@ struct Rows64Kernel : KvRingKernel<Traits> {
     if constexpr (Traits::kRowStaged) produce_staged_rows<Traits>(p, tma, ss, range, warp);
     else KvRingKernel<Traits>::template produce<kGather>(p, tma, ss, range, warp);
   }
-  __device__ __forceinline__ static void consume(const DecodeParams& p, const DecodeTma&,
+  template <bool kGather>
+  __device__ __forceinline__ static void consume(const DecodeParams& p, const DecodeTma& tma,
                                                  typename Traits::SharedStorage& ss, const PartRange& range, int) {
-    consume_kv_tiles<Traits>(p, ss, range, blockIdx.x);
+    consume_kv_tiles<Traits, kGather>(p, tma.gather, ss, range, blockIdx.x);
   }
 };
 

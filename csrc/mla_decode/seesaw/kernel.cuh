@@ -470,6 +470,7 @@ struct SeesawKernel {
                                                  const PartRange& range, int warp) {
     produce_seesaw_tiles<Traits, kGather>(p, tma, ss, range, blockIdx.x, warp);
   }
+  template <bool kGather>
   __device__ __forceinline__ static void consume(const DecodeParams& p, const DecodeTma& tma, SharedStorage& ss,
                                                  const PartRange& range, int) {
     consume_seesaw_pairs<Traits, kSteadyLoop>(p, tma, ss, range, blockIdx.x);

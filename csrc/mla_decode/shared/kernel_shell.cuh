@@ -7,7 +7,7 @@
 //   Kernel::kMathRegisters, kProducerRegisters      the setmaxnreg split
 //   Kernel::init_barriers<kGather>(ss)   thread 0 initialises the mbarriers (the shell syncs the CTA after)
 //   Kernel::produce<kGather>(params, tma, ss, range, warp)   warp: 0..3 within the producer warpgroup
-//   Kernel::consume(params, tma, ss, range, warpgroup)
+//   Kernel::consume<kGather>(params, tma, ss, range, warpgroup)
 // kGather (DecodeTma::gather): the producer gathers key rows one by one (page sizes that are not a
 // multiple of 16, sparse slot lists) instead of TMA boxes of 16-64 rows; a variant of its own, so that
 // the TMA kernels carry none of its code or registers.
@@ -42,7 +42,7 @@ __global__ void __launch_bounds__(Kernel::kThreads, 1)
     Kernel::template produce<kGather>(params, tma, ss, range, int(threadIdx.x / 32) - Kernel::kMathWarpgroups * 4);
   } else {
     cutlass::arch::warpgroup_reg_alloc<Kernel::kMathRegisters>();
-    Kernel::consume(params, tma, ss, range, warpgroup);
+    Kernel::template consume<kGather>(params, tma, ss, range, warpgroup);
   }
 #endif
 }
