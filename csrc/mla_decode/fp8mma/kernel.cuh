@@ -270,6 +270,8 @@ __device__ void consume_fp8mma_tiles(const DecodeParams& p, typename Traits::Sha
                                            /*write_lse=*/warpgroup == 0,
                                            mla_common::smem_addr(warpgroup == 0 ? ss.q : ss.k[last_stage]),
                                            tid_in_wg, 256 * warpgroup, tOrO, warpgroup_sync);
+      // The stage's next bytes come by TMA (the async proxy), ordered after these stores.
+      cutlass::arch::fence_view_async_shared();
       warpgroup_sync();
       release_stage(iteration - 1);
       // Warpgroup 0's rows are read out of the Q buffer before the next segment's Q overwrites it.

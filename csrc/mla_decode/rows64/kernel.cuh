@@ -406,8 +406,8 @@ __device__ void consume_kv_tiles(const DecodeParams& p, bool gathered, typename 
       store_output_columns_staged<Element>(p, seg, m_block, r0, row_max, sums, k_scale, /*write_lse=*/warpgroup == 0,
                                            mla_common::smem_addr(ss.k[last_stage]) + warpgroup * kStagingBytes,
                                            tid_in_wg, 256 * warpgroup, tOrO, warpgroup_sync);
-      // The stage's next bytes may come by bulk copy (ds_mla_fp8): the async proxy, after these stores.
-      if constexpr (Traits::kRowStaged) cutlass::arch::fence_view_async_shared();
+      // The stage's next bytes come by TMA or bulk copy: the async proxy, ordered after these stores.
+      cutlass::arch::fence_view_async_shared();
       warpgroup_sync();
       release_stage(last_stage);
     } else {  // no key block was loaded: no stage to stage through

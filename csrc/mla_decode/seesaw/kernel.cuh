@@ -434,6 +434,8 @@ __device__ __forceinline__ void consume_seesaw_pairs(const DecodeParams& p, cons
                                            tid_in_wg, 256 * wg, tOrO, [&] {
         named_barrier_sync<int(SeesawBarrier::kStaged0), 128>(wg);
       });
+      // The stage's next bytes come by TMA (the async proxy), ordered after these stores.
+      cutlass::arch::fence_view_async_shared();
       named_barrier_sync<int(SeesawBarrier::kStagingRead), 256>();
       release(last_stage);
     } else {  // no key block was loaded: no stage to stage through
