@@ -151,12 +151,47 @@ struct GatheredRows {
     for (int k = 0; k < count; ++k) cutlass::arch::cpasync_barrier_arrive_noinc(&ss.kv_full[stage][first_slab + k * kStep]);
 #endif
   }
+
+  // Every slab of passes warp, warp + kProducerWarps, ... (kRowsPerPass rows each): the four producer
+  // warps share a stage evenly, and a row's slabs go out back to back; each warp then arrives on
+  // every slab's barrier (kRingGatherArrivals).
+  template <int kPassUnroll>
+  __device__ void copy_rows(const DecodeParams& p, typename Traits::SharedStorage& ss, int stage, int warp,
+                            int lane) const {
+    const int chunk = lane % kChunksPerRow;
+    const uint8_t* kv = static_cast<const uint8_t*>(p.kv) + chunk * 16;
+    const uint32_t first = mla_common::smem_addr(Traits::kv_copy_dst(ss, stage, 0, 0));
+#pragma unroll kPassUnroll
+    for (int j = warp; j < kBlockN / kRowsPerPass; j += kProducerWarps) {
+      const int row = lane / kChunksPerRow + j * kRowsPerPass;
+      const uint8_t* from = kv + __shfl_sync(0xffffffff, j * kRowsPerPass < 32 ? offset[0] : offset[1], row % 32);
+      const uint32_t to = first + chunk_offset(row, chunk);
+      const bool valid = row < valid_rows;
+#pragma unroll
+      for (int slab = 0; slab < kSlabs; ++slab) {
+        mla_common::cp_async_16(to + slab * kSlabBytes, from + slab * kRowBytes, valid);
+      }
+    }
+#ifdef MLA_ATTN_RACECHECK
+    mla_common::cp_async_wait_all();
+    for (int slab = 0; slab < kSlabs; ++slab) cutlass::arch::ClusterBarrier::arrive(&ss.kv_full[stage][slab]);
+#else
+    for (int slab = 0; slab < kSlabs; ++slab) cutlass::arch::cpasync_barrier_arrive_noinc(&ss.kv_full[stage][slab]);
+#endif
+  }
 };
 
 // kv_full arrivals per slab and phase: one arrive_and_expect_tx (TMA), or the 32 lanes of the warp
 // that gathers the slab.
 template <bool kGather>
 inline constexpr int kKvFullArrivals = kGather ? 32 : 1;
+// The ring of produce_kv_tiles gathers 16-bit rows whole (GatheredRows::copy_rows: every producer warp
+// arrives on every slab); fp8 slab rows one slab per warp, as the seesaw kernel (copy: 32 arrivals;
+// whole rows made the 32-row narrow kernel spill).
+template <typename Traits>
+inline constexpr bool kWholeRowGather = !Traits::kFp8Kv;
+template <typename Traits, bool kGather>
+inline constexpr int kRingGatherArrivals = !kGather ? 1 : kWholeRowGather<Traits> ? 32 * kProducerWarps : 32;
 
 // Calls fn(seg, pages, blk, iteration) for every KV block of this CTA's schedule, in order; iteration
 // counts the blocks (a block's place in the stage ring), pages is the request's block-table row.
@@ -208,7 +243,7 @@ __device__ __forceinline__ void init_kv_ring(typename Traits::SharedStorage& ss,
   if (threadIdx.x != 0) return;
   for (int s = 0; s < Traits::kStages; ++s) {
     for (int slab = 0; slab < kSlabs; ++slab) {
-      cutlass::arch::ClusterTransactionBarrier::init(&ss.kv_full[s][slab], kKvFullArrivals<kGather>);
+      cutlass::arch::ClusterTransactionBarrier::init(&ss.kv_full[s][slab], kRingGatherArrivals<Traits, kGather>);
     }
     cutlass::arch::ClusterBarrier::init(&ss.kv_empty[s], empty_arrivals);
   }
@@ -236,7 +271,11 @@ __device__ void produce_kv_tiles(const DecodeParams& p, const DecodeTma& tma,
     if constexpr (kGather) {
       const auto rows = GatheredRows<Traits>::plan(p, tma, pages, seg, blk, lane);
       wait_free(stage, iteration);
-      rows.template copy<3, kProducerWarps, 2>(p, ss, stage, warp, warp == 0 ? 3 : 2, lane);  // slabs warp, warp + 4 (, 8)
+      if constexpr (kWholeRowGather<Traits>) {
+        rows.template copy_rows<2>(p, ss, stage, warp, lane);
+      } else {
+        rows.template copy<3, kProducerWarps, 2>(p, ss, stage, warp, warp == 0 ? 3 : 2, lane);  // slabs warp, warp + 4 (, 8)
+      }
     } else {
       const auto copies = BlockCopies<Traits>::plan(p, tma, pages, seg, blk, lane);
       wait_free(stage, iteration);
