@@ -97,10 +97,11 @@ constexpr DecodeKernel choose_decode_kernel(const DecodeProblem& p) {
   }
   if (!p.fp8_cache) {
     if (narrow16) return DecodeKernel::kNarrow16;  // 32 rows measured slower than the 64-row kernel
-    // Gathered rows (by cp.async): the 64-row kernel, whose four producer warps all copy each stage
-    // (the seesaw kernel gives a stage two), since the copies bound the time: sparse top-k 2048, bf16,
-    // h_q 128 s1 / s2 at batch 32 and 128, 1.3x the seesaw kernel. Batch-independent, so
-    // `deterministic` takes it too.
+    // Gathered rows (by cp.async, which bounds the time): the 64-row kernel, 1.22-1.26x the seesaw
+    // kernel with both copying whole rows by four warps (h_q 128 pages 1 / 8; sparse top-k 2048, bf16,
+    // h_q 128 s1 / s2 at batch 32 and 128): it hands a stage back after the next block's first QK
+    // group, the seesaw kernel once both V halves are done. Batch-independent, so `deterministic`
+    // takes it too.
     if (p.gathered_rows) return DecodeKernel::kRows64;
     const int64_t head_tiles = (p.heads_q + kBlockM - 1) / kBlockM;
     const bool seesaw = p.deterministic

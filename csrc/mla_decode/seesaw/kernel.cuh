@@ -40,39 +40,41 @@ namespace mla_decode {
 using namespace cute;
 using mla_common::named_barrier_sync;
 
-// Producer warp w: blocks in stage w / 2; warps 0, 2 load slabs 0-3 once warpgroup 0 freed its V
-// half, then the rope slab once warpgroup 1 did too (it held the block's P for both);
-// warps 1, 3 load slabs 4-7 once warpgroup 1 freed its half. Separate warps per stage and half: the
-// halves free in different orders in the two stages.
+// TMA: producer warp w loads blocks in stage w / 2; warps 0, 2 slabs 0-3 once warpgroup 0 freed its
+// V half, then the rope slab once warpgroup 1 did too (it held the block's P for both); warps 1, 3
+// slabs 4-7 once warpgroup 1 freed its half. Separate warps per stage and half: the halves free in
+// different orders in the two stages. Gathered rows: all four warps copy whole rows of every block
+// once both halves are free (the copies' issue bounds a gathered block: one warp per half was slower).
 template <typename Traits, bool kGather>
 __device__ void produce_seesaw_tiles(const DecodeParams& p, const DecodeTma& tma, typename Traits::SharedStorage& ss,
                                      const PartRange& range, int m_block, int warp) {
   const int lane = threadIdx.x % 32;
   const int my_stage = warp / 2, half = warp % 2;
+  if constexpr (kGather) {  // every warp copies whole rows of every block, once both halves are free
+    for_each_gathered_block<Traits>(p, tma, range, m_block, lane, [&](const GatheredRows<Traits>& rows, int iteration) {
+      const int stage = iteration % Traits::kStages;
+      if (iteration >= Traits::kStages) {
+        const uint32_t free_parity = ((iteration / Traits::kStages) - 1) & 1;
+        cutlass::arch::ClusterBarrier::wait(&ss.kv_empty[stage][0], free_parity);
+        cutlass::arch::ClusterBarrier::wait(&ss.kv_empty[stage][1], free_parity);
+      }
+      rows.template copy_rows<2>(p, ss, stage, warp, lane);
+    });
+    return;
+  }
   for_each_scheduled_block(p, range, m_block, [&](const Segment& seg, const int* pages, int blk, int iteration) {
     const int stage = iteration % Traits::kStages;
     if (stage != my_stage) return;
     const uint32_t free_parity = ((iteration / Traits::kStages) - 1) & 1;
     const bool reused = iteration >= Traits::kStages;
-    if constexpr (kGather) {
-      const auto rows = GatheredRows<Traits>::plan(p, tma, pages, seg, blk, lane);
-      if (reused) cutlass::arch::ClusterBarrier::wait(&ss.kv_empty[stage][half], free_parity);
-      // One pass at a time: two at once spilled here.
-      rows.template copy<4, 1, 1>(p, ss, stage, 4 * half, 4, lane);
-      if (half == 0) {
-        if (reused) cutlass::arch::ClusterBarrier::wait(&ss.kv_empty[stage][1], free_parity);
-        rows.template copy<1, 1, 1>(p, ss, stage, kSlabs - 1, 1, lane);
-      }
-    } else {
-      const auto copies = BlockCopies<Traits>::plan(p, tma, pages, seg, blk, lane);
-      if (reused) cutlass::arch::ClusterBarrier::wait(&ss.kv_empty[stage][half], free_parity);
-      for (int slab = 4 * half; slab < 4 * half + 4; ++slab) copies.expect(ss, stage, slab, lane);
-      for (int slab = 4 * half; slab < 4 * half + 4; ++slab) copies.copy(tma, ss, stage, slab, lane);
-      if (half == 0) {
-        if (reused) cutlass::arch::ClusterBarrier::wait(&ss.kv_empty[stage][1], free_parity);
-        copies.expect(ss, stage, kSlabs - 1, lane);
-        copies.copy(tma, ss, stage, kSlabs - 1, lane);
-      }
+    const auto copies = BlockCopies<Traits>::plan(p, tma, pages, seg, blk, lane);
+    if (reused) cutlass::arch::ClusterBarrier::wait(&ss.kv_empty[stage][half], free_parity);
+    for (int slab = 4 * half; slab < 4 * half + 4; ++slab) copies.expect(ss, stage, slab, lane);
+    for (int slab = 4 * half; slab < 4 * half + 4; ++slab) copies.copy(tma, ss, stage, slab, lane);
+    if (half == 0) {
+      if (reused) cutlass::arch::ClusterBarrier::wait(&ss.kv_empty[stage][1], free_parity);
+      copies.expect(ss, stage, kSlabs - 1, lane);
+      copies.copy(tma, ss, stage, kSlabs - 1, lane);
     }
   });
 }
@@ -460,7 +462,7 @@ struct SeesawKernel {
     if (threadIdx.x != 0) return;
     for (int s = 0; s < Traits::kStages; ++s) {
       for (int slab = 0; slab < kSlabs; ++slab) {
-        cutlass::arch::ClusterTransactionBarrier::init(&ss.kv_full[s][slab], kKvFullArrivals<kGather>);
+        cutlass::arch::ClusterTransactionBarrier::init(&ss.kv_full[s][slab], kRingGatherArrivals<Traits, kGather>);
       }
       for (int w = 0; w < 2; ++w) cutlass::arch::ClusterBarrier::init(&ss.kv_empty[s][w], kStageReleaseArrivals);
     }

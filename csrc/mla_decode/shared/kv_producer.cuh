@@ -65,30 +65,36 @@ struct BlockCopies {
 template <typename Traits>
 inline constexpr bool kStagesRows = requires { requires Traits::kRowStaged; };
 
-// The cache element offset of key `key` (< the request's length) of a request whose block-table row
-// is `table`: a page id per page_size keys, or a cache slot per key (kv_slots). Never past the cache:
-// a slot or page outside it is clamped (the Python layer checks them).
-__device__ __forceinline__ int64_t cache_row_offset(const DecodeParams& p, const DecodeTma& tma, const int* table,
-                                                    int key) {
+// A key row's block-table entry: the page id of its page, or its cache slot (kv_slots).
+__device__ __forceinline__ int table_entry(const DecodeParams& p, const DecodeTma& tma, const int* table, int key) {
+  return p.kv_slots ? table[key] : table[tma.page_size.divide(key)];
+}
+
+// The cache element offset of key `key` (< the request's length) whose table entry is `entry`. Never
+// past the cache: a slot or page outside it is clamped (the Python layer checks them).
+__device__ __forceinline__ int64_t cache_row_offset(const DecodeParams& p, const DecodeTma& tma, int entry, int key) {
   int page, row;
   if (p.kv_slots) {
-    const int slot = min(max(table[key], 0), p.num_pages * p.page_size - 1);
+    const int slot = min(max(entry, 0), p.num_pages * p.page_size - 1);
     page = tma.page_size.divide(slot);
     row = slot - page * p.page_size;
   } else {
-    const int index = tma.page_size.divide(key);
-    page = min(max(table[index], 0), p.num_pages - 1);
-    row = key - index * p.page_size;
+    page = min(max(entry, 0), p.num_pages - 1);
+    row = key - tma.page_size.divide(key) * p.page_size;
   }
   return int64_t(page) * p.kv_page_stride + int64_t(row) * p.kv_token_stride;
+}
+__device__ __forceinline__ int64_t cache_row_offset(const DecodeParams& p, const DecodeTma& tma, const int* table,
+                                                    int key) {
+  return cache_row_offset(p, tma, table_entry(p, tma, table, key), key);
 }
 
 // The cp.async gather of one KV block, as seen by one lane of a producer warp. A lane holds the cache
 // byte offsets of key rows lane and lane + 32 of the block (0 for rows >= valid_rows, past the
-// sequence end, which are zero-filled); the lanes that copy a row get its offset by shuffles. Each
-// slab is issued by one warp, whose 32 lanes then arrive on its kv_full barrier (count 32) when their
-// copies have landed (.noinc: the arrival is the cp.async completion's, as CUTLASS's cp.async GMMA
-// pipelines do).
+// sequence end, which are zero-filled); the lanes that copy a row get its offset by shuffles. copy():
+// each slab is issued by one warp, whose 32 lanes then arrive on its kv_full barrier (count 32) when
+// their copies have landed (.noinc: the arrival is the cp.async completion's, as CUTLASS's cp.async
+// GMMA pipelines do); copy_rows(): every warp copies whole rows and arrives on every slab's barrier.
 template <typename Traits>
 struct GatheredRows {
   static constexpr int kRowBytes = Traits::kFp8Kv ? kTmaColumns : kTmaColumns * 2;  // of a slab
@@ -97,15 +103,32 @@ struct GatheredRows {
   int64_t offset[2];
   int valid_rows;  // rows of the block before the sequence end
 
-  __device__ static GatheredRows plan(const DecodeParams& p, const DecodeTma& tma, const int* table,
-                                      const Segment& seg, int blk, int lane) {
-    constexpr int kElementBytes = Traits::kFp8Kv ? 1 : 2;
-    GatheredRows g;
-    g.valid_rows = seg.seqlen_k - blk * kBlockN;
+  // A block's table entries, loaded (load) a block before its offsets are needed (from).
+  struct Entries {
+    int entry[2];
+    int first_key;
+    int valid_rows;
+  };
+  __device__ static Entries load(const DecodeParams& p, const DecodeTma& tma, const int* table, const Segment& seg,
+                                 int blk, int lane) {
+    Entries e;
+    e.first_key = blk * kBlockN;
+    e.valid_rows = seg.seqlen_k - e.first_key;
 #pragma unroll
     for (int i = 0; i < 2; ++i) {
       const int row = lane + 32 * i;
-      g.offset[i] = row < g.valid_rows ? cache_row_offset(p, tma, table, blk * kBlockN + row) * kElementBytes : 0;
+      e.entry[i] = row < e.valid_rows ? table_entry(p, tma, table, e.first_key + row) : 0;
+    }
+    return e;
+  }
+  __device__ static GatheredRows from(const DecodeParams& p, const DecodeTma& tma, const Entries& e, int lane) {
+    constexpr int kElementBytes = Traits::kFp8Kv ? 1 : 2;
+    GatheredRows g;
+    g.valid_rows = e.valid_rows;
+#pragma unroll
+    for (int i = 0; i < 2; ++i) {
+      const int row = lane + 32 * i;
+      g.offset[i] = row < g.valid_rows ? cache_row_offset(p, tma, e.entry[i], e.first_key + row) * kElementBytes : 0;
     }
     return g;
   }
@@ -181,15 +204,12 @@ struct GatheredRows {
   }
 };
 
-// kv_full arrivals per slab and phase: one arrive_and_expect_tx (TMA), or the 32 lanes of the warp
-// that gathers the slab.
-template <bool kGather>
-inline constexpr int kKvFullArrivals = kGather ? 32 : 1;
-// The ring of produce_kv_tiles gathers 16-bit rows whole (GatheredRows::copy_rows: every producer warp
-// arrives on every slab); fp8 slab rows one slab per warp, as the seesaw kernel (copy: 32 arrivals;
-// whole rows made the 32-row narrow kernel spill).
+// Gathered 16-bit rows are copied whole (GatheredRows::copy_rows: every producer warp arrives on every
+// slab); fp8 slab rows one slab per warp (copy: its 32 lanes arrive; whole rows made the 32-row narrow
+// kernel spill).
 template <typename Traits>
 inline constexpr bool kWholeRowGather = !Traits::kFp8Kv;
+// kv_full arrivals per slab and phase: one arrive_and_expect_tx (TMA), or the lanes that gather it.
 template <typename Traits, bool kGather>
 inline constexpr int kRingGatherArrivals = !kGather ? 1 : kWholeRowGather<Traits> ? 32 * kProducerWarps : 32;
 
@@ -204,6 +224,24 @@ __device__ __forceinline__ void for_each_scheduled_block(const DecodeParams& p, 
     const int* pages = p.block_table + int64_t(seg.b) * p.block_table_stride;
     for (int blk = seg.blk_lo; blk < seg.blk_hi; ++blk, ++iteration) fn(seg, pages, blk, iteration);
   }
+}
+
+// Calls copy(rows, iteration) for every KV block of this CTA's schedule, in order, with each block's
+// table entries loaded a block ahead: before the previous block's copies, whose cp.async traffic the
+// load would otherwise queue behind (it held a page-1 producer ~1,100 cycles past its free stage).
+template <typename Traits, typename Copy>
+__device__ __forceinline__ void for_each_gathered_block(const DecodeParams& p, const DecodeTma& tma,
+                                                        const PartRange& range, int m_block, int lane, Copy&& copy) {
+  using Rows = GatheredRows<Traits>;
+  typename Rows::Entries pending{};
+  int blocks = 0;
+  for_each_scheduled_block(p, range, m_block, [&](const Segment& seg, const int* pages, int blk, int iteration) {
+    const auto next = Rows::load(p, tma, pages, seg, blk, lane);
+    if (iteration > 0) copy(Rows::from(p, tma, pending, lane), iteration - 1);
+    pending = next;
+    blocks = iteration + 1;
+  });
+  if (blocks > 0) copy(Rows::from(p, tma, pending, lane), blocks - 1);
 }
 
 // Only for compute-sanitizer (MLA_ATTN_RACECHECK=1, scripts/sanitize.sh): a warpgroup about to write
@@ -236,7 +274,7 @@ inline constexpr bool kRacecheckBuild = false;
 inline constexpr bool kEveryThreadReleases = kRacecheckBuild;
 inline constexpr int kStageReleaseArrivals = kEveryThreadReleases ? 128 : 1;  // per warpgroup
 
-// Thread 0 initialises the ring's barriers: kv_full[stage][slab] (kKvFullArrivals) and
+// Thread 0 initialises the ring's barriers: kv_full[stage][slab] (kRingGatherArrivals) and
 // kv_empty[stage] (empty_arrivals); the caller syncs the CTA after.
 template <typename Traits, bool kGather>
 __device__ __forceinline__ void init_kv_ring(typename Traits::SharedStorage& ss, int empty_arrivals) {
@@ -266,23 +304,25 @@ __device__ void produce_kv_tiles(const DecodeParams& p, const DecodeTma& tma,
       cutlass::arch::ClusterBarrier::wait(&ss.kv_empty[stage], ((iteration / Traits::kStages) - 1) & 1);
     }
   };
-  for_each_scheduled_block(p, range, m_block, [&](const Segment& seg, const int* pages, int blk, int iteration) {
-    const int stage = iteration % Traits::kStages;
-    if constexpr (kGather) {
-      const auto rows = GatheredRows<Traits>::plan(p, tma, pages, seg, blk, lane);
+  if constexpr (kGather) {
+    for_each_gathered_block<Traits>(p, tma, range, m_block, lane, [&](const GatheredRows<Traits>& rows, int iteration) {
+      const int stage = iteration % Traits::kStages;
       wait_free(stage, iteration);
       if constexpr (kWholeRowGather<Traits>) {
         rows.template copy_rows<2>(p, ss, stage, warp, lane);
       } else {
         rows.template copy<3, kProducerWarps, 2>(p, ss, stage, warp, warp == 0 ? 3 : 2, lane);  // slabs warp, warp + 4 (, 8)
       }
-    } else {
+    });
+  } else {
+    for_each_scheduled_block(p, range, m_block, [&](const Segment& seg, const int* pages, int blk, int iteration) {
+      const int stage = iteration % Traits::kStages;
       const auto copies = BlockCopies<Traits>::plan(p, tma, pages, seg, blk, lane);
       wait_free(stage, iteration);
       for (int slab = warp; slab < kSlabs; slab += kProducerWarps) copies.expect(ss, stage, slab, lane);
       for (int slab = warp; slab < kSlabs; slab += kProducerWarps) copies.copy(tma, ss, stage, slab, lane);
-    }
-  });
+    });
+  }
 }
 
 // The policy (shared/kernel_shell.cuh) of a kernel fed by this producer with 64-row q-tiles
