@@ -407,11 +407,10 @@ cudaError_t run_decode_metadata(const int* cache_seqlens, int batch, int num_sm_
   int smem = (kNumWalks * num_sm_parts + (3 * num_sm_parts + 1) / 2) * int(sizeof(long long));
   const bool prefix_in_smem = smem + batch * int(sizeof(long long)) <= kMetadataSmemLimit;
   if (prefix_in_smem) smem += batch * int(sizeof(long long));
-  if (smem > 48 * 1024) {
-    const cudaError_t err = cudaFuncSetAttribute(decode_metadata_kernel,
-                                                 cudaFuncAttributeMaxDynamicSharedMemorySize, smem);
-    if (err != cudaSuccess) return err;
-  }
+  // Every call, as the split kernels do: the kernel's static shared memory counts against the default
+  // 48 KB too, so a threshold on the dynamic bytes alone let a launch just under it fail.
+  const cudaError_t attr = cudaFuncSetAttribute(decode_metadata_kernel, cudaFuncAttributeMaxDynamicSharedMemorySize, smem);
+  if (attr != cudaSuccess) return attr;
   decode_metadata_kernel<<<1, kMetadataThreads, smem, stream>>>(
       cache_seqlens, batch, num_sm_parts, num_sms, deterministic, tile_sched, req_splits, prefix_in_smem);
   return cudaGetLastError();
