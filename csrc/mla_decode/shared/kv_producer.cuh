@@ -91,7 +91,7 @@ __device__ __forceinline__ int64_t cache_row_offset(const DecodeParams& p, const
 
 // The cp.async gather of one KV block, as seen by one lane of a producer warp. A lane holds the cache
 // byte offsets of key rows lane and lane + 32 of the block (0 for rows >= valid_rows, past the
-// sequence end, which are zero-filled); the lanes that copy a row get its offset by shuffles. copy():
+// sequence end, which are zero-filled); the lanes that copy a row get its offset by shuffles. copy_slabs():
 // each slab is issued by one warp, whose 32 lanes then arrive on its kv_full barrier (count 32) when
 // their copies have landed (.noinc: the arrival is the cp.async completion's, as CUTLASS's cp.async
 // GMMA pipelines do); copy_rows(): every warp copies whole rows and arrives on every slab's barrier.
@@ -142,19 +142,19 @@ struct GatheredRows {
     else return row * kRowBytes + ((chunk ^ (row & 7)) << 4);
   }
 
-  // Copies slabs first_slab + k * kStep, k < count <= kMaxCount, of all 64 rows; the calling warp then
-  // arrives on their barriers. Each copy of a row is at immediate offsets from the row's first
-  // destination and source: the issue of these copies is on the gather's critical path (a stage
-  // refills no sooner than its last copy is issued). kPassUnroll: passes (4 rows of 16-bit, 8 of fp8)
-  // unrolled, as registers allow.
-  template <int kMaxCount, int kStep, int kPassUnroll>
-  __device__ void copy(const DecodeParams& p, typename Traits::SharedStorage& ss, int stage, int first_slab,
-                       int count, int lane) const {
+  // Copies slabs first_slab + k * kStep (k < count <= kMaxCount) of the rows of passes first_pass,
+  // first_pass + kPassStride, ... (kRowsPerPass rows each); the calling warp then arrives on those
+  // slabs' barriers. Each copy of a row is at immediate offsets from the row's first destination and
+  // source: the issue of these copies is on the gather's critical path (a stage refills no sooner
+  // than its last copy is issued). kPassUnroll: passes unrolled, as registers allow.
+  template <int kMaxCount, int kStep, int kPassStride, int kPassUnroll>
+  __device__ void copy_passes(const DecodeParams& p, typename Traits::SharedStorage& ss, int stage, int first_slab,
+                              int count, int first_pass, int lane) const {
     const int chunk = lane % kChunksPerRow;
     const uint8_t* kv = static_cast<const uint8_t*>(p.kv) + chunk * 16 + first_slab * kRowBytes;
     const uint32_t first = mla_common::smem_addr(Traits::kv_copy_dst(ss, stage, first_slab, 0));
 #pragma unroll kPassUnroll
-    for (int j = 0; j < kBlockN / kRowsPerPass; ++j) {
+    for (int j = first_pass; j < kBlockN / kRowsPerPass; j += kPassStride) {
       const int row = lane / kChunksPerRow + j * kRowsPerPass;
       const uint8_t* from = kv + __shfl_sync(0xffffffff, j * kRowsPerPass < 32 ? offset[0] : offset[1], row % 32);
       const uint32_t to = first + chunk_offset(row, chunk);
@@ -167,45 +167,30 @@ struct GatheredRows {
 #ifdef MLA_ATTN_RACECHECK
     // Only for compute-sanitizer (MLA_ATTN_RACECHECK=1, scripts/sanitize.sh): racecheck does not take
     // the completion arrival below as the end of the copies, so this build waits for them and arrives
-    // plainly (the same 32 arrivals, later).
+    // plainly (the same arrivals, later).
     mla_common::cp_async_wait_all();
     for (int k = 0; k < count; ++k) cutlass::arch::ClusterBarrier::arrive(&ss.kv_full[stage][first_slab + k * kStep]);
 #else
     for (int k = 0; k < count; ++k) cutlass::arch::cpasync_barrier_arrive_noinc(&ss.kv_full[stage][first_slab + k * kStep]);
 #endif
   }
-
-  // Every slab of passes warp, warp + kProducerWarps, ... (kRowsPerPass rows each): the four producer
-  // warps share a stage evenly, and a row's slabs go out back to back; each warp then arrives on
-  // every slab's barrier (kRingGatherArrivals).
+  // One warp's slabs (first_slab + k * kStep, k < count) of all 64 rows; its 32 lanes arrive on each.
+  template <int kMaxCount, int kStep, int kPassUnroll>
+  __device__ void copy_slabs(const DecodeParams& p, typename Traits::SharedStorage& ss, int stage, int first_slab,
+                             int count, int lane) const {
+    copy_passes<kMaxCount, kStep, 1, kPassUnroll>(p, ss, stage, first_slab, count, 0, lane);
+  }
+  // Whole rows, all nine slabs back to back, of passes warp, warp + kProducerWarps, ...: the four
+  // producer warps share a block evenly; each arrives on every slab's barrier (kRingGatherArrivals).
   template <int kPassUnroll>
   __device__ void copy_rows(const DecodeParams& p, typename Traits::SharedStorage& ss, int stage, int warp,
                             int lane) const {
-    const int chunk = lane % kChunksPerRow;
-    const uint8_t* kv = static_cast<const uint8_t*>(p.kv) + chunk * 16;
-    const uint32_t first = mla_common::smem_addr(Traits::kv_copy_dst(ss, stage, 0, 0));
-#pragma unroll kPassUnroll
-    for (int j = warp; j < kBlockN / kRowsPerPass; j += kProducerWarps) {
-      const int row = lane / kChunksPerRow + j * kRowsPerPass;
-      const uint8_t* from = kv + __shfl_sync(0xffffffff, j * kRowsPerPass < 32 ? offset[0] : offset[1], row % 32);
-      const uint32_t to = first + chunk_offset(row, chunk);
-      const bool valid = row < valid_rows;
-#pragma unroll
-      for (int slab = 0; slab < kSlabs; ++slab) {
-        mla_common::cp_async_16(to + slab * kSlabBytes, from + slab * kRowBytes, valid);
-      }
-    }
-#ifdef MLA_ATTN_RACECHECK
-    mla_common::cp_async_wait_all();
-    for (int slab = 0; slab < kSlabs; ++slab) cutlass::arch::ClusterBarrier::arrive(&ss.kv_full[stage][slab]);
-#else
-    for (int slab = 0; slab < kSlabs; ++slab) cutlass::arch::cpasync_barrier_arrive_noinc(&ss.kv_full[stage][slab]);
-#endif
+    copy_passes<kSlabs, 1, kProducerWarps, kPassUnroll>(p, ss, stage, 0, kSlabs, warp, lane);
   }
 };
 
 // Gathered 16-bit rows are copied whole (GatheredRows::copy_rows: every producer warp arrives on every
-// slab); fp8 slab rows one slab per warp (copy: its 32 lanes arrive; whole rows made the 32-row narrow
+// slab); fp8 slab rows one slab per warp (copy_slabs: its 32 lanes arrive; whole rows made the 32-row narrow
 // kernel spill).
 template <typename Traits>
 inline constexpr bool kWholeRowGather = !Traits::kFp8Kv;
@@ -311,7 +296,7 @@ __device__ void produce_kv_tiles(const DecodeParams& p, const DecodeTma& tma,
       if constexpr (kWholeRowGather<Traits>) {
         rows.template copy_rows<2>(p, ss, stage, warp, lane);
       } else {
-        rows.template copy<3, kProducerWarps, 2>(p, ss, stage, warp, warp == 0 ? 3 : 2, lane);  // slabs warp, warp + 4 (, 8)
+        rows.template copy_slabs<3, kProducerWarps, 2>(p, ss, stage, warp, warp == 0 ? 3 : 2, lane);  // slabs warp, warp + 4 (, 8)
       }
     });
   } else {
