@@ -409,7 +409,8 @@ cudaError_t run_decode_metadata(const int* cache_seqlens, int batch, int num_sm_
   if (prefix_in_smem) smem += batch * int(sizeof(long long));
   // Every call, as the split kernels do: the kernel's static shared memory counts against the default
   // 48 KB too, so a threshold on the dynamic bytes alone let a launch just under it fail.
-  const cudaError_t attr = cudaFuncSetAttribute(decode_metadata_kernel, cudaFuncAttributeMaxDynamicSharedMemorySize, smem);
+  const cudaError_t attr =
+      cudaFuncSetAttribute(decode_metadata_kernel, cudaFuncAttributeMaxDynamicSharedMemorySize, smem);
   if (attr != cudaSuccess) return attr;
   decode_metadata_kernel<<<1, kMetadataThreads, smem, stream>>>(
       cache_seqlens, batch, num_sm_parts, num_sms, deterministic, tile_sched, req_splits, prefix_in_smem);

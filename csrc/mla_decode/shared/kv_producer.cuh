@@ -273,9 +273,10 @@ __device__ __forceinline__ void init_kv_ring(typename Traits::SharedStorage& ss,
   cutlass::arch::fence_barrier_init();
 }
 
-// Issues the K-tile loads of this CTA's schedule for slabs warp, warp + 4, warp + 8 into a ring of
-// Traits::kStages stages, one kv_empty barrier per stage. Runs on each of the producer's four warps
-// (TMA issue from one thread is serial, and page 16 needs 4 copies x 9 slabs per tile).
+// Issues the K-tile loads of this CTA's schedule into a ring of Traits::kStages stages, one kv_empty
+// barrier per stage. Runs on each of the producer's four warps: TMA boxes and gathered fp8 rows for
+// slabs warp, warp + 4, warp + 8 (TMA issue from one thread is serial, and page 16 needs 4 copies x 9
+// slabs per tile); gathered 16-bit rows whole, a quarter of the block's rows per warp.
 // Traits: kStages, kFp8Kv, MmaElement (of the 16-bit tile), SharedStorage (kv_full [kStages][kSlabs], kv_empty [kStages])
 // and kv_copy_dst(ss, stage, slab, row): where rows [row, row + rows_per_copy) of a slab land.
 // kGather (DecodeTma::gather): rows gathered one by one instead of TMA boxes of 16-64 rows.
