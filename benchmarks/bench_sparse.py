@@ -108,6 +108,20 @@ def check(p, out, lse):
     return dict(ok=ok, rel_l2=rel, lse_err=lse_err)
 
 
+def check_op(p, op, out, res):
+    """Checks op() (which writes out and returns (out, lse)) against the reference: an eager call, then a
+    CUDA-graph replay into a NaN-poisoned out (res["check_eager"], res["check_graph"]). Returns the
+    graph and the eager call's lse."""
+    _, lse = op()
+    res["check_eager"] = check(p, out, lse)
+    graph, (_, lse_graph) = capture(op)
+    out.fill_(float("nan"))
+    graph.replay()
+    torch.cuda.synchronize()
+    res["check_graph"] = check(p, out, lse_graph)
+    return graph, lse
+
+
 def flashmla_peer(flashmla, q, kv, idx, kv_format):
     """FlashMLA on the same data: a callable returning (out, lse) shaped like ours after a reshape.
     bf16: its sparse prefill kernel, one query token per row; ds_mla_fp8: its sparse decode kernel on
@@ -140,13 +154,7 @@ def run_config(c, timer, rep_ms, flashmla, kv_format, kernels=()):
     def op():
         return mla_attn.mla_sparse_decode(q, kv, idx, softmax_scale=SCALE, out=out, return_lse=True)
 
-    _, lse = op()
-    res["check_eager"] = check(p, out, lse)
-    g_op, (_, lse_g) = capture(op)
-    out.fill_(float("nan"))
-    g_op.replay()
-    torch.cuda.synchronize()
-    res["check_graph"] = check(p, out, lse_g)
+    g_op, lse = check_op(p, op, out, res)
 
     md = mla_attn.get_sparse_decode_metadata(idx, c["h_q"])
     g_layer, _ = capture(lambda: mla_attn.mla_sparse_decode(q, kv, idx, softmax_scale=SCALE, out=out, metadata=md))

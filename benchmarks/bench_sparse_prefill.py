@@ -28,7 +28,7 @@ import traceback
 import torch
 
 from _timing import GraphTimer, capture, measure_ceilings, nvml_sample, smi
-from bench_sparse import D_QK, D_V, SCALE, TOPK, check, log
+from bench_sparse import D_QK, D_V, SCALE, TOPK, check, check_op, log
 
 ROWS = 32768  # latent rows of kv the indices draw from
 
@@ -60,13 +60,7 @@ def run_config(c, timer, rep_ms, flashmla):
     def op():
         return mla_attn.mla_sparse_prefill(q, kv, idx, softmax_scale=SCALE, out=out, return_lse=True)
 
-    _, lse = op()
-    res["check_eager"] = check(p, out, lse)
-    g_op, (_, lse_g) = capture(op)
-    out.fill_(float("nan"))
-    g_op.replay()
-    torch.cuda.synchronize()
-    res["check_graph"] = check(p, out, lse_g)
+    g_op, _ = check_op(p, op, out, res)
     graphs, names = [g_op], ["op"]
     if flashmla is not None:
         try:
