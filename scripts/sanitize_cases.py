@@ -125,9 +125,10 @@ SPARSE_CASES = [  # (lead, h_q, topk, page_size, cache)
 def check_sparse_decode():
     for lead, h_q, topk, page, fmt in SPARSE_CASES:
         md = None
-        for seed in (0, 1):  # one schedule (shapes only) for two index sets
+        for seed in (0, 1):  # one schedule (shapes only) for two index sets, the second with a sink
             case = to_device(make_sparse_case(lead, h_q, topk, page, lengths=True, fp8=fmt == "fp8",
-                                              ds_fp8=fmt == "ds", seed=seed), "cuda")
+                                              ds_fp8=fmt == "ds", sink="finite" if seed else None, seed=seed),
+                             "cuda")
             md = md or mla_attn.get_sparse_decode_metadata(case["indices"], h_q)
             out, lse = run_sparse(case, metadata=md)
             check_sparse(case, out, lse)  # against float64; raises on a mismatch

@@ -80,6 +80,9 @@ CASES = [  # (lead, h_q, topk, page_size, dtype, lengths, sink, split_pe, kv_4d,
     ((5,), 3, 33, 1, torch.bfloat16, False, "finite", True, False),
     ((2, 3), 16, 1, 16, torch.float16, False, None, False, False),
     ((6,), 128, 4100, 1, torch.float16, True, "finite", False, True),
+    # many one-block rows: most are not split, so the split kernels' epilogues apply the sink themselves
+    ((300,), 128, 64, 16, torch.bfloat16, True, "finite", False, False),
+    ((400,), 16, 100, 1, torch.float16, True, "mixed", False, False),
 ]
 PARAMS = [pytest.param(*c, kernel) for c in CASES for kernel in [None] + decode_kernels_for(torch.bfloat16, c[1])]
 

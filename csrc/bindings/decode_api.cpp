@@ -53,7 +53,7 @@ void mla_decode_cuda_impl(const Tensor& q, const std::optional<Tensor>& q_pe, co
                           const Tensor& req_splits, int64_t num_sm_parts, Tensor& out, Tensor& lse,
                           const std::optional<Tensor>& k_scale, const std::optional<Tensor>& q_scale,
                           bool deterministic, bool fp8_mma, const std::optional<c10::string_view>& kernel_name,
-                          bool kv_slots, bool skip_invalid_slots) {
+                          bool kv_slots, bool skip_invalid_slots, const std::optional<Tensor>& attn_sink) {
   using namespace mla_decode;
   check_sm90(q, "decode");
   const bool fp8_kv = kv_cache.scalar_type() == at::kFloat8_e4m3fn;
@@ -74,6 +74,11 @@ void mla_decode_cuda_impl(const Tensor& q, const std::optional<Tensor>& q_pe, co
                 "mla_attn: k_scale must be a float32 tensor of shape [1] on q's device");
   }
   TORCH_CHECK(fp8_mma || !q_scale.has_value(), "mla_attn: q_scale is only valid with fp8_mma=True");
+  if (attn_sink.has_value()) {
+    TORCH_CHECK(attn_sink->scalar_type() == at::kFloat && attn_sink->dim() == 1 &&
+                    attn_sink->size(0) == q.size(-2) && attn_sink->stride(0) == 1 && attn_sink->device() == q.device(),
+                "mla_attn: attn_sink must be a contiguous float32 tensor of shape [h_q] on q's device");
+  }
   if (q_scale.has_value()) {
     TORCH_CHECK(q_scale->scalar_type() == at::kFloat && q_scale->numel() == 1 && q_scale->device() == q.device(),
                 "mla_attn: q_scale must be a float32 tensor of shape [1] on q's device");
@@ -158,6 +163,7 @@ void mla_decode_cuda_impl(const Tensor& q, const std::optional<Tensor>& q_pe, co
   p.max_pages = int(block_table.size(1));
   p.kv_slots = kv_slots;
   p.skip_invalid_slots = skip_invalid_slots;
+  p.attn_sink = attn_sink.has_value() ? attn_sink->data_ptr<float>() : nullptr;
   p.max_keys = int(std::min<int64_t>(block_table.size(1) * (kv_slots ? 1 : page_size), INT32_MAX));
   p.cache_seqlens = cache_seqlens.data_ptr<int>();
   p.cu_seqlens_q = varlen ? cu_seqlens_q->data_ptr<int>() : nullptr;
@@ -232,14 +238,14 @@ std::tuple<Tensor, Tensor> mla_decode_cuda(const Tensor& q, const std::optional<
                                            int64_t num_sm_parts, const std::optional<Tensor>& k_scale,
                                            const std::optional<Tensor>& q_scale, bool deterministic, bool fp8_mma,
                                            std::optional<c10::string_view> kernel, bool kv_slots,
-                                           bool skip_invalid_slots) {
+                                           bool skip_invalid_slots, const std::optional<Tensor>& attn_sink) {
   auto out_shape = q.sizes().vec();
   out_shape.back() = mla_decode::kHeadDimV;
   Tensor out = at::empty(out_shape, q.options());
   Tensor lse = at::empty(q.sizes().slice(0, q.dim() - 1), q.options().dtype(at::kFloat));
   mla_decode_cuda_impl(q, q_pe, kv_cache, block_table, cache_seqlens, cu_seqlens_q, max_seqlen_q,
                        softmax_scale, causal, tile_sched, req_splits, num_sm_parts, out, lse, k_scale,
-                       q_scale, deterministic, fp8_mma, kernel, kv_slots, skip_invalid_slots);
+                       q_scale, deterministic, fp8_mma, kernel, kv_slots, skip_invalid_slots, attn_sink);
   return {out, lse};
 }
 
@@ -250,14 +256,14 @@ void mla_decode_out_cuda(const Tensor& q, const std::optional<Tensor>& q_pe, con
                          const Tensor& req_splits, int64_t num_sm_parts, Tensor out, Tensor lse,
                          const std::optional<Tensor>& k_scale, const std::optional<Tensor>& q_scale,
                          bool deterministic, bool fp8_mma, std::optional<c10::string_view> kernel, bool kv_slots,
-                         bool skip_invalid_slots) {
+                         bool skip_invalid_slots, const std::optional<Tensor>& attn_sink) {
   TORCH_CHECK(out.scalar_type() == q.scalar_type() && out.size(-1) == mla_decode::kHeadDimV &&
                   out.stride(-1) == 1,
               "mla_attn: out must be [.., h_q, 512] of q's dtype, contiguous in the last dim");
   TORCH_CHECK(lse.scalar_type() == at::kFloat, "mla_attn: lse must be float32");
   mla_decode_cuda_impl(q, q_pe, kv_cache, block_table, cache_seqlens, cu_seqlens_q, max_seqlen_q,
                        softmax_scale, causal, tile_sched, req_splits, num_sm_parts, out, lse, k_scale,
-                       q_scale, deterministic, fp8_mma, kernel, kv_slots, skip_invalid_slots);
+                       q_scale, deterministic, fp8_mma, kernel, kv_slots, skip_invalid_slots, attn_sink);
 }
 
 std::tuple<Tensor, Tensor> get_decode_metadata_cuda(const Tensor& cache_seqlens,

@@ -42,17 +42,20 @@ TORCH_LIBRARY(mla_attn, m) {
   //            per request (shapes only): each request's blocks end at its cache_seqlens[b]
   //   skip_invalid_slots: with kv_slots and a ds_mla_fp8 cache: entries outside [0, num_pages * page_size)
   //            are skipped instead of required valid (mla_sparse_decode passes its top-k rows as they are)
+  //   attn_sink: fp32 [h_q] (natural log): out of head h scaled by exp(lse) / (exp(lse) + exp(attn_sink[h]))
+  //            (lse itself unchanged; +inf gives 0, -inf no effect), applied where the final rows are
+  //            normalised (the split kernels' epilogues, the combine)
   m.def(
       "mla_decode(Tensor q, Tensor? q_pe, Tensor kv_cache, Tensor block_table, Tensor cache_seqlens, "
       "Tensor? cu_seqlens_q, int max_seqlen_q, float softmax_scale, bool causal, "
       "Tensor tile_sched, Tensor req_splits, int num_sm_parts, *, Tensor? k_scale=None, Tensor? q_scale=None, "
       "bool deterministic=False, "
-      "bool fp8_mma=False, str? split_kernel=None, bool kv_slots=False, bool skip_invalid_slots=False) "
-      "-> (Tensor, Tensor)");
+      "bool fp8_mma=False, str? split_kernel=None, bool kv_slots=False, bool skip_invalid_slots=False, "
+      "Tensor? attn_sink=None) -> (Tensor, Tensor)");
   m.def(
       "mla_decode_out(Tensor q, Tensor? q_pe, Tensor kv_cache, Tensor block_table, "
       "Tensor cache_seqlens, Tensor? cu_seqlens_q, int max_seqlen_q, float softmax_scale, "
       "bool causal, Tensor tile_sched, Tensor req_splits, int num_sm_parts, Tensor(a!) out, "
       "Tensor(b!) lse, *, Tensor? k_scale=None, Tensor? q_scale=None, bool deterministic=False, bool fp8_mma=False, "
-      "str? split_kernel=None, bool kv_slots=False, bool skip_invalid_slots=False) -> ()");
+      "str? split_kernel=None, bool kv_slots=False, bool skip_invalid_slots=False, Tensor? attn_sink=None) -> ()");
 }

@@ -19,6 +19,9 @@ struct DecodeParams {
 
   void* out;   // [.., h_q, 512], q's dtype
   float* lse;  // [.., h_q] fp32, natural log
+  // [h_q] fp32 (natural log) or nullptr: final rows of head h are normalised by sum + e^(attn_sink[h] - max)
+  // instead of sum, i.e. scaled by e^lse / (e^lse + e^attn_sink[h]); the lse written is unchanged.
+  const float* attn_sink;
   int64_t out_batch_stride, out_token_stride, out_head_stride;
   int64_t lse_batch_stride, lse_token_stride, lse_head_stride;
 

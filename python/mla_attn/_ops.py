@@ -6,6 +6,7 @@ shapes only. The CPU kernels run the pure-PyTorch reference (reference.py), so t
 without a GPU; they run the same static checks (_validation.py) as the public wrappers, so a direct
 torch.ops.mla_attn.* call on CPU tensors fails with the wrappers' exceptions and messages.
 """
+import math
 from typing import Optional
 
 import torch
@@ -42,14 +43,14 @@ def _metadata_cpu(cache_seqlens, cu_seqlens_q, max_seqlen_q, num_heads_q, causal
 
 def _decode_fake(q, q_pe, kv_cache, block_table, cache_seqlens, cu_seqlens_q, max_seqlen_q, softmax_scale, causal,
                  tile_sched, req_splits, num_sm_parts, *, k_scale=None, q_scale=None, deterministic=False,
-                 fp8_mma=False, split_kernel=None, kv_slots=False, skip_invalid_slots=False):
+                 fp8_mma=False, split_kernel=None, kv_slots=False, skip_invalid_slots=False, attn_sink=None):
     return q.new_empty(q.shape[:-1] + (D_V,)), q.new_empty(q.shape[:-1], dtype=torch.float32)
 
 
 def _decode_out_fake(q, q_pe, kv_cache, block_table, cache_seqlens, cu_seqlens_q, max_seqlen_q, softmax_scale,
                      causal, tile_sched, req_splits, num_sm_parts, out, lse, *, k_scale=None, q_scale=None,
                      deterministic=False, fp8_mma=False, split_kernel=None, kv_slots=False,
-                     skip_invalid_slots=False):
+                     skip_invalid_slots=False, attn_sink=None):
     return None
 
 
@@ -57,16 +58,18 @@ def _decode(q: Tensor, q_pe: Optional[Tensor], kv_cache: Tensor, block_table: Te
            cu_seqlens_q: Optional[Tensor], max_seqlen_q: int, softmax_scale: float, causal: bool,
            tile_sched: Tensor, req_splits: Tensor, num_sm_parts: int, out: Optional[Tensor],
            k_scale: Optional[Tensor], q_scale: Optional[Tensor], fp8_mma: bool, kernel: Optional[str],
-           kv_slots: bool, skip_invalid_slots: bool) -> tuple[Tensor, Tensor]:
+           kv_slots: bool, skip_invalid_slots: bool, attn_sink: Optional[Tensor]) -> tuple[Tensor, Tensor]:
     """The decode op on CPU tensors: checks, then the float32 reference (out, lse). With kv_slots the
     table lists cache slots: the reference reads the cache as pages of one slot (skip_invalid_slots:
-    the valid ones of each row's first cache_seqlens, compacted first)."""
+    the valid ones of each row's first cache_seqlens, compacted first). attn_sink scales out as the
+    CUDA kernels do (ops.cpp)."""
     check.check_softmax_scale(softmax_scale)
     batch, max_seqlen_q = check.check_decode(q, q_pe, kv_cache, block_table, cache_seqlens, cu_seqlens_q,
                                              max_seqlen_q, out)
     check.check_decode_options(q, kv_cache, k_scale, fp8_mma, kernel, max_seqlen_q, q_scale)
     check.check_schedule(tile_sched, req_splits, num_sm_parts, batch, q)
     check.check_skip_invalid_slots(skip_invalid_slots, kv_slots, kv_cache)
+    check.check_attn_sink(attn_sink, q.shape[-2], q)
     if skip_invalid_slots:
         block_table, cache_seqlens = torch.ops.mla_attn.compact_sparse_indices(
             block_table, cache_seqlens, kv_cache.shape[0] * kv_cache.shape[1])
@@ -78,26 +81,31 @@ def _decode(q: Tensor, q_pe: Optional[Tensor], kv_cache: Tensor, block_table: Te
         kv_cache = _rows(kv_cache).reshape(-1, 1, D_QK)
     # The reference needs no schedule: the split-KV partition only changes the summation order. It
     # computes in float32 whatever fp8_mma, q_scale and kernel say (they trade the GPU kernels' accuracy for speed).
-    return mla_decode_ref(q, kv_cache, block_table, cache_seqlens, cu_seqlens_q=cu_seqlens_q, q_pe=q_pe,
-                          softmax_scale=softmax_scale, causal=causal)
+    out, lse = mla_decode_ref(q, kv_cache, block_table, cache_seqlens, cu_seqlens_q=cu_seqlens_q, q_pe=q_pe,
+                              softmax_scale=softmax_scale, causal=causal)
+    if attn_sink is not None:
+        # out *= exp(lse) / (exp(lse) + exp(sink)) = sigmoid(lse - sink); a row without keys (lse +inf)
+        # keeps out 0 (its factor set to 0 rather than sigmoid(inf - inf) = NaN).
+        out = out * torch.sigmoid(lse - attn_sink.float()).masked_fill(lse == math.inf, 0.0).unsqueeze(-1)
+    return out, lse
 
 
 def _decode_cpu(q, q_pe, kv_cache, block_table, cache_seqlens, cu_seqlens_q, max_seqlen_q, softmax_scale, causal,
                 tile_sched, req_splits, num_sm_parts, *, k_scale=None, q_scale=None, deterministic=False,
-                fp8_mma=False, split_kernel=None, kv_slots=False, skip_invalid_slots=False):
+                fp8_mma=False, split_kernel=None, kv_slots=False, skip_invalid_slots=False, attn_sink=None):
     out, lse = _decode(q, q_pe, kv_cache, block_table, cache_seqlens, cu_seqlens_q, max_seqlen_q, softmax_scale,
                        causal, tile_sched, req_splits, num_sm_parts, None, k_scale, q_scale, fp8_mma, split_kernel,
-                       kv_slots, skip_invalid_slots)
+                       kv_slots, skip_invalid_slots, attn_sink)
     return out.to(q.dtype), lse
 
 
 def _decode_out_cpu(q, q_pe, kv_cache, block_table, cache_seqlens, cu_seqlens_q, max_seqlen_q, softmax_scale, causal,
                     tile_sched, req_splits, num_sm_parts, out, lse, *, k_scale=None, q_scale=None,
                     deterministic=False, fp8_mma=False, split_kernel=None, kv_slots=False,
-                    skip_invalid_slots=False):
+                    skip_invalid_slots=False, attn_sink=None):
     o, l = _decode(q, q_pe, kv_cache, block_table, cache_seqlens, cu_seqlens_q, max_seqlen_q, softmax_scale,
                    causal, tile_sched, req_splits, num_sm_parts, out, k_scale, q_scale, fp8_mma, split_kernel,
-                   kv_slots, skip_invalid_slots)
+                   kv_slots, skip_invalid_slots, attn_sink)
     check.check_lse("lse", lse, q.shape[:-1], "q", q)
     out.copy_(o)
     lse.copy_(l)

@@ -58,13 +58,6 @@ def get_sparse_decode_metadata(indices: Tensor, num_heads_q: int) -> SparseDecod
     return _sparse_schedule(math.prod(indices.shape[:-1]), indices.shape[-1], num_heads_q, indices.device)
 
 
-def _apply_sink(out: Tensor, lse: Tensor, attn_sink: Tensor) -> None:
-    """out *= exp(lse) / (exp(lse) + exp(sink)) = sigmoid(lse - sink), in place. An empty row (lse
-    +inf) has out 0 and keeps it: its factor is set to 0 rather than sigmoid(inf - inf) = NaN."""
-    factor = torch.sigmoid(lse - attn_sink).masked_fill(lse == math.inf, 0.0)
-    out.mul_(factor.unsqueeze(-1))
-
-
 def mla_sparse_decode(q: Tensor, kv_cache: Tensor, indices: Tensor, *, softmax_scale: float,
                       q_pe: Optional[Tensor] = None, topk_length: Optional[Tensor] = None,
                       attn_sink: Optional[Tensor] = None, k_scale: Optional[Tensor] = None, return_lse: bool = False,
@@ -123,7 +116,8 @@ def mla_sparse_decode(q: Tensor, kv_cache: Tensor, indices: Tensor, *, softmax_s
     md = metadata.decode
     args = (q_rows, q_pe_rows, kv_cache, slots, counts, None, 1, float(softmax_scale), False,
             md.tile_sched, md.req_splits, md.num_sm_parts)
-    kw = dict(k_scale=k_scale, split_kernel=_kernel, kv_slots=True, skip_invalid_slots=skip_invalid)
+    kw = dict(k_scale=k_scale, split_kernel=_kernel, kv_slots=True, skip_invalid_slots=skip_invalid,
+              attn_sink=None if attn_sink is None else attn_sink.contiguous())
     if out is None:
         out, lse = torch.ops.mla_attn.mla_decode(*args, **kw)
         out = out.view(q.shape[:-1] + (D_V,))
@@ -131,8 +125,6 @@ def mla_sparse_decode(q: Tensor, kv_cache: Tensor, indices: Tensor, *, softmax_s
         lse = torch.empty(rows, 1, h_q, dtype=torch.float32, device=q.device)
         torch.ops.mla_attn.mla_decode_out(*args, out.view(rows, 1, h_q, D_V), lse, **kw)
     lse = lse.view(q.shape[:-1])
-    if attn_sink is not None:
-        _apply_sink(out, lse, attn_sink)
     return (out, lse) if return_lse else out
 
 

@@ -125,7 +125,9 @@ __global__ void __launch_bounds__(kCombineThreads)
   }
   sum = row_reduce(sum, false);  // its barrier (or this one) orders the weight writes before the reads below
   __syncwarp();
-  const float inv_sum = empty ? 0.f : 1.f / sum;
+  // With a sink: e^lse / (e^lse + e^sink) folded in, e^lse = sum e^max_lse (denominator_with_sink in
+  // natural-log units).
+  const float inv_sum = empty ? 0.f : 1.f / (p.attn_sink ? sum + expf(p.attn_sink[row % p.num_heads_q] - max_lse) : sum);
 
   // An empty split's partial is 0 (it wrote O * 0), so every split can be summed unconditionally.
   const int lane_in_split = lane % kThreadsPerSplit;

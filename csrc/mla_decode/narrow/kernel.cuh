@@ -46,6 +46,7 @@
 #include "mla_decode/config.h"
 #include "mla_decode/narrow/traits.h"
 #include "mla_decode/params.h"
+#include "mla_decode/shared/epilogue.cuh"
 #include "mla_decode/shared/fp8_dequant.cuh"
 #include "mla_decode/shared/kv_producer.cuh"
 #include "mla_decode/shared/launch.cuh"
@@ -567,8 +568,9 @@ __device__ void consume_narrow_tiles(const DecodeParams& p, typename Traits::Sha
         if (w == warpgroup) own_factor = factor;
       }
       const bool empty = total == 0.f;  // no visible key in this split
-      // This warpgroup's share of the normalised output: O_w 2^(m_w - m) k_scale / sum.
-      own_factor = empty ? 0.f : own_factor * ss.k_scale / total;
+      // This warpgroup's share of the normalised output: O_w 2^(m_w - m) k_scale / sum (+ the sink's term).
+      const float denominator = is_partial ? total : denominator_with_sink(p, col % p.num_heads_q, max_all, total);
+      own_factor = empty ? 0.f : own_factor * ss.k_scale / denominator;
 #pragma unroll
       for (int m = 0; m < kMTiles; ++m) {
 #pragma unroll

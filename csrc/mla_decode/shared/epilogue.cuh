@@ -1,5 +1,6 @@
 // The end of a 64-row output tile (rows64, seesaw, fp8mma): normalise, write the LSE, and store the
-// rows (final output, or a partial for the combine kernel) through shared memory.
+// rows (final output, or a partial for the combine kernel) through shared memory. The narrow kernel
+// normalises its own way, with the same denominator_with_sink.
 #pragma once
 #include <cute/tensor.hpp>
 #include <cstdint>
@@ -11,6 +12,12 @@
 #include "mla_decode/shared/schedule.cuh"
 
 namespace mla_decode {
+
+// The denominator of a final row of head h: its sum of 2^(score - row_max) (log2 units: row_max +
+// log2(total) = lse / ln 2), plus the sink's 2^(attn_sink[h] log2(e) - row_max) when the call has one.
+__device__ __forceinline__ float denominator_with_sink(const DecodeParams& p, int h, float row_max, float total) {
+  return p.attn_sink ? total + exp2f(fmaf(p.attn_sink[h], float(M_LOG2E), -row_max)) : total;
+}
 
 // Where the rows of a finished 64-row output tile go: the final output of the request, or a partial
 // (rows in q's dtype + fp32 LSE) for combine/combine_kernel.cuh when the request is split.
@@ -35,20 +42,20 @@ struct OutputTile {
            h * p.out_head_stride + col;
   }
   // 1 / denominator (times out_scale, an fp8 cache's k_scale) of a row with running max row_max (log2
-  // units) and denominator total; writes the row's LSE (natural log; +inf final or -inf partial for a
-  // row with no visible key) when write_lse.
+  // units) and denominator total (a final row's with the sink, denominator_with_sink); writes the row's
+  // LSE (natural log; +inf final or -inf partial for a row with no visible key) when write_lse.
   __device__ float finish_row(int r, float row_max, float total, float out_scale, bool write_lse) const {
     const bool empty = total == 0.f;  // no visible key in this split
+    const int row = m_block * kBlockM + r, t = row / p.num_heads_q, h = row % p.num_heads_q;
     if (write_lse && has_row(r)) {
       const float lse = empty ? (is_partial ? -INFINITY : INFINITY) : (row_max + __log2f(total)) * float(M_LN2);
       if (is_partial) {
         p.partial_lse[partial_index(r)] = lse;
       } else {
-        const int row = m_block * kBlockM + r, t = row / p.num_heads_q, h = row % p.num_heads_q;
         p.lse[seg.b * p.lse_batch_stride + (seg.first_token + t) * p.lse_token_stride + h * p.lse_head_stride] = lse;
       }
     }
-    return empty ? 0.f : out_scale / total;
+    return empty ? 0.f : out_scale / (is_partial ? total : denominator_with_sink(p, h, row_max, total));
   }
 };
 
