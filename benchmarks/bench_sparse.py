@@ -12,6 +12,8 @@ For every config (h_q, s_q, batch; top-k 2048, bf16 cache [pages, 64, 576]):
        op    = the whole call: split-KV schedule + index compaction + attention,
        layer = the call with the schedule made once per step (get_sparse_decode_metadata, shapes only,
                as FlashMLA's metadata): index compaction + attention, what each layer of a step pays,
+       layer_sink = the layer with an attention sink per head (attn_sink from 0 to 12 over the heads,
+               around the rows' lse of ~9), checked against the reference with the same sink,
        attn  = the attention kernel alone (the compaction made once outside the graph too);
      cold = median over replays each preceded by a 512 MB read (L2 evicted), warm = each preceded by a
      ~20 us spin kernel.
@@ -94,12 +96,12 @@ def make_problem(c, seed, kv_format, dev="cuda"):
     return dict(q=q, kv=kv, kv_ref=kv_ref, indices=slots.int())
 
 
-def check(p, out, lse):
+def check(p, out, lse, attn_sink=None):
     from mla_attn.reference import mla_sparse_ref
     h_q = p["q"].shape[-2]
     q = p["q"].reshape(-1, h_q, D_QK)[:CHECK_ROWS]
     idx = p["indices"].reshape(-1, TOPK)[:CHECK_ROWS]
-    ref_out, ref_lse = mla_sparse_ref(q, p["kv_ref"], idx, softmax_scale=SCALE)
+    ref_out, ref_lse = mla_sparse_ref(q, p["kv_ref"], idx, softmax_scale=SCALE, attn_sink=attn_sink)
     o = out.reshape(-1, h_q, D_V)[:CHECK_ROWS].double()
     l = lse.reshape(-1, h_q)[:CHECK_ROWS].double()
     rel = ((o - ref_out).norm() / ref_out.norm()).item()
@@ -158,6 +160,16 @@ def run_config(c, timer, rep_ms, flashmla, kv_format, kernels=()):
 
     md = mla_attn.get_sparse_decode_metadata(idx, c["h_q"])
     g_layer, _ = capture(lambda: mla_attn.mla_sparse_decode(q, kv, idx, softmax_scale=SCALE, out=out, metadata=md))
+    # The layer with an attention sink per head, spread over the rows' lse (~9 here): factors from ~1 to ~0.
+    sink = torch.linspace(0.0, 12.0, c["h_q"], device=q.device)
+    out_sink = torch.full_like(out, float("nan"))
+
+    def layer_sink():
+        return mla_attn.mla_sparse_decode(q, kv, idx, softmax_scale=SCALE, attn_sink=sink, out=out_sink, metadata=md,
+                                          return_lse=True)
+    _, lse_sink = layer_sink()
+    res["check_sink"] = check(p, out_sink, lse_sink, sink)
+    g_sink, _ = capture(layer_sink)
     # The attention alone: the decode op over slots compacted once (what mla_sparse_decode runs last).
     rows = c["b"] * c["s_q"]
     slots, counts = torch.ops.mla_attn.compact_sparse_indices(idx.reshape(rows, TOPK), None, kv.shape[0] * kv.shape[1])
@@ -171,7 +183,7 @@ def run_config(c, timer, rep_ms, flashmla, kv_format, kernels=()):
     o_a, l_a = attention()
     res["check_attn"] = check(p, o_a, l_a)
     g_attn, _ = capture(attention)
-    graphs, names = [g_op, g_layer, g_attn], ["op", "layer", "attn"]
+    graphs, names = [g_op, g_layer, g_sink, g_attn], ["op", "layer", "layer_sink", "attn"]
     for kernel in kernels:  # the attention alone with this kernel forced, checked like the op
         def forced(kernel=kernel):
             return attention(kernel)
@@ -208,7 +220,8 @@ def run_config(c, timer, rep_ms, flashmla, kv_format, kernels=()):
 
 
 def table(results, with_fm, kernels=()):
-    head = ["config", "ok", "op cold us", "op warm us", "layer cold us", "attn cold us", "TFLOP/s", "GB/s"]
+    head = ["config", "ok", "op cold us", "op warm us", "layer cold us", "layer+sink cold us", "attn cold us",
+            "TFLOP/s", "GB/s"]
     head += [f"attn {k} cold us" for k in kernels]
     if with_fm:
         head += ["FMLA cold us", "x FMLA op", "x FMLA layer", "x FMLA attn"]
@@ -217,9 +230,10 @@ def table(results, with_fm, kernels=()):
         if "error" in r:
             lines.append(f"| {r['name']} | error: {r['error'][:60]} |" + " |" * (len(head) - 2))
             continue
-        ok = r["check_eager"]["ok"] and r["check_graph"]["ok"] and r["check_attn"]["ok"]
+        ok = all(r[k]["ok"] for k in ("check_eager", "check_graph", "check_attn", "check_sink"))
         row = [r["name"], "ok" if ok else "FAIL", f"{r['op']['cold_us']:.1f}", f"{r['op']['warm_us']:.1f}",
-               f"{r['layer']['cold_us']:.1f}", f"{r['attn']['cold_us']:.1f}", f"{r['tflops']:.1f}", f"{r['gbps']:.0f}"]
+               f"{r['layer']['cold_us']:.1f}", f"{r['layer_sink']['cold_us']:.1f}", f"{r['attn']['cold_us']:.1f}",
+               f"{r['tflops']:.1f}", f"{r['gbps']:.0f}"]
         for k in kernels:
             t = r.get(f"attn_{k}")
             row.append("-" if t is None else f"{t['cold_us']:.1f}" + ("" if r[f"check_{k}"]["ok"] else " (FAIL)"))
@@ -257,7 +271,7 @@ def main():
         try:
             results.append(run_config(c, timer, args.rep_ms, flashmla, args.kv_format, kernels))
             r = results[-1]
-            ok = r["check_eager"]["ok"] and r["check_graph"]["ok"] and r["check_attn"]["ok"] and all(
+            ok = all(r[k]["ok"] for k in ("check_eager", "check_graph", "check_attn", "check_sink")) and all(
                 r[f"check_{k}"]["ok"] for k in kernels if f"check_{k}" in r)
             log(f"{c['name']}: op {r['op']['cold_us']:.1f} us cold, layer {r['layer']['cold_us']:.1f} us, "
                 f"attn {r['attn']['cold_us']:.1f} us, "

@@ -19,9 +19,6 @@ struct DecodeParams {
 
   void* out;   // [.., h_q, 512], q's dtype
   float* lse;  // [.., h_q] fp32, natural log
-  // [h_q] fp32 (natural log) or nullptr: final rows of head h are normalised by sum + e^(attn_sink[h] - max)
-  // instead of sum, i.e. scaled by e^lse / (e^lse + e^attn_sink[h]); the lse written is unchanged.
-  const float* attn_sink;
   int64_t out_batch_stride, out_token_stride, out_head_stride;
   int64_t lse_batch_stride, lse_token_stride, lse_head_stride;
 
@@ -64,6 +61,11 @@ struct DecodeParams {
   void* partial_out;   // [slots * num_q_tiles * 64, 512], q's dtype, or fp32 with partials_fp32
   bool partials_fp32;  // dispatch.h: decode_partials_fp32
   float* partial_lse;  // [slots * num_q_tiles * 64]
+
+  // [h_q] fp32 (natural log) or nullptr: final rows of head h are normalised by sum + e^(attn_sink[h] - max)
+  // instead of sum, i.e. scaled by e^lse / (e^lse + e^attn_sink[h]); the lse written is unchanged. Last,
+  // so that the other members keep their offsets in the kernels' parameter bank.
+  const float* attn_sink;
 };
 
 // n / divisor = __umulhi(n, multiplier) >> shift, exact for 0 <= n < 2^31 (divisor >= 2; made by

@@ -569,7 +569,7 @@ __device__ void consume_narrow_tiles(const DecodeParams& p, typename Traits::Sha
       }
       const bool empty = total == 0.f;  // no visible key in this split
       // This warpgroup's share of the normalised output: O_w 2^(m_w - m) k_scale / sum (+ the sink's term).
-      const float denominator = is_partial ? total : denominator_with_sink(p, col % p.num_heads_q, max_all, total);
+      const float denominator = is_partial ? total : denominator_with_sink(p, col, max_all, total);
       own_factor = empty ? 0.f : own_factor * ss.k_scale / denominator;
 #pragma unroll
       for (int m = 0; m < kMTiles; ++m) {

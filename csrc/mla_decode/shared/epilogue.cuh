@@ -13,10 +13,12 @@
 
 namespace mla_decode {
 
-// The denominator of a final row of head h: its sum of 2^(score - row_max) (log2 units: row_max +
-// log2(total) = lse / ln 2), plus the sink's 2^(attn_sink[h] log2(e) - row_max) when the call has one.
-__device__ __forceinline__ float denominator_with_sink(const DecodeParams& p, int h, float row_max, float total) {
-  return p.attn_sink ? total + exp2f(fmaf(p.attn_sink[h], float(M_LOG2E), -row_max)) : total;
+// The denominator of final row `row` of a request (head row % h_q): its sum of 2^(score - row_max)
+// (log2 units: row_max + log2(total) = lse / ln 2), plus the sink's 2^(attn_sink[h] log2(e) - row_max)
+// when the call has one.
+__device__ __forceinline__ float denominator_with_sink(const DecodeParams& p, int row, float row_max, float total) {
+  if (!p.attn_sink) return total;
+  return total + exp2f(fmaf(p.attn_sink[row % p.num_heads_q], float(M_LOG2E), -row_max));
 }
 
 // Where the rows of a finished 64-row output tile go: the final output of the request, or a partial
@@ -46,16 +48,17 @@ struct OutputTile {
   // LSE (natural log; +inf final or -inf partial for a row with no visible key) when write_lse.
   __device__ float finish_row(int r, float row_max, float total, float out_scale, bool write_lse) const {
     const bool empty = total == 0.f;  // no visible key in this split
-    const int row = m_block * kBlockM + r, t = row / p.num_heads_q, h = row % p.num_heads_q;
     if (write_lse && has_row(r)) {
       const float lse = empty ? (is_partial ? -INFINITY : INFINITY) : (row_max + __log2f(total)) * float(M_LN2);
       if (is_partial) {
         p.partial_lse[partial_index(r)] = lse;
       } else {
+        const int row = m_block * kBlockM + r, t = row / p.num_heads_q, h = row % p.num_heads_q;
         p.lse[seg.b * p.lse_batch_stride + (seg.first_token + t) * p.lse_token_stride + h * p.lse_head_stride] = lse;
       }
     }
-    return empty ? 0.f : out_scale / (is_partial ? total : denominator_with_sink(p, h, row_max, total));
+    if (empty) return 0.f;
+    return out_scale / (is_partial ? total : denominator_with_sink(p, m_block * kBlockM + r, row_max, total));
   }
 };
 
