@@ -34,6 +34,8 @@ indices [R, 1, topk], scale) (its sparse prefill kernel); ds_mla_fp8: MOD.flash_
 same rows as float8_e4m3fn [pages, 64, 1, 656], indices=..., is_fp8_kvcache=True) (its sparse decode
 kernel). A build you made yourself: no peer code or binary belongs in this repository.
 
+The run's ceilings (HBM streaming read, bf16 8192^3 matmul) are measured first.
+
 Outputs: <out>/bench_sparse[_ds_mla_fp8].json and .md (the markdown table, printed last).
 usage: python benchmarks/bench_sparse.py [--quick] [--only h128_s1,...] [--out DIR] [--rep-ms 100]
                                          [--kv-format bf16|ds_mla_fp8] [--flashmla-module flash_mla]
@@ -49,7 +51,7 @@ import traceback
 
 import torch
 
-from _timing import GraphTimer, capture, nvml_sample, smi
+from _timing import GraphTimer, capture, measure_ceilings, nvml_sample, smi
 
 D_QK, D_V = 576, 512
 PAGE = 64
@@ -265,6 +267,8 @@ def main():
         except Exception as e:
             log(f"--flashmla-module {args.flashmla_module}: import failed ({e!r}); running without it")
     timer = GraphTimer()
+    ceilings = measure_ceilings()
+    log(f"ceilings: read {ceilings['read_TBps']:.2f} TB/s, bf16 matmul {ceilings['mm8192_bf16_TFLOPs']:.0f} TFLOP/s")
     results = []
     t0 = time.time()
     for c in configs(args.quick, args.only):
@@ -282,13 +286,15 @@ def main():
         torch.cuda.empty_cache()
     md = table(results, flashmla is not None, kernels)
     meta = dict(gpu=torch.cuda.get_device_name(), smi=smi(), torch=torch.__version__, topk=TOPK, page=PAGE,
-                context=CONTEXT, kv_format=args.kv_format, seconds=round(time.time() - t0, 1))
+                context=CONTEXT, kv_format=args.kv_format, ceilings=ceilings, seconds=round(time.time() - t0, 1))
     stem = "bench_sparse" if args.kv_format == "bf16" else f"bench_sparse_{args.kv_format}"
     os.makedirs(args.out, exist_ok=True)
     with open(os.path.join(args.out, f"{stem}.json"), "w") as f:
         json.dump(dict(meta=meta, results=results), f, indent=1)
     with open(os.path.join(args.out, f"{stem}.md"), "w") as f:
-        f.write(f"# mla_sparse_decode, top-k {TOPK}, {args.kv_format} cache, page {PAGE} ({meta['gpu']})\n\n{md}\n")
+        f.write(f"# mla_sparse_decode, top-k {TOPK}, {args.kv_format} cache, page {PAGE} ({meta['gpu']})\n\n"
+                f"Ceilings (this run): HBM read {ceilings['read_TBps']:.2f} TB/s; bf16 matmul 8192^3 "
+                f"{ceilings['mm8192_bf16_TFLOPs']:.0f} TFLOP/s\n\n{md}\n")
     print(md)
 
 
