@@ -161,6 +161,37 @@ def test_flashmla_accuracy_bar_many_splits(dtype, seed):
     assert _flashmla_cos_diff(out, ref) < 5e-6
 
 
+@pytest.mark.parametrize("lens,s_q,h_q", [([3000, 0, 77, 1024], 1, 16), ([5000, 129, 0], 2, 128), ([40000], 1, 128),
+                                          ([700] * 300, 1, 64)])
+def test_decode_op_attn_sink_every_kernel(lens, s_q, h_q):
+    """attn_sink through the decode op on paged caches read by TMA, every kernel that runs the case, split
+    requests (batch 1, long: the combine) and whole ones (batch 300: the split kernels' epilogues): the
+    output is the output without a sink times exp(lse) / (exp(lse) + exp(sink)), lse is unchanged and
+    a request without keys stays 0. Outputs NaN-poisoned before each call."""
+    c = to_device(make_decode_case(lens, s_q, h_q, 64, seed=11))
+    md = mla_attn.get_decode_metadata(c["cache_seqlens"], h_q, s_q=s_q)
+    args = (c["q"], c["q_pe"], c["kv_cache"], c["block_table"], c["cache_seqlens"], None, s_q, c["softmax_scale"],
+            False, md.tile_sched, md.req_splits, md.num_sm_parts)
+    sink = torch.linspace(-4.0, 12.0, h_q, device="cuda")
+    sink[0], sink[-1] = float("inf"), -float("inf")
+    for kernel in decode_kernels_for(torch.bfloat16, s_q * h_q):
+        outs = []
+        for attn_sink in (None, sink):
+            out = torch.full(c["q"].shape[:-1] + (512,), float("nan"), dtype=c["q"].dtype, device="cuda")
+            lse = torch.full(c["q"].shape[:-1], float("nan"), device="cuda")
+            torch.ops.mla_attn.mla_decode_out(*args, out, lse, split_kernel=kernel, attn_sink=attn_sink)
+            outs.append((out, lse))
+        (out, lse), (got, got_lse) = outs
+        assert torch.equal(got_lse, lse), kernel
+        assert not got[..., 0, :].any() and torch.equal(got[..., -1, :], out[..., -1, :]), kernel
+        keys = torch.isfinite(lse)
+        factor = torch.where(keys, 1.0 / (1.0 + torch.exp(sink - lse.masked_fill(~keys, 0.0))), 0.0)
+        want = out.float() * factor[..., None]
+        rel = ((got.float() - want).norm() / want.norm()).item()
+        assert torch.isfinite(got).all() and rel < 5e-3, (kernel, rel)
+        assert not got[~keys].any(), kernel
+
+
 def test_metadata_matches_cpu_schedule():
     g = torch.Generator().manual_seed(0)
     cases = [(torch.randint(0, 20000, (batch,), generator=g, dtype=torch.int32), h_q, s_q)

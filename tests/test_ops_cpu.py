@@ -103,6 +103,27 @@ def test_decode_kernel_option_cpu():
     torch.library.opcheck(OPS.mla_decode.default, args, {"split_kernel": "seesaw"})
 
 
+def test_decode_op_attn_sink():
+    """attn_sink [h_q] of the decode op scales each head's output by exp(lse) / (exp(lse) + exp(sink))
+    and leaves lse as it is: -inf is no sink, +inf zeroes the head, a request without keys stays 0."""
+    c = make_decode_case([20, 0, 33], 2, 4, 16)
+    args = _op_args(c)
+    out, lse = OPS.mla_decode(*args)
+    sink = torch.tensor([0.5, -float("inf"), float("inf"), 3.0])
+    got, got_lse = OPS.mla_decode(*args, attn_sink=sink)
+    assert torch.equal(got_lse, lse)
+    assert torch.equal(got[..., 1, :], out[..., 1, :]) and not got[..., 2, :].any()
+    assert not got[1].any()  # the request without keys
+    for h in (0, 3):
+        keep = torch.isfinite(lse[..., h])
+        factor = 1.0 / (1.0 + torch.exp(sink[h] - lse[..., h][keep]))
+        torch.testing.assert_close(got[..., h, :][keep].float(), out[..., h, :][keep].float() * factor[:, None],
+                                   rtol=1e-2, atol=1e-3)
+    torch.library.opcheck(OPS.mla_decode.default, args, {"attn_sink": sink})
+    with pytest.raises(ValueError, match=r"attn_sink must be \[h_q\] = \[4\]"):
+        OPS.mla_decode(*args, attn_sink=sink[:3])
+
+
 def test_decode_kernel_names_match_the_dispatch_header():
     (header,) = (Path(__file__).resolve().parents[1] / "csrc").glob("**/dispatch.h")
     table = re.search(r"kDecodeKernelNames = \{\{(.*?)\}\};", header.read_text(), re.S).group(1)
