@@ -74,14 +74,14 @@ void mla_decode_cuda_impl(const Tensor& q, const std::optional<Tensor>& q_pe, co
                 "mla_attn: k_scale must be a float32 tensor of shape [1] on q's device");
   }
   TORCH_CHECK(fp8_mma || !q_scale.has_value(), "mla_attn: q_scale is only valid with fp8_mma=True");
+  if (q_scale.has_value()) {
+    TORCH_CHECK(q_scale->scalar_type() == at::kFloat && q_scale->numel() == 1 && q_scale->device() == q.device(),
+                "mla_attn: q_scale must be a float32 tensor of shape [1] on q's device");
+  }
   if (attn_sink.has_value()) {
     TORCH_CHECK(attn_sink->scalar_type() == at::kFloat && attn_sink->dim() == 1 &&
                     attn_sink->size(0) == q.size(-2) && attn_sink->stride(0) == 1 && attn_sink->device() == q.device(),
                 "mla_attn: attn_sink must be a contiguous float32 tensor of shape [h_q] on q's device");
-  }
-  if (q_scale.has_value()) {
-    TORCH_CHECK(q_scale->scalar_type() == at::kFloat && q_scale->numel() == 1 && q_scale->device() == q.device(),
-                "mla_attn: q_scale must be a float32 tensor of shape [1] on q's device");
   }
   const int64_t q_dim = q.size(-1);
   TORCH_CHECK(q_pe.has_value() ? q_dim == kHeadDimV : q_dim == kHeadDimK,
