@@ -72,7 +72,7 @@ constexpr int64_t kNarrow32MinBatch = 2;
 constexpr int64_t kNarrow32DsMinBatch = 128;
 // 16-bit cache. The seesaw kernel overlaps one warpgroup's softmax with the other's MMAs, which pays
 // where the MMAs bound the time: where a request's rows fill two or more q-tiles, which share each
-// KV tile (at one q-tile the 64-row kernel's earlier stage release keeps more loads in flight), and
+// KV tile (at one q-tile it pays only with long contexts, which the host does not see), and
 // from 5 q-tiles of work (with less, its larger code costs more than the overlap gains when the code
 // is not in L2). Its steady loop pays in segments of 32+ blocks but its code costs every call when
 // not in L2; lengths are on the device, so it is taken from 128 q-tiles of work, where such segments
