@@ -232,6 +232,86 @@ def test_torch_compile_fullgraph():
     torch.testing.assert_close(out, eager_out, rtol=1e-2, atol=1e-2)  # the sink's ops may fuse differently
 
 
+# --------------------------------------------------------------- schedules of calls without metadata=
+def _schedule_equal(a, b):
+    return (torch.equal(a.decode.tile_sched, b.decode.tile_sched) and torch.equal(a.decode.req_splits, b.decode.req_splits)
+            and torch.equal(a.lengths, b.lengths))
+
+
+@pytest.fixture
+def schedule_cache(monkeypatch):
+    """mla_attn.sparse's schedule cache, emptied for the test (and bounded to 2 evictable entries)."""
+    from mla_attn import sparse
+    cache = sparse._ScheduleCache()
+    cache.MAX_EVICTABLE = 2
+    monkeypatch.setattr(sparse, "_schedules", cache)
+    return cache
+
+
+def test_calls_without_metadata_reuse_the_schedule(schedule_cache):
+    case = sparse_case((4, 2), 16, 2048, 64, torch.bfloat16, True, "finite", False, False, False)
+    out1, lse1 = run_sparse(case, out=poisoned_out(case))
+    assert len(schedule_cache.entries) == 1
+    entry, = schedule_cache.entries.values()
+    assert not entry.pinned and _schedule_equal(entry.metadata, mla_attn.get_sparse_decode_metadata(case["indices"], 16))
+    out2, lse2 = run_sparse(case, out=poisoned_out(case))
+    assert len(schedule_cache.entries) == 1 and next(iter(schedule_cache.entries.values())) is entry
+    check_sparse(case, out2, lse2)
+    assert torch.equal(out1, out2) and torch.equal(lse1, lse2)
+
+
+def test_schedule_cache_across_streams_and_bounded(schedule_cache):
+    case = sparse_case((4, 2), 16, 2048, 64, torch.bfloat16, True, "finite", False, False, False)
+    run_sparse(case)
+    side = torch.cuda.Stream()
+    side.wait_stream(torch.cuda.current_stream())
+    with torch.cuda.stream(side):  # the entry was made on the default stream: waited for here
+        out, lse = run_sparse(case, out=poisoned_out(case))
+    torch.cuda.current_stream().wait_stream(side)
+    check_sparse(case, out, lse)
+    for h_q in (32, 64, 128):  # three more shapes: only the two newest stay
+        run_sparse(dict(case, q=case["q"][..., :1, :].expand(4, 2, h_q, 576).contiguous(), attn_sink=None))
+    assert [key[2] for key in schedule_cache.entries] == [64, 128]
+
+
+def test_schedule_cache_and_cuda_graphs(schedule_cache):
+    """A capture keeps nothing it made (its memory pool owns it), uses the entries made on its own stream
+    and, from other streams, those a lookup outside it found complete (it can neither wait for nor query
+    work outside it), and pins what it used (its replays read it)."""
+    case = sparse_case((4, 2), 16, 2048, 64, torch.bfloat16, True, "finite", False, False, False)
+
+    def heads(h_q):  # the case with h_q heads (all copies of head 0), no sink
+        return dict(case, q=case["q"][..., :1, :].expand(4, 2, h_q, 576).contiguous(), attn_sink=None)
+
+    other = dict(case, q=case["q"][:3], indices=case["indices"][:3], topk_length=case["topk_length"][:3])
+    schedule_cache.MAX_EVICTABLE = 3
+    wide, tall = heads(64), heads(32)
+    capture_stream = torch.cuda.Stream()
+    capture_stream.wait_stream(torch.cuda.current_stream())
+    with torch.cuda.stream(capture_stream):
+        run_sparse(case)  # made on the capture's stream
+    run_sparse(wide)  # made on another stream, never seen complete
+    run_sparse(tall)
+    torch.cuda.synchronize()
+    run_sparse(tall)  # seen complete
+    torch.cuda.synchronize()
+    calls = (case, other, wide, tall)
+    outs = [poisoned_out(c) for c in calls]
+    graph = torch.cuda.CUDAGraph()
+    with torch.cuda.graph(graph, stream=capture_stream):
+        lses = [run_sparse(c, out=o)[1] for c, o in zip(calls, outs)]
+    assert [(key[2], e.pinned) for key, e in schedule_cache.entries.items()] == [(64, False), (16, True), (32, True)]
+    for h_q in (128, 8, 4):  # the fourth evictable entry evicts the oldest, passing over the pinned ones
+        run_sparse(heads(h_q))
+    assert [key[2] for key in schedule_cache.entries] == [16, 32, 128, 8, 4]
+    for o in outs:
+        o.fill_(float("nan"))
+    graph.replay()
+    torch.cuda.synchronize()
+    for c, o, lse in zip(calls, outs, lses):
+        check_sparse(c, o, lse)
+
+
 @pytest.mark.parametrize("heads,page_size", [(16, 64), (128, 16)])
 def test_layer_sparse_with_every_key_is_dense_attention(heads, page_size):
     """MLAAttention(indices=) naming every causal key: the un-absorbed oracle's result (test_layer's

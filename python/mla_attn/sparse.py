@@ -4,17 +4,19 @@ get_sparse_decode_metadata, built on mla_decode's kv_slots form.
 Each query token has its own list of top-k cache slots (from the caller's indexer), so each token is a
 "request" of one query token for the dense decode kernel:
   1. get_decode_metadata schedules R one-token requests of topk keys each (causal=False): shapes only,
-     so get_sparse_decode_metadata makes it once per step for every layer;
+     so get_sparse_decode_metadata makes it once per step for every layer, and a call without it reuses
+     the schedule of an earlier call of the same shapes (_ScheduleCache);
   2. compact_sparse_indices writes each row's valid indices (position < topk_length, 0 <= index <
      num_slots) in order to the front of a [R, topk] slot list, and their count, on every call; not for
      a ds_mla_fp8 cache, whose kernel takes the index rows as they are and skips invalid slots itself;
   3. mla_decode(kv_slots=True) gathers the listed cache rows (DeepSeek-V3.2's ds_mla_fp8 rows too:
      the kernels dequantise them to fp16), each row's blocks ending at its count;
-  4. an attention sink, if given, rescales out with a few elementwise ops.
+  4. an attention sink, if given, enters the denominators where the kernels normalise (epilogue, combine).
 Every step runs on the device without a host sync, so the whole call is CUDA-graph capturable and
 traceable by torch.compile. Arguments are checked by _validation (static checks always; value checks on
 CPU tensors, or with validate=True / MLA_ATTN_VALIDATE=1).
 """
+import collections
 import math
 from typing import Optional, Union
 
@@ -40,6 +42,65 @@ def _row_lengths(topk_length: Optional[Tensor], indices: Tensor) -> Optional[Ten
 def _sparse_schedule(rows: int, topk: int, num_heads_q: int, device: torch.device) -> SparseDecodeMetadata:
     lengths = torch.full((rows,), topk, dtype=torch.int32, device=device)
     return SparseDecodeMetadata(get_decode_metadata(lengths, num_heads_q, s_q=1, causal=False), rows, topk, lengths)
+
+
+class _ScheduleCache:
+    """The schedules of mla_sparse_decode calls made without metadata=, by (R, topk, h_q, device): they
+    depend on these shapes alone, so a call reuses the schedule an earlier call made instead of running
+    the scheduler again (its fill and scheduler kernels took 7-18 us of GPU time per call).
+
+    - An entry is used on the stream that made it; on another stream outside a CUDA-graph capture after
+      waiting for it there (its tensors then also record that stream, for the allocator); in a capture
+      on another stream only once a lookup outside a capture found it complete (a capture cannot wait
+      for work outside it, nor query an event), else the capture schedules in its graph.
+    - Nothing made during a capture is kept (the graph's memory pool owns it); an entry a capture used
+      is never evicted, since the graph reads its tensors on every replay.
+    - Under torch.compile tracing the schedule is made in the graph, as before.
+    """
+    MAX_EVICTABLE = 64
+
+    class Entry:
+        def __init__(self, metadata: SparseDecodeMetadata, stream: torch.cuda.Stream):
+            self.metadata, self.stream_id = metadata, stream.stream_id
+            self.done = torch.cuda.Event()
+            self.done.record(stream)
+            self.complete = False  # known finished (an event query outside a capture)
+            self.pinned = False  # a CUDA graph reads it
+
+    def __init__(self):
+        self.entries = collections.OrderedDict()
+
+    def get(self, rows: int, topk: int, num_heads_q: int, device: torch.device) -> SparseDecodeMetadata:
+        if device.type != "cuda" or torch.compiler.is_compiling():
+            return _sparse_schedule(rows, topk, num_heads_q, device)
+        index = device.index if device.index is not None else torch.cuda.current_device()
+        key = (rows, topk, num_heads_q, index)
+        stream = torch.cuda.current_stream(index)
+        capturing = torch.cuda.is_current_stream_capturing()
+        entry = self.entries.get(key)
+        if entry is not None:
+            if not capturing and not entry.complete:
+                entry.complete = entry.done.query()
+            if entry.stream_id != stream.stream_id and not entry.complete:
+                if capturing:
+                    return _sparse_schedule(rows, topk, num_heads_q, device)
+                stream.wait_event(entry.done)
+            if entry.stream_id != stream.stream_id and not capturing:  # (pinned below when capturing)
+                for t in (entry.metadata.decode.tile_sched, entry.metadata.decode.req_splits, entry.metadata.lengths):
+                    t.record_stream(stream)
+            entry.pinned = entry.pinned or capturing
+            self.entries.move_to_end(key)
+            return entry.metadata
+        metadata = _sparse_schedule(rows, topk, num_heads_q, device)
+        if not capturing:
+            self.entries[key] = self.Entry(metadata, stream)
+            evictable = [k for k, e in self.entries.items() if not e.pinned]
+            for k in evictable[:max(0, len(evictable) - self.MAX_EVICTABLE)]:
+                del self.entries[k]
+        return metadata
+
+
+_schedules = _ScheduleCache()
 
 
 def get_sparse_decode_metadata(indices: Tensor, num_heads_q: int) -> SparseDecodeMetadata:
@@ -82,8 +143,9 @@ def mla_sparse_decode(q: Tensor, kv_cache: Tensor, indices: Tensor, *, softmax_s
     -inf: no effect); the returned lse is the attention's own.
     Returns out [.., h_q, 512] in q's dtype, plus lse float32 [.., h_q] (natural log) if return_lse.
     A token with no valid index gets out 0 and lse +inf, with or without a sink.
-    metadata: get_sparse_decode_metadata(indices, h_q), made once per step (shapes only); computed on
-    every call when omitted. _kernel (private, for tests and benchmarks): the split kernel to run
+    metadata: get_sparse_decode_metadata(indices, h_q), made once per step (shapes only); when omitted,
+    the schedule an earlier call of the same R, topk and h_q made on this device is reused (made and
+    kept on the first such call outside a CUDA-graph capture). _kernel (private, for tests and benchmarks): the split kernel to run
     (metadata.DECODE_KERNELS); the call is a decode of max_seqlen_q 1, so rows = h_q.
     """
     check.check_softmax_scale(softmax_scale)
@@ -91,7 +153,7 @@ def mla_sparse_decode(q: Tensor, kv_cache: Tensor, indices: Tensor, *, softmax_s
     check.check_decode_options(q, kv_cache, k_scale, False, _kernel, 1)
     h_q, topk = q.shape[-2], indices.shape[-1]
     if metadata is None:
-        metadata = _sparse_schedule(rows, topk, h_q, q.device)
+        metadata = _schedules.get(rows, topk, h_q, q.device)
     else:
         check.check_sparse_metadata(metadata, indices, q)
     if check.want_value_checks(validate, q.device):
