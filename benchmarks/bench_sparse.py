@@ -9,7 +9,8 @@ For every config (h_q, s_q, batch; top-k 2048, bf16 cache [pages, 64, 576]):
      into a NaN-poisoned out, then a CUDA-graph replay into a NaN-poisoned out; "ok" = finite,
      rel-L2 < 2e-2, LSE max-abs < 1e-2;
   3. time as CUDA graphs, replays interleaved (benchmarks/_timing.py, as bench_decode.py):
-       op    = the whole call: split-KV schedule + index compaction + attention,
+       op    = the whole call without metadata=: index compaction + attention, the split-KV schedule
+               reused from an earlier call of the same shapes (mla_attn.sparse._ScheduleCache),
        layer = the call with the schedule made once per step (get_sparse_decode_metadata, shapes only,
                as FlashMLA's metadata): index compaction + attention, what each layer of a step pays,
        layer_sink = the layer with an attention sink per head (attn_sink from 0 to 12 over the heads,
@@ -25,6 +26,10 @@ Formulas (R = b * s_q query tokens, V = the valid indices of all tokens = R * TO
 --kv-format ds_mla_fp8: the same values in DeepSeek-V3.2's 656-byte FP8 rows (quantize_ds_mla_fp8);
 the reference reads the dequantised rows.
 
+--dense (bf16): also time the dense decode kernel (mla_decode) on the same rows: each query token's
+listed keys copied in order to pages of its own, 2048 keys per token, so the same FLOPs and bytes; the
+table gives its time over the attention's (the sparse rate as a fraction of the dense one).
+
 --kernels K1,K2: also time the attention alone with each named split kernel forced (the decode op's
 private split_kernel; metadata.DECODE_KERNELS) where it can run the config: an A/B of kernels in one run.
 
@@ -39,7 +44,7 @@ The run's ceilings (HBM streaming read, bf16 8192^3 matmul) are measured first.
 Outputs: <out>/bench_sparse[_ds_mla_fp8].json and .md (the markdown table, printed last).
 usage: python benchmarks/bench_sparse.py [--quick] [--only h128_s1,...] [--out DIR] [--rep-ms 100]
                                          [--kv-format bf16|ds_mla_fp8] [--flashmla-module flash_mla]
-                                         [--kernels rows64,narrow16]
+                                         [--kernels rows64,narrow16] [--dense]
 """
 import argparse
 import importlib
@@ -148,7 +153,7 @@ def flashmla_peer(flashmla, q, kv, idx, kv_format):
     return sparse_decode
 
 
-def run_config(c, timer, rep_ms, flashmla, kv_format, kernels=()):
+def run_config(c, timer, rep_ms, flashmla, kv_format, kernels=(), dense=False):
     import mla_attn
     p = make_problem(c, seed=c["h_q"] * 100 + c["s_q"] * 10 + c["b"], kv_format=kv_format)
     q, kv, idx = p["q"], p["kv"], p["indices"]
@@ -199,6 +204,22 @@ def run_config(c, timer, rep_ms, flashmla, kv_format, kernels=()):
         graphs.append(g_k)
         names.append(f"attn_{kernel}")
 
+    if dense:  # the dense kernel over the same rows: each token's listed keys copied to pages of its own
+        table = torch.arange(rows * (TOPK // PAGE), device=q.device, dtype=torch.int32).view(rows, TOPK // PAGE)
+        kv_dense = kv.view(-1, D_QK)[idx.reshape(rows, TOPK).long()].view(-1, PAGE, D_QK)
+        lens = torch.full((rows,), TOPK, device=q.device, dtype=torch.int32)
+        md_dense = mla_attn.get_decode_metadata(lens, c["h_q"], s_q=1, causal=False)
+        out_dense = torch.full((rows, 1, c["h_q"], D_V), float("nan"), dtype=q.dtype, device=q.device)
+
+        def dense_decode():
+            return mla_attn.mla_decode(q_rows, kv_dense, table, lens, softmax_scale=SCALE, causal=False,
+                                       metadata=md_dense, out=out_dense, return_lse=True)
+        o_d, l_d = dense_decode()
+        res["check_dense"] = check(p, o_d, l_d)
+        g_dense, _ = capture(dense_decode)
+        graphs.append(g_dense)
+        names.append("dense")
+
     if flashmla is not None:
         try:
             fm = flashmla_peer(flashmla, q, kv, idx, kv_format)
@@ -221,10 +242,12 @@ def run_config(c, timer, rep_ms, flashmla, kv_format, kernels=()):
     return res
 
 
-def table(results, with_fm, kernels=()):
+def table(results, with_fm, kernels=(), with_dense=False):
     head = ["config", "ok", "op cold us", "op warm us", "layer cold us", "layer+sink cold us", "attn cold us",
             "TFLOP/s", "GB/s"]
     head += [f"attn {k} cold us" for k in kernels]
+    if with_dense:
+        head += ["dense cold us", "attn rate / dense"]
     if with_fm:
         head += ["FMLA cold us", "x FMLA op", "x FMLA layer", "x FMLA attn"]
     lines = ["| " + " | ".join(head) + " |", "|" + "---|" * len(head)]
@@ -239,6 +262,10 @@ def table(results, with_fm, kernels=()):
         for k in kernels:
             t = r.get(f"attn_{k}")
             row.append("-" if t is None else f"{t['cold_us']:.1f}" + ("" if r[f"check_{k}"]["ok"] else " (FAIL)"))
+        if with_dense:
+            d = r["dense"]
+            row += [f"{d['cold_us']:.1f}" + ("" if r["check_dense"]["ok"] else " (FAIL)"),
+                    f"{d['cold_us'] / r['attn']['cold_us']:.2f}"]
         if with_fm:
             fm = r.get("flashmla")
             fm_ok = fm and r["flashmla_check"]["ok"]
@@ -257,7 +284,9 @@ def main():
     ap.add_argument("--kv-format", choices=("bf16", "ds_mla_fp8"), default="bf16")
     ap.add_argument("--flashmla-module", default=None, help="import path of a FlashMLA build (flash_mla)")
     ap.add_argument("--kernels", default="", help="split kernels to force in extra attention timings")
+    ap.add_argument("--dense", action="store_true", help="bf16: also time the dense kernel on the same rows")
     args = ap.parse_args()
+    dense = args.dense and args.kv_format == "bf16"
     kernels = tuple(k for k in args.kernels.split(",") if k)
 
     flashmla = None
@@ -273,10 +302,10 @@ def main():
     t0 = time.time()
     for c in configs(args.quick, args.only):
         try:
-            results.append(run_config(c, timer, args.rep_ms, flashmla, args.kv_format, kernels))
+            results.append(run_config(c, timer, args.rep_ms, flashmla, args.kv_format, kernels, dense))
             r = results[-1]
             ok = all(r[k]["ok"] for k in ("check_eager", "check_graph", "check_attn", "check_sink")) and all(
-                r[f"check_{k}"]["ok"] for k in kernels if f"check_{k}" in r)
+                r[f"check_{k}"]["ok"] for k in kernels + ("dense",) if f"check_{k}" in r)
             log(f"{c['name']}: op {r['op']['cold_us']:.1f} us cold, layer {r['layer']['cold_us']:.1f} us, "
                 f"attn {r['attn']['cold_us']:.1f} us, "
                 f"{r['tflops']:.1f} TFLOP/s, {r['gbps']:.0f} GB/s, ok={ok}")
@@ -284,7 +313,7 @@ def main():
             traceback.print_exc()
             results.append(dict(c, error=repr(e)[:300]))
         torch.cuda.empty_cache()
-    md = table(results, flashmla is not None, kernels)
+    md = table(results, flashmla is not None, kernels, dense)
     meta = dict(gpu=torch.cuda.get_device_name(), smi=smi(), torch=torch.__version__, topk=TOPK, page=PAGE,
                 context=CONTEXT, kv_format=args.kv_format, ceilings=ceilings, seconds=round(time.time() - t0, 1))
     stem = "bench_sparse" if args.kv_format == "bf16" else f"bench_sparse_{args.kv_format}"
