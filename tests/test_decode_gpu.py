@@ -192,6 +192,18 @@ def test_decode_op_attn_sink_every_kernel(lens, s_q, h_q):
         assert not got[~keys].any(), kernel
 
 
+def test_mla_decode_attn_sink_is_the_ops():
+    c = to_device(make_decode_case([300, 5, 2000], 2, 16, 64, seed=5))
+    sink = torch.linspace(-2.0, 10.0, 16, device="cuda")
+    md = mla_attn.get_decode_metadata(c["cache_seqlens"], 16, s_q=2)
+    got = mla_attn.mla_decode(c["q"], c["kv_cache"], c["block_table"], c["cache_seqlens"], q_pe=c["q_pe"],
+                              softmax_scale=c["softmax_scale"], metadata=md, attn_sink=sink, return_lse=True)
+    want = torch.ops.mla_attn.mla_decode(c["q"], c["q_pe"], c["kv_cache"], c["block_table"], c["cache_seqlens"], None,
+                                         2, c["softmax_scale"], True, md.tile_sched, md.req_splits, md.num_sm_parts,
+                                         attn_sink=sink)
+    assert torch.equal(got[0], want[0]) and torch.equal(got[1], want[1])
+
+
 def test_metadata_matches_cpu_schedule():
     g = torch.Generator().manual_seed(0)
     cases = [(torch.randint(0, 20000, (batch,), generator=g, dtype=torch.int32), h_q, s_q)

@@ -124,6 +124,21 @@ def test_decode_op_attn_sink():
         OPS.mla_decode(*args, attn_sink=sink[:3])
 
 
+def test_mla_decode_attn_sink():
+    """mla_decode(attn_sink=) is the op's sink (on the CPU op), checked before the call."""
+    c = make_decode_case([20, 0, 33], 2, 4, 16)
+    sink = torch.tensor([0.5, -float("inf"), float("inf"), 3.0])
+    kw = dict(softmax_scale=c["softmax_scale"], q_pe=c["q_pe"], cu_seqlens_q=c["cu_seqlens_q"],
+              max_seqlen_q=c["max_seqlen_q"] if c["cu_seqlens_q"] is not None else None, return_lse=True)
+    got = mla_attn.mla_decode(c["q"], c["kv_cache"], c["block_table"], c["cache_seqlens"], attn_sink=sink, **kw)
+    want = OPS.mla_decode(*_op_args(c), attn_sink=sink)
+    assert torch.equal(got[0], want[0]) and torch.equal(got[1], want[1])
+    with pytest.raises(ValueError, match=r"attn_sink must be \[h_q\] = \[4\]"):
+        mla_attn.mla_decode(c["q"], c["kv_cache"], c["block_table"], c["cache_seqlens"], attn_sink=sink[:3], **kw)
+    with pytest.raises(TypeError, match="attn_sink must be float32"):
+        mla_attn.mla_decode(c["q"], c["kv_cache"], c["block_table"], c["cache_seqlens"], attn_sink=sink.double(), **kw)
+
+
 def test_decode_kernel_names_match_the_dispatch_header():
     (header,) = (Path(__file__).resolve().parents[1] / "csrc").glob("**/dispatch.h")
     table = re.search(r"kDecodeKernelNames = \{\{(.*?)\}\};", header.read_text(), re.S).group(1)

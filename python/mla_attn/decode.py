@@ -38,7 +38,7 @@ def mla_decode(q: Tensor, kv_cache: Tensor, block_table: Tensor, cache_seqlens: 
                q_pe: Optional[Tensor] = None, softmax_scale: Optional[float] = None, causal: bool = True,
                return_lse: bool = False, metadata: Optional[DecodeMetadata] = None, out: Optional[Tensor] = None,
                validate: Optional[bool] = None, deterministic: bool = False, k_scale: Optional[Tensor] = None,
-               fp8_mma: bool = False, q_scale: Optional[Tensor] = None,
+               fp8_mma: bool = False, q_scale: Optional[Tensor] = None, attn_sink: Optional[Tensor] = None,
                _kernel: Optional[str] = None) -> Union[Tensor, tuple[Tensor, Tensor]]:
     """Absorbed MLA decode attention over a paged latent KV cache.
 
@@ -60,6 +60,8 @@ def mla_decode(q: Tensor, kv_cache: Tensor, block_table: Tensor, cache_seqlens: 
     enters them as e4m3(q / q_scale) (saturated at +-448) for every row, and the scores are rescaled by
     q_scale * k_scale, as vLLM's FP8 decode path takes a per-tensor Q scale; without it each row gets its
     own power-of-two scale (more precise).
+    attn_sink (float32 [h_q], optional): a sink logit per head, as mla_sparse_decode's: out is scaled by
+    exp(lse) / (exp(lse) + exp(sink)) (+inf: out 0, -inf: no effect); lse is the attention's own.
     _kernel (private, for tests and benchmarks): run this split kernel (metadata.DECODE_KERNELS)
     instead of the one the dispatch chooses; ValueError if it cannot run the call.
     """
@@ -67,6 +69,7 @@ def mla_decode(q: Tensor, kv_cache: Tensor, block_table: Tensor, cache_seqlens: 
     batch, max_seqlen_q = check.check_decode(q, q_pe, kv_cache, block_table, cache_seqlens, cu_seqlens_q,
                                              max_seqlen_q, out)
     check.check_decode_options(q, kv_cache, k_scale, fp8_mma, _kernel, max_seqlen_q, q_scale)
+    check.check_attn_sink(attn_sink, q.shape[-2], q)
     if metadata is None:
         metadata = get_decode_metadata(cache_seqlens, q.shape[-2], cu_seqlens_q=cu_seqlens_q,
                                        max_seqlen_q=max_seqlen_q, causal=causal, deterministic=deterministic)
@@ -78,7 +81,8 @@ def mla_decode(q: Tensor, kv_cache: Tensor, block_table: Tensor, cache_seqlens: 
 
     args = (q, q_pe, kv_cache, block_table, cache_seqlens, cu_seqlens_q, max_seqlen_q, float(softmax_scale),
             causal, metadata.tile_sched, metadata.req_splits, metadata.num_sm_parts)
-    kw = dict(k_scale=k_scale, q_scale=q_scale, deterministic=deterministic, fp8_mma=fp8_mma, split_kernel=_kernel)
+    kw = dict(k_scale=k_scale, q_scale=q_scale, deterministic=deterministic, fp8_mma=fp8_mma, split_kernel=_kernel,
+              attn_sink=None if attn_sink is None else attn_sink.contiguous())
     if out is None:
         out, lse = torch.ops.mla_attn.mla_decode(*args, **kw)
     else:
