@@ -263,8 +263,9 @@ __global__ void __launch_bounds__(kMetadataThreads, 1)
                                    : reinterpret_cast<long long*>(req_splits);  // [batch]: S_b+1
   __shared__ long long warp_sums[kMetadataWarps];
   __shared__ int warp_ints[kMetadataWarps];
-  __shared__ bool walk_fits[kNumWalks];
+  __shared__ unsigned walks_that_fit;  // bit k: walk k fits
   const int tid = threadIdx.x, lane = tid % 32, warp = tid / 32;
+  if (tid == 0) walks_that_fit = 0;  // before the first barrier; the walks set bits after another
   const auto S = [incl](int b) { return b > 0 ? incl[b - 1] : 0ll; };
 
   // 1. Prefix sums of the request costs, kMetadataThreads requests at a time.
@@ -309,36 +310,32 @@ __global__ void __launch_bounds__(kMetadataThreads, 1)
     if (C >= 0) {
       fits = walk_parts(incl, batch, total, P, C, whole, starts);
     }
-    if (lane == 0) walk_fits[warp] = fits;
+    if (lane == 0 && fits) atomicOr(&walks_that_fit, 1u << warp);
   }
   __syncthreads();
   // The smallest split cost that fits, else the upper end; then the smallest whole-request capacity
-  // that fits within kNoSplitSlack of it (no request is cut), if any.
-  int chosen = kUpperWalk;
-  long long payload = upper;
-  for (int k = 0; k < kSplitWalks; ++k) {
-    if (walk_fits[k]) {
-      chosen = k;
-      payload = search_lo + k;
-      break;
-    }
-  }
-  for (int k = 0; k < kCapacityWalks; ++k) {
-    if (walk_fits[kFirstCapacityWalk + k] && capacity_lo + k <= payload + kNoSplitSlack) {
-      chosen = kFirstCapacityWalk + k;
-      break;
-    }
+  // that fits, if within kNoSplitSlack of it (no request is cut; a larger capacity is further off).
+  const unsigned fit = walks_that_fit;
+  const unsigned split_fit = fit & ((1u << kSplitWalks) - 1);
+  const unsigned capacity_fit = (fit >> kFirstCapacityWalk) & ((1u << kCapacityWalks) - 1);
+  int chosen = split_fit ? __ffs(split_fit) - 1 : kUpperWalk;
+  const long long payload = split_fit ? search_lo + chosen : upper;
+  if (capacity_fit && capacity_lo + (__ffs(capacity_fit) - 1) <= payload + kNoSplitSlack) {
+    chosen = kFirstCapacityWalk + __ffs(capacity_fit) - 1;
   }
   const long long* x = walk_starts + chosen * P;  // ascending; total once the requests run out
 
   // 3. Per part: the request holding its start, and whether the start cuts it (a piece after the
   // first): a prefix over parts of (cut starts) + (cut starts that begin a split request) << 16.
+  // The request's length, which its row needs, is loaded here: its latency passes under the scan.
+  int first_seqlen = 0;  // of part tid, where P <= kMetadataThreads
   for (int chunk = 0; chunk < P; chunk += kMetadataThreads) {
     const int p = chunk + tid;
     int packed = 0;
     if (p < P && x[p] < total) {
       const int b = count_le(incl, batch, x[p]);
       part_request[p] = b;
+      if (chunk == 0) first_seqlen = cache_seqlens[b];
       if (x[p] > S(b)) packed = 1 + (p > 0 && x[p - 1] > S(b) ? 0 : 1 << 16);
     }
     int chunk_total;
@@ -365,7 +362,7 @@ __global__ void __launch_bounds__(kMetadataThreads, 1)
       row.first_block = int(x[p] - first);
       // pieces of b in earlier parts: parts starting after S_b, this one included
       row.first_split = x[p] > first ? p + 1 - count_le(x, P, first) : 0;
-      row.first_seqlen = cache_seqlens[b];  // the split kernel's first addresses need it
+      row.first_seqlen = P <= kMetadataThreads ? first_seqlen : cache_seqlens[b];  // for the split kernel's first addresses
       const long long end = p == P - 1 ? total : x[p + 1];
       const int e = count_le(incl, batch, end);
       if (end > S(e)) {  // e is cut: this part has its first end - S_e blocks
@@ -393,7 +390,7 @@ __global__ void __launch_bounds__(kMetadataThreads, 1)
       num_splits = 1 + (scan_upto & 0xffff) - (scan_before & 0xffff);
       slot = (scan_before & 0xffff) + (scan_before >> 16);
     }
-    __syncthreads();
+    if (!prefix_in_smem) __syncthreads();  // req_splits holds incl: every read of this chunk first
     if (b < batch) {
       req_splits[2 * b] = num_splits;
       req_splits[2 * b + 1] = slot;
