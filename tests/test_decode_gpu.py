@@ -222,8 +222,9 @@ def test_metadata_matches_cpu_schedule():
 
 def test_metadata_matches_cpu_schedule_extremes():
     """The device scheduler against the CPU twin at part counts 1..num_sms, lengths at the 64-key
-    block edges and up to INT32_MAX (costs past 2^31, one long request among short ones), and
-    batches whose prefix sums need more than 48 KiB of shared memory (20000) or live in req_splits
+    block edges and up to INT32_MAX (costs past 2^31, one long request among short ones), total costs
+    on either side of the bound below which the walks run in 32 bits (sched_meta.cu: kMaxNarrowTotal),
+    and batches whose prefix sums need more than 48 KiB of shared memory (12000) or live in req_splits
     (50000)."""
     g = torch.Generator().manual_seed(3)
     num_sms = device_num_sms("cuda")
@@ -235,10 +236,14 @@ def test_metadata_matches_cpu_schedule_extremes():
              (torch.full((2,), 2**31 - 1, dtype=torch.int32), (1, 2, num_sms)),
              (one_long, (1, 7, 64, num_sms)),
              (torch.full((1000,), 4096, dtype=torch.int32), (1, 100, num_sms)),
-             (torch.randint(0, 9000, (20000,), generator=g, dtype=torch.int32), (1, num_sms)),
+             (torch.randint(0, 9000, (12000,), generator=g, dtype=torch.int32), (1, num_sms)),
              (torch.randint(0, 9000, (50000,), generator=g, dtype=torch.int32), (2, num_sms))]
     cases += [(torch.randint(0, 20000, (batch,), generator=g, dtype=torch.int32), range(1, num_sms + 1))
               for batch in (1, 33)]
+    narrow_total = (2**31 - 1) // (1024 + 64)  # requests cost their blocks + 5
+    half = (narrow_total - 10) // 2
+    cases += [(torch.tensor([64 * half, 64 * (narrow_total - 10 - half) + extra], dtype=torch.int32), (1, 2, 66, num_sms))
+              for extra in (0, 1)]
     # Short requests (a split walk meets a request start every few parts) and a mixed batch of 128;
     # uniform batches, where a walk lands on a request start every part, every few requests or
     # hardly ever (sparse decode's one-token rows of 2048 keys among them).

@@ -44,8 +44,14 @@ __device__ __forceinline__ int num_kv_blocks(int seqlen) {  // without overflow 
   return seqlen > 0 ? int((unsigned(seqlen) + kBlockN - 1) / kBlockN) : 0;
 }
 
+// Walk positions in 32 bits where the batch's total cost is below this: a walk forms cuts up to
+// (kMaxSmParts + 32) pieces past a request start, each piece at most the total. Half the instructions
+// of 64-bit positions, and the 14 walks share one SM's issue slots.
+constexpr long long kMaxNarrowTotal = INT_MAX / (kMaxSmParts + 64);
+
 // The number of entries of the ascending a[0, n) that are <= v.
-__device__ __forceinline__ int count_le(const long long* a, int n, long long v) {
+template <typename Pos>
+__device__ __forceinline__ int count_le(const Pos* a, int n, Pos v) {
   int lo = 0, hi = n;
   while (lo < hi) {
     const int mid = (lo + hi) / 2;
@@ -91,21 +97,23 @@ struct WalkNode {
 };
 
 // Split walk: whether e catches a walk at node r (S_r = s_r), and at which part count.
-__device__ __forceinline__ bool catches(long long s_r, long long s_e, long long piece, double inv_piece, int& parts) {
-  const long long d = s_e - s_r, a = d - kFixedSplitCost;
-  long long j = 1;
+template <typename Pos>
+__device__ __forceinline__ bool catches(Pos s_r, Pos s_e, Pos piece, double inv_piece, int& parts) {
+  const Pos d = s_e - s_r, a = d - kFixedSplitCost;
+  Pos j = 1;
   if (a > piece) {  // ceil(a / piece) from the reciprocal, exact after one step either way (a < 2^52)
-    j = (long long)(double(a) * inv_piece);
+    j = Pos(double(a) * inv_piece);
     if (j * piece < a) ++j;
     if ((j - 1) * piece >= a) --j;
   }
-  parts = int(min(j, (long long)kMaxSmParts + 1));
+  parts = int(min(j, Pos(kMaxSmParts + 1)));
   return j * piece <= d - 1;
 }
 
-__device__ __forceinline__ int parts_until_end(long long s_r, long long total, long long piece) {
-  const long long a = total - kFixedSplitCost - s_r;  // the first j with s_r + j piece + F >= total
-  return a <= piece ? 1 : int(min((a + piece - 1) / piece, (long long)kMaxSmParts + 1));
+template <typename Pos>
+__device__ __forceinline__ int parts_until_end(Pos s_r, Pos total, Pos piece) {
+  const Pos a = total - kFixedSplitCost - s_r;  // the first j with s_r + j piece + F >= total
+  return a <= piece ? 1 : int(min((a + piece - 1) / piece, Pos(kMaxSmParts + 1)));
 }
 
 // Node r of a walk of part cost C (piece = C - kFixedSplitCost on a split walk), as one lane sees
@@ -114,12 +122,13 @@ __device__ __forceinline__ int parts_until_end(long long s_r, long long total, l
 constexpr int kNodeScan = 8;
 // A window whose chain stops before this lane did not pay for itself: the walk goes on without.
 constexpr int kMinWindowAdvance = 4;
-__device__ __forceinline__ WalkNode window_node(const long long* incl, int batch, long long total, long long C,
-                                                bool whole, long long piece, double inv_piece, int r) {
-  const long long s_r = r > 0 ? incl[r - 1] : 0;
+template <typename Pos>
+__device__ __forceinline__ WalkNode window_node(const Pos* incl, int batch, Pos total, Pos C, bool whole, Pos piece,
+                                                double inv_piece, int r) {
+  const Pos s_r = r > 0 ? incl[r - 1] : 0;
   const int scan_end = min(batch, r + 1 + kNodeScan);
   if (whole) {  // the request holding S_r + C: in a dense window one of the next few, else searched
-    const long long v = s_r + C;
+    const Pos v = s_r + C;
     if (v >= total) return {batch, 1};
     for (int e = r + 1; e < scan_end; ++e) {
       if (incl[e - 1] > v) return {max(e - 1, r + 1), 1};
@@ -139,12 +148,13 @@ __device__ __forceinline__ WalkNode window_node(const long long* incl, int batch
 // else lane l takes the part count j = j0 + l + 1 (cut S_r + j piece) and checks whether that part
 // stops the run: it reaches total, or the first request start above its cut lies within
 // kFixedSplitCost (the catch).
-__device__ __forceinline__ WalkNode warp_node(const long long* incl, int batch, long long total, long long C,
-                                              bool whole, long long piece, double inv_piece, int r) {
+template <typename Pos>
+__device__ __forceinline__ WalkNode warp_node(const Pos* incl, int batch, Pos total, Pos C, bool whole, Pos piece,
+                                              double inv_piece, int r) {
   const int lane = threadIdx.x % 32;
-  const long long s_r = r > 0 ? incl[r - 1] : 0;
+  const Pos s_r = r > 0 ? incl[r - 1] : 0;
   if (whole) {
-    const long long v = s_r + C;
+    const Pos v = s_r + C;
     if (v >= total) return {batch, 1};
     const int e = r + 1 + lane;  // S_e > v first: request e - 1 holds v (S_batch = total > v)
     const unsigned hits = __ballot_sync(kFullMask, e <= batch && incl[e - 1] > v);
@@ -162,7 +172,7 @@ __device__ __forceinline__ WalkNode warp_node(const long long* incl, int batch, 
   }
   for (int j0 = 0; j0 <= kMaxSmParts; j0 += 32) {
     const int j = j0 + lane + 1;
-    const long long cut = s_r + j * piece, y = cut + kFixedSplitCost;
+    const Pos cut = s_r + j * piece, y = cut + kFixedSplitCost;
     const int above = count_le(incl, batch, cut) + 1;  // the first request start above the cut
     const bool ends = y >= total;
     const unsigned stops = __ballot_sync(kFullMask, ends || (above < batch && incl[above - 1] <= y));
@@ -181,16 +191,17 @@ __device__ __forceinline__ WalkNode warp_node(const long long* incl, int batch, 
 // computes its node, pointer doubling over the window gives every lane the last chain node at or
 // before it and the parts before that, and the chain leaves the window at its last node there
 // (resolved by the warp next if the lane could not). Windows stop once one moves the chain by few nodes.
-__device__ __forceinline__ bool walk_parts(const long long* incl, int batch, long long total, int num_sm_parts,
-                                           long long C, bool whole, long long* starts) {
+template <typename Pos>
+__device__ __forceinline__ bool walk_parts(const Pos* incl, int batch, Pos total, int num_sm_parts, Pos C, bool whole,
+                                           long long* starts) {
   const int lane = threadIdx.x % 32;
-  const long long piece = whole ? 0 : C - kFixedSplitCost;
+  const Pos piece = whole ? 0 : C - kFixedSplitCost;
   const double inv_piece = whole ? 0.0 : 1.0 / double(piece);
   int node = 0, placed = 0;  // the chain's current node and the parts before it
   bool windows = true;  // off once a window moved the chain by few nodes (catches too far apart)
   while (node < batch && placed < num_sm_parts) {
     const WalkNode head = warp_node(incl, batch, total, C, whole, piece, inv_piece, node);
-    const long long s_head = node > 0 ? incl[node - 1] : 0;
+    const Pos s_head = node > 0 ? incl[node - 1] : 0;
     for (int j = lane; j < min(head.parts, num_sm_parts - placed); j += 32) starts[placed + j] = s_head + j * piece;
     placed += head.parts;
     const bool dense = head.next - node <= kNodeScan;
@@ -224,7 +235,7 @@ __device__ __forceinline__ bool walk_parts(const long long* incl, int batch, lon
     const int last = 31 - __clz(__ballot_sync(kFullMask, on_chain && jump[0] == lane));
     const bool last_known = __shfl_sync(kFullMask, w.next, last) >= 0;
     // Each known chain node writes its parts' starts (a long run: the warp).
-    const long long s_r = r > 0 && r <= batch ? incl[r - 1] : 0;
+    const Pos s_r = r > 0 && r <= batch ? incl[r - 1] : 0;
     const int first_part = placed + before;
     const int own = on_chain && (lane < last || last_known) ? max(0, min(w.parts, num_sm_parts - first_part)) : 0;
     if (own <= 4) {
@@ -233,7 +244,7 @@ __device__ __forceinline__ bool walk_parts(const long long* incl, int batch, lon
     for (unsigned long_runs = __ballot_sync(kFullMask, own > 4); long_runs; long_runs &= long_runs - 1) {
       const int l = __ffs(long_runs) - 1;
       const int p0 = __shfl_sync(kFullMask, first_part, l), n = __shfl_sync(kFullMask, own, l);
-      const long long s = __shfl_sync(kFullMask, s_r, l);
+      const Pos s = __shfl_sync(kFullMask, s_r, l);
       for (int j = lane; j < n; j += 32) starts[p0 + j] = s + j * piece;
     }
     placed = __shfl_sync(kFullMask, first_part + (last_known ? w.parts : 0), last);
@@ -261,6 +272,7 @@ __global__ void __launch_bounds__(kMetadataThreads, 1)
   int* split_requests = part_scan + P;                            // [P]
   long long* incl = prefix_in_smem ? smem + kNumWalks * P + (3 * P + 1) / 2
                                    : reinterpret_cast<long long*>(req_splits);  // [batch]: S_b+1
+  int* incl32 = reinterpret_cast<int*>(incl + batch);  // [batch]: incl in 32 bits (prefix_in_smem only)
   __shared__ long long warp_sums[kMetadataWarps];
   __shared__ int warp_ints[kMetadataWarps];
   __shared__ unsigned walks_that_fit;  // bit k: walk k fits
@@ -277,7 +289,10 @@ __global__ void __launch_bounds__(kMetadataThreads, 1)
     max_cost = max(max_cost, cost);
     long long chunk_total;
     const long long sum = block_inclusive_scan<long long>(cost, warp_sums, &chunk_total);
-    if (b < batch) incl[b] = total + sum;
+    if (b < batch) {
+      incl[b] = total + sum;
+      if (prefix_in_smem) incl32[b] = int(total + sum);  // used only if the total is below kMaxNarrowTotal
+    }
     total += chunk_total;
   }
 #pragma unroll
@@ -308,7 +323,9 @@ __global__ void __launch_bounds__(kMetadataThreads, 1)
     long long* starts = walk_starts + warp * P;
     bool fits = false;
     if (C >= 0) {
-      fits = walk_parts(incl, batch, total, P, C, whole, starts);
+      fits = prefix_in_smem && total <= kMaxNarrowTotal
+                 ? walk_parts<int>(incl32, batch, int(total), P, int(C), whole, starts)
+                 : walk_parts<long long>(incl, batch, total, P, C, whole, starts);
     }
     if (lane == 0 && fits) atomicOr(&walks_that_fit, 1u << warp);
   }
@@ -402,8 +419,10 @@ cudaError_t run_decode_metadata(const int* cache_seqlens, int batch, int num_sm_
                                 bool deterministic, ScheduleRow* tile_sched, int* req_splits,
                                 cudaStream_t stream) {
   int smem = (kNumWalks * num_sm_parts + (3 * num_sm_parts + 1) / 2) * int(sizeof(long long));
-  const bool prefix_in_smem = smem + batch * int(sizeof(long long)) <= kMetadataSmemLimit;
-  if (prefix_in_smem) smem += batch * int(sizeof(long long));
+  // The prefix sums in 64 and in 32 bits.
+  const int prefix_bytes = batch * int(sizeof(long long) + sizeof(int));
+  const bool prefix_in_smem = smem + prefix_bytes <= kMetadataSmemLimit;
+  if (prefix_in_smem) smem += prefix_bytes;
   // Every call, as the split kernels do: the kernel's static shared memory counts against the default
   // 48 KB too, so a threshold on the dynamic bytes alone let a launch just under it fail.
   const cudaError_t attr =
