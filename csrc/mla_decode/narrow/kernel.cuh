@@ -31,11 +31,13 @@
 //     adjacent dim pairs. Keys stay in order, so P^T needs no permutation.
 //   C: row 16w + g (+8), column 8n + 2c (+1): a thread holds 2 keys x kRows / 4 query rows.
 // ds_mla_fp8 (row-staged, narrow/traits.h): the same fragments from the staging rows (16 bytes of a
-//   slab's 64-byte piece of the row; ldmatrix.trans rows = the keys' rows), each converted pair times
-//   its row's power-of-two scale in fp16 (HMUL2; exact for the scales 2^-13 to 2^7, as the 64-row
-//   kernel's converter); the rope slab is bf16: a thread loads its 16 dims (32 bytes) and converts
-//   them to fp16. V^T pairs hold two keys, so their scales come as f16x2 pairs from a table that the
-//   warpgroup builds per tile (v_scales). Rows not copied are zeroed and their keys masked.
+//   slab's 64-byte piece of the row; ldmatrix.trans rows = the keys' rows), converted pairs scaled by
+//   their row's power-of-two scale in fp16 (HMUL2; exact for the scales 2^-13 to 2^7, as the 64-row
+//   kernel's converter). At 16 rows K's pairs are not scaled: each 128-column group accumulates S^T in
+//   an fp32 accumulator of its own, which the keys' scales multiply after the chain. The rope slab is
+//   bf16: a thread loads its 16 dims (32 bytes) and converts them to fp16. V^T pairs hold two keys, so
+//   their scales come as f16x2 pairs from a table that the warpgroup builds per tile (v_scales). Rows
+//   not copied are zeroed and their keys masked.
 #pragma once
 #include <cute/tensor.hpp>
 #include <cutlass/arch/barrier.h>
@@ -87,6 +89,12 @@ __device__ void consume_narrow_tiles(const DecodeParams& p, typename Traits::Sha
   Tensor sQ = make_tensor(make_smem_ptr(ss.q), typename Traits::SmemLayoutQ{});
   Tensor sPt = make_tensor(make_smem_ptr(ss.pt[warpgroup]), typename Traits::SmemLayoutPt{});
   Tensor tSrS = partition_fragment_C(mma_qk, Shape<Int<kBlockN>, Int<kRows>>{});    // (MMA, 1, 1)
+  // ds_mla_fp8 at 16 rows: S^T of each 128-column group (two slabs) in its own accumulator, scaled by
+  // the keys' group scales in fp32 after the chain (tSrS then takes the rope slab), so no K pair is
+  // scaled. At 32 rows the four accumulators spilled (and ptxas serialised the WGMMAs): K pairs are
+  // scaled in fp16 there, as V^T pairs.
+  constexpr bool kGroupAccumulators = kDs && kRows == 16;
+  decltype(tSrS) tSrS_group[kGroupAccumulators ? mla_common::kDsNumTiles : 1];
   Tensor tOrO = partition_fragment_C(mma_pv, Shape<Int<kHeadDimV>, Int<kRows>>{});  // (MMA, 8, 1)
   // fp8: A operands, two slabs (QK) or two m-tiles (PV) deep: the next is converted while the WGMMAs
   // of the previous run. Register j of k-step t is element pair (2j, 2j + 1) of A(_, 0, t).
@@ -260,6 +268,7 @@ __device__ void consume_narrow_tiles(const DecodeParams& p, typename Traits::Sha
                                                *reinterpret_cast<const float*>(scale0 + 4 * kRowStride));
         mla_common::st_shared_4(v_scale_table + 4 * (group * 32 + j), *reinterpret_cast<const uint32_t*>(&pair));
       };
+      float4 k_group_scale[2];  // group accumulators
       if constexpr (kRegisterA) {
         // -- S^T = K Q^T: per slab, 16 bytes of rows 16w + g and 16w + g + 8 -> 4 k-steps of A. The raw
         // bytes are loaded kAheadK slabs before their conversion, so LDS latency is off the chain.
@@ -343,9 +352,9 @@ __device__ void consume_narrow_tiles(const DecodeParams& p, typename Traits::Sha
               uint32_t* a = a_regs + 4 * (buf + t);
               e4m3x4_to_f16x2(row0[t], a[0], a[2]);
               e4m3x4_to_f16x2(row8[t], a[1], a[3]);
-              // ds_mla_fp8: the scales of this thread's rows 16 warp + g and + 8 for this slab's group,
-              // loaded per slab: held across the QK chain, they spilled at 32 rows.
-              if constexpr (kDs) {
+              // ds_mla_fp8 at 32 rows: the scales of this thread's rows 16 warp + g and + 8 for this
+              // slab's group, loaded per slab: held across the QK chain, they spilled.
+              if constexpr (kDs && !kGroupAccumulators) {
                 const uint32_t scale_addr = k_row_addr() + mla_common::kDsScaleOffset + 4 * (slab / 2);
                 const __half2 scale = __floats2half2_rn(mla_common::ld_shared_f32(scale_addr),
                                                         mla_common::ld_shared_f32(scale_addr + 8 * kRowStride));
@@ -355,13 +364,27 @@ __device__ void consume_narrow_tiles(const DecodeParams& p, typename Traits::Sha
             }
           }
           Tensor tSrQ = thr.partition_fragment_B(make_tensor(make_smem_ptr(ss.q), typename Traits::SmemLayoutQ{}));
+          // Group accumulators: a group's chain starts at its first slab; the rope slab's in tSrS.
+          const bool group_slab = kGroupAccumulators && slab < kSlabs - 1;
+          if (group_slab && slab % 2 == 0) mma_qk.accumulate_ = GMMA::ScaleOut::Zero;
+          auto& acc = group_slab ? tSrS_group[kGroupAccumulators ? slab / 2 : 0] : tSrS;
           warpgroup_arrive();
 #pragma unroll
           for (int t = 0; t < kSteps; ++t) {
-            cute::gemm(mma_qk, tA(_, 0, buf + t), tSrQ(_, 0, slab * kSteps + t), tSrS(_, 0, 0));
+            cute::gemm(mma_qk, tA(_, 0, buf + t), tSrQ(_, 0, slab * kSteps + t), acc(_, 0, 0));
             mma_qk.accumulate_ = GMMA::ScaleOut::One;
           }
           warpgroup_commit_batch();
+          if (kGroupAccumulators && slab == kSlabs - 2) mma_qk.accumulate_ = GMMA::ScaleOut::Zero;  // the rope's chain
+        }
+        // Group accumulators: the group scales of this thread's key rows 16 warp + g and + 8.
+        if constexpr (kGroupAccumulators) {
+#pragma unroll
+          for (int half = 0; half < 2; ++half) {
+            const uint4 bits = mla_common::ld_shared_16(k_row_addr() + half * 8 * kRowStride + mla_common::kDsScaleOffset);
+            k_group_scale[half] = make_float4(__uint_as_float(bits.x), __uint_as_float(bits.y),
+                                              __uint_as_float(bits.z), __uint_as_float(bits.w));
+          }
         }
         // The first V^T fragments do not depend on P: load them under the softmax.
 #pragma unroll
@@ -387,6 +410,16 @@ __device__ void consume_narrow_tiles(const DecodeParams& p, typename Traits::Sha
       warpgroup_wait<0>();  // S, and this warpgroup's previous PV (P^T and O are free)
       warpgroup_fence_operand(tSrS);
       warpgroup_fence_operand(tOrO);  // the rescale below must not move above the wait
+      if constexpr (kGroupAccumulators) {  // S = rope + sum over the groups of scale x group (powers of two: exact)
+#pragma unroll
+        for (int group = 0; group < mla_common::kDsNumTiles; ++group) warpgroup_fence_operand(tSrS_group[group]);
+#pragma unroll
+        for (int e = 0; e < size(tSrS); ++e) {
+          const float4 scale = k_group_scale[(e >> 1) & 1];
+          tSrS(e) = fmaf(scale.x, tSrS_group[0](e), fmaf(scale.y, tSrS_group[1](e),
+                         fmaf(scale.z, tSrS_group[2](e), fmaf(scale.w, tSrS_group[3](e), tSrS(e)))));
+        }
+      }
 
       // -- Online softmax over the 64 keys of the tile, per query row (column).
       const int key_row = blk * kBlockN + 16 * warp + g;
