@@ -229,7 +229,7 @@ def test_torch_compile_fullgraph():
     check_sparse(case, out, lse)
     eager_out, eager_lse = f(*args)
     assert torch.equal(lse, eager_lse)
-    torch.testing.assert_close(out, eager_out, rtol=1e-2, atol=1e-2)  # the sink's ops may fuse differently
+    assert torch.equal(out, eager_out)  # the same kernels on the same schedule, the sink inside them
 
 
 # --------------------------------------------------------------- schedules of calls without metadata=
