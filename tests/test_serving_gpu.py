@@ -73,6 +73,106 @@ def test_compile_fullgraph_decode_op_step():
     assert torch.equal(got[0], want[0]) and torch.equal(got[1], want[1])
 
 
+# (cache format, h_q, kernel): every decode kernel and cache format
+WRITE_THEN_DECODE_CASES = [
+    ("bf16", 16, "narrow16"), ("bf16", 64, "rows64"), ("bf16", 128, "seesaw"), ("bf16", 128, "seesaw_steady"),
+    ("fp8", 16, "narrow16"), ("fp8", 16, "narrow16_3wg"), ("fp8", 32, "narrow32"), ("fp8", 128, "rows64"),
+    ("fp8", 128, "fp8mma"), ("ds", 16, "narrow16"), ("ds", 32, "narrow32"), ("ds", 128, "rows64")]
+
+
+@pytest.mark.parametrize("fmt,heads,kernel", WRITE_THEN_DECODE_CASES)
+def test_decode_reads_the_row_written_just_before(fmt, heads, kernel):
+    """A decode issued right behind the cache write sees the row it wrote, on every kernel and cache
+    format (an early start of the decode, e.g. by programmatic dependent launch, must wait for the
+    write). Each step poisons the last key row of every request, rewrites it with write_kv_cache and
+    decodes (eagerly, then in a CUDA graph): the output must be finite and equal to a decode of the same
+    cache run after a synchronize."""
+    torch.manual_seed(0)
+    batch, page, length = 4, 64, 200
+    per = -(-length // page)
+    slots = batch * per * page
+    k_scale = torch.tensor([0.02], device="cuda") if fmt == "fp8" else None
+    if fmt == "ds":
+        cache = torch.zeros(batch * per, page, 656, dtype=torch.uint8, device="cuda")
+    else:
+        dtype = torch.float8_e4m3fn if fmt == "fp8" else torch.bfloat16
+        cache = torch.zeros(batch * per, page, 1, 576, dtype=dtype, device="cuda")
+    mla_attn.write_kv_cache(torch.randn(slots, 512, device="cuda", dtype=torch.bfloat16),
+                            torch.randn(slots, 64, device="cuda", dtype=torch.bfloat16), cache,
+                            torch.arange(slots, device="cuda"), k_scale=k_scale)
+    table = torch.randperm(batch * per, device="cuda", dtype=torch.int32).view(batch, per)
+    lens = torch.full((batch,), length, dtype=torch.int32, device="cuda")
+    last = table[:, (length - 1) // page].long() * page + (length - 1) % page
+    rows = cache.view(slots, -1)
+    poison_rows = rows if fmt == "bf16" else rows.view(torch.uint8)  # 0xff: NaN in e4m3, fp32 and bf16
+    poison = float("nan") if fmt == "bf16" else 255
+    q = torch.randn(batch, 1, heads, 576, device="cuda", dtype=torch.bfloat16)
+    kv_c = torch.empty(batch, 512, device="cuda", dtype=torch.bfloat16)
+    k_pe = torch.empty(batch, 64, device="cuda", dtype=torch.bfloat16)
+    md = mla_attn.get_decode_metadata(lens, heads, s_q=1)
+    kw = dict(softmax_scale=0.07, metadata=md, k_scale=k_scale, fp8_mma=kernel == "fp8mma", _kernel=kernel)
+
+    def step():
+        poison_rows.index_fill_(0, last, poison)
+        mla_attn.write_kv_cache(kv_c, k_pe, cache, last, k_scale=k_scale)
+        return mla_attn.mla_decode(q, cache, table, lens, **kw)
+
+    def check(out):
+        torch.cuda.synchronize()
+        assert torch.isfinite(out).all(), "the decode read the poisoned row"
+        assert torch.equal(out, mla_attn.mla_decode(q, cache, table, lens, **kw))
+
+    for _ in range(10):
+        kv_c.normal_(), k_pe.normal_()
+        check(step())
+    graph, out = capture_graph(step)
+    for _ in range(10):
+        kv_c.normal_(), k_pe.normal_()
+        out.fill_(float("nan"))
+        graph.replay()
+        check(out)
+
+
+def test_back_to_back_decodes_reusing_freed_outputs():
+    """Decodes issued back to back with nothing in between, the output of every other call freed at once
+    so that later calls reuse its memory (most requests are not split, so most combine CTAs return
+    before their griddepcontrol.wait): the kept outputs equal the same decodes run one at a time."""
+    torch.manual_seed(1)
+    batch, page, length, heads = 128, 64, 1024, 16
+    per = length // page
+    kv = torch.randn(batch * per, page, 1, 576, device="cuda", dtype=torch.bfloat16)
+    table = torch.randperm(batch * per, device="cuda", dtype=torch.int32).view(batch, per)
+    lens = torch.full((batch,), length, dtype=torch.int32, device="cuda")
+    md = mla_attn.get_decode_metadata(lens, heads, s_q=1)
+    qs = [torch.randn(batch, 1, heads, 576, device="cuda", dtype=torch.bfloat16) for _ in range(16)]
+    decode = lambda q: mla_attn.mla_decode(q, kv, table, lens, softmax_scale=0.07, metadata=md)
+    want = []
+    for q in qs[::2]:
+        want.append(decode(q))
+        torch.cuda.synchronize()
+    kept = []
+    for i, q in enumerate(qs):
+        out = decode(q)
+        if i % 2 == 0:
+            kept.append(out)
+        del out
+    torch.cuda.synchronize()
+    for got, ref in zip(kept, want):
+        assert torch.equal(got, ref)
+
+
+def capture_graph(fn):
+    side = torch.cuda.Stream()
+    side.wait_stream(torch.cuda.current_stream())
+    with torch.cuda.stream(side):  # warm-up outside the capture
+        fn()
+    torch.cuda.current_stream().wait_stream(side)
+    graph = torch.cuda.CUDAGraph()
+    with torch.cuda.graph(graph):
+        out = fn()
+    return graph, out
+
+
 @pytest.mark.parametrize("kind", ["mixed", "decode"])
 def test_compile_fullgraph_forward_gpu(kind):
     layer, cache = _warm()
