@@ -119,20 +119,30 @@ def decode_reference(case, causal, dtype=torch.float32):
     return memo[causal, dtype]
 
 
+def capture_graph(fn):
+    """A CUDA graph of fn(), captured after a warm-up call on a side stream (allocator, lazy inits).
+    Returns (graph, what the captured call returned)."""
+    side = torch.cuda.Stream()
+    side.wait_stream(torch.cuda.current_stream())
+    with torch.cuda.stream(side):
+        fn()
+    torch.cuda.current_stream().wait_stream(side)
+    graph = torch.cuda.CUDAGraph()
+    with torch.cuda.graph(graph):
+        outputs = fn()
+    return graph, outputs
+
+
 def capture_decode_step(case, out):
     """A CUDA graph of one causal decode step of a uniform case (get_decode_metadata on its
-    cache_seqlens, then mla_decode into out), captured after a warm-up call: replays read the case's
-    tensors as they are then. Returns (graph, lse)."""
+    cache_seqlens, then mla_decode into out): replays read the case's tensors as they are then.
+    Returns (graph, lse)."""
     def step():
         md = mla_attn.get_decode_metadata(case["cache_seqlens"], case["q"].shape[-2], s_q=case["q"].shape[1],
                                           causal=True)
         return run_decode(case, True, metadata=md, out=out)
 
-    step()
-    torch.cuda.synchronize()
-    graph = torch.cuda.CUDAGraph()
-    with torch.cuda.graph(graph):
-        _, lse = step()
+    graph, (_, lse) = capture_graph(step)
     return graph, lse
 
 

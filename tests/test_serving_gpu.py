@@ -1,9 +1,11 @@
 """Serving-engine integration on the GPU: a decode step captured in a CUDA graph at a maximum batch and
 replayed with new lengths and block tables (bit-identical to eager), torch.compile(fullgraph=True)
-over the decode step and over MLAAttention.forward, and opcheck of every op on a forward's arguments."""
+over the decode step and over MLAAttention.forward, opcheck of every op on a forward's arguments, and
+stream order: a decode right behind the cache write, back-to-back decodes reusing freed memory."""
 import pytest
 import torch
 from cases import make_decode_case
+from conftest import capture_graph
 from serving_utils import RecordOps, hidden_states, make_batch, opcheck_all, warm_layer
 from test_serving import ALL_OPS, LAYER_OPS
 
@@ -159,18 +161,6 @@ def test_back_to_back_decodes_reusing_freed_outputs():
     torch.cuda.synchronize()
     for got, ref in zip(kept, want):
         assert torch.equal(got, ref)
-
-
-def capture_graph(fn):
-    side = torch.cuda.Stream()
-    side.wait_stream(torch.cuda.current_stream())
-    with torch.cuda.stream(side):  # warm-up outside the capture
-        fn()
-    torch.cuda.current_stream().wait_stream(side)
-    graph = torch.cuda.CUDAGraph()
-    with torch.cuda.graph(graph):
-        out = fn()
-    return graph, out
 
 
 @pytest.mark.parametrize("kind", ["mixed", "decode"])
