@@ -46,8 +46,8 @@ def mla_decode(q: Tensor, kv_cache: Tensor, block_table: Tensor, cache_seqlens: 
     max_seqlen_q. kv_cache [num_pages, page_size(, 1), 576] in q's dtype, or float8_e4m3fn with k_scale
     (float32 tensor [1]: value = stored * k_scale, as mla_attn.write_kv_cache stores it), or uint8
     [num_pages, page_size(, 1), 656] in DeepSeek-V3.2's ds_mla_fp8 layout (no k_scale; the kernels copy
-    its rows one by one and dequantise them to fp16, mla_sparse_decode's path); block_table int32 [B, max_pages]; cache_seqlens int32 [B]. Causal masking is bottom-right
-    aligned.
+    its rows one by one and dequantise them to fp16, mla_sparse_decode's path); block_table int32
+    [B, max_pages]; cache_seqlens int32 [B]. Causal masking is bottom-right aligned.
     Returns out [.., h_q, 512] in q's dtype, plus lse fp32 [.., h_q] if return_lse.
     deterministic=True: batch-invariant results (see get_decode_metadata); metadata, when given, must
     have been computed with the same flag.

@@ -145,8 +145,9 @@ def mla_sparse_decode(q: Tensor, kv_cache: Tensor, indices: Tensor, *, softmax_s
     A token with no valid index gets out 0 and lse +inf, with or without a sink.
     metadata: get_sparse_decode_metadata(indices, h_q), made once per step (shapes only); when omitted,
     the schedule an earlier call of the same R, topk and h_q made on this device is reused (made and
-    kept on the first such call outside a CUDA-graph capture). _kernel (private, for tests and benchmarks): the split kernel to run
-    (metadata.DECODE_KERNELS); the call is a decode of max_seqlen_q 1, so rows = h_q.
+    kept on the first such call outside a CUDA-graph capture). _kernel (private, for tests and
+    benchmarks): the split kernel to run (metadata.DECODE_KERNELS); the call is a decode of max_seqlen_q
+    1, so rows = h_q.
     """
     check.check_softmax_scale(softmax_scale)
     rows = check.check_sparse_decode(q, q_pe, kv_cache, indices, topk_length, attn_sink, out)
