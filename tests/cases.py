@@ -10,6 +10,23 @@ D_QK, D_V = 576, 512
 HUGE_ID = 2**31 - 1
 
 
+def write_layout(lens, page_size, seed):
+    """Where a write puts the tokens of requests of `lens` tokens: a block table over shuffled pages
+    (HUGE_ID in each row's unused tail and in one spare column), every token's cache slot in request
+    order, cu_seqlens over the tokens, and the number of pages (two more than used)."""
+    g = torch.Generator().manual_seed(seed)
+    used = [math.ceil(n / page_size) for n in lens]
+    num_pages = sum(used) + 2
+    perm = torch.randperm(num_pages, generator=g).tolist()
+    block_table = torch.full((len(lens), max(used) + 1), HUGE_ID, dtype=torch.int32)
+    slots = []
+    for b, n in enumerate(lens):
+        block_table[b, : used[b]] = torch.tensor([perm.pop() for _ in range(used[b])], dtype=torch.int32)
+        slots += [int(block_table[b, i // page_size]) * page_size + i % page_size for i in range(n)]
+    cu = torch.tensor([0] + torch.tensor(lens).cumsum(0).tolist(), dtype=torch.int32)
+    return block_table, slots, cu, num_pages
+
+
 def make_decode_case(lens, s_q, h_q, page_size, *, varlen=False, split_pe=False, kv_4d=False,
                      dtype=torch.bfloat16, seed=0):
     """lens: keys per request. s_q: tokens per request (uniform) or, with varlen, the max; varlen

@@ -5,7 +5,7 @@ import math
 
 import pytest
 import torch
-from cases import HUGE_ID
+from cases import HUGE_ID, write_layout
 
 import mla_attn
 from mla_attn.kv_cache import FP8
@@ -162,17 +162,8 @@ def test_gather_truncated_and_empty_batch():
 def test_roundtrip(cache_dtype, device):
     """Write T tokens of a few requests through a permuted block table, gather them back."""
     ps, lens = 16, [5, 40, 0, 17]
-    g = torch.Generator().manual_seed(3)
-    used = [math.ceil(n / ps) for n in lens]
-    num_pages = sum(used) + 2
-    perm = torch.randperm(num_pages, generator=g).tolist()
-    bt = torch.full((len(lens), max(used) + 1), HUGE_ID, dtype=torch.int32)
-    slots = []
-    for b, n in enumerate(lens):
-        bt[b, : used[b]] = torch.tensor([perm.pop() for _ in range(used[b])], dtype=torch.int32)
-        slots += [int(bt[b, i // ps]) * ps + i % ps for i in range(n)]
+    bt, slots, cu, num_pages = write_layout(lens, ps, seed=3)
     T = len(slots)
-    cu = torch.tensor([0] + torch.tensor(lens).cumsum(0).tolist(), dtype=torch.int32)
     kv_c, k_pe = make_tokens(T, torch.bfloat16, device=device, seed=4)
     cache = make_cache(num_pages, ps, cache_dtype, device=device)
     k_scale = _scale(cache_dtype, device)

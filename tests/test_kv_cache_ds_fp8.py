@@ -7,6 +7,7 @@ import math
 
 import pytest
 import torch
+from cases import write_layout
 
 import mla_attn
 from mla_attn import dequantize_ds_mla_fp8, quantize_ds_mla_fp8
@@ -187,17 +188,8 @@ def test_roundtrip(page_size, kv_4d, out_dtype, device):
     """Write the tokens of a few requests through a permuted block table, gather them back: the
     dequantised rows, exactly."""
     lens = [5, 40, 0, 17]
-    g = torch.Generator().manual_seed(page_size)
-    used = [math.ceil(n / page_size) for n in lens]
-    num_pages = sum(used) + 2
-    perm = torch.randperm(num_pages, generator=g).tolist()
-    bt = torch.full((len(lens), max(used) + 1), 2**31 - 1, dtype=torch.int32)
-    slots = []
-    for b, n in enumerate(lens):
-        bt[b, :used[b]] = torch.tensor([perm.pop() for _ in range(used[b])], dtype=torch.int32)
-        slots += [int(bt[b, i // page_size]) * page_size + i % page_size for i in range(n)]
+    bt, slots, cu, num_pages = write_layout(lens, page_size, seed=page_size)
     T = len(slots)
-    cu = torch.tensor([0] + torch.tensor(lens).cumsum(0).tolist(), dtype=torch.int32)
     kv_c, k_pe = make_tokens(T, torch.bfloat16, device=device, seed=4)
     cache = make_cache(num_pages, page_size, kv_4d=kv_4d, device=device)
     mla_attn.write_kv_cache(kv_c, k_pe, cache, torch.tensor(slots, device=device))

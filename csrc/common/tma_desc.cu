@@ -44,10 +44,9 @@ const char* encode_tma(CUtensorMap* map, TmaElement element, int rank, const voi
   const CUtensorMapDataType type = fp8 ? CU_TENSOR_MAP_DATA_TYPE_UINT8
                                    : element == TmaElement::kBf16 ? CU_TENSOR_MAP_DATA_TYPE_BFLOAT16
                                                                   : CU_TENSOR_MAP_DATA_TYPE_FLOAT16;
-  // L2 promotion 128 B, the size of a box row (a 64-column slab row of a 16-bit tile, two fp8 ones).
-  // Measured with nothing but the loads (benchmarks/tma_read_probe.cu, BENCHMARKS.md): the paged cache
-  // read by 64-key slab boxes streams at 4.54 TB/s with 128 B against 4.09 with 256 B (fp8: 4.26 vs
-  // 3.90); none and 64 B match 128 B for 16-bit boxes and lose for fp8 (3.7-3.8).
+  // L2 promotion 128 B, the size of a box row (a 64-column slab row of a 16-bit tile, two fp8 ones):
+  // 256 B promotes bytes no box of this row asks for and streams the paged cache slower; none and 64 B
+  // lose for fp8 (benchmarks/tma_read_probe.cu, docs/design-decisions.md).
   const CUresult r = encode(map, type, cuuint32_t(rank), const_cast<void*>(base), d, s, b, elem_strides,
                             CU_TENSOR_MAP_INTERLEAVE_NONE, fp8 ? CU_TENSOR_MAP_SWIZZLE_64B : CU_TENSOR_MAP_SWIZZLE_128B,
                             CU_TENSOR_MAP_L2_PROMOTION_L2_128B, CU_TENSOR_MAP_FLOAT_OOB_FILL_NONE);

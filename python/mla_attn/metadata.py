@@ -13,12 +13,11 @@ BLOCK_M = 64  # query rows (token x head) per tile
 BLOCK_N = 64  # keys per KV block
 FIXED_COST = 5  # per-segment overhead, in blocks, charged by the scheduler
 # A partition of whole requests is taken when its largest part costs at most this many blocks more
-# than a split part: a split also writes partials and needs the combine kernel (10-20 us at h_q
-# 128 with 64+ split requests, measured).
+# than a split part: a split also writes partials and needs the combine kernel, and splitting every
+# request of a large batch writes tens of MB of them (docs/design-decisions.md).
 NO_SPLIT_SLACK = 2
 # split_payload searches no lower than pieces of this many blocks (unless its upper end is lower):
-# one-block pieces carry a split's fixed costs for one block of work (h_q 128, 1 request of 4096
-# keys: 64 one-block pieces took 25.5 us, 32 two-block pieces 23.8, measured).
+# one-block pieces carry a split's fixed costs for one block of work (docs/design-decisions.md).
 MIN_SEARCHED_PIECE = 2
 CPU_NUM_SMS = 132  # H200: CPU schedules mirror what the GPU would do
 # The split kernels the private `split_kernel=` option of the decode ops can force; mirrors

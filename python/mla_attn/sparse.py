@@ -47,7 +47,7 @@ def _sparse_schedule(rows: int, topk: int, num_heads_q: int, device: torch.devic
 class _ScheduleCache:
     """The schedules of mla_sparse_decode calls made without metadata=, by (R, topk, h_q, device): they
     depend on these shapes alone, so a call reuses the schedule an earlier call made instead of running
-    the scheduler again (its fill and scheduler kernels took 7-18 us of GPU time per call).
+    the fill and scheduler kernels again (their cost per call: docs/design-decisions.md).
 
     - An entry is used on the stream that made it; on another stream outside a CUDA-graph capture after
       waiting for it there (its tensors then also record that stream, for the allocator); in a capture

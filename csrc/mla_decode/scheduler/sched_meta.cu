@@ -417,10 +417,10 @@ __global__ void __launch_bounds__(kMetadataThreads, 1)
     }
     return;
   }
-  // One after the other where they take more than a round (batch 512: rows and requests in a shared
-  // loop measured 0.98x this, with its barrier). Where req_splits holds
-  // the prefix sums, the rows read them first, then chunks go from the last: chunk k reads
-  // incl[k * T - 1, (k + 1) * T) and writes over incl[k * T, (k + 1) * T) only.
+  // One after the other where they take more than a round (rows and requests in a shared loop, with
+  // its barrier, measured slower at batch 512). Where req_splits holds the prefix sums, the rows read
+  // them first, then chunks go from the last: chunk k reads incl[k * T - 1, (k + 1) * T) and writes
+  // over incl[k * T, (k + 1) * T) only.
   for (int p = tid; p < P; p += kMetadataThreads) write_row(p);
   __syncthreads();
   for (int chunk = (batch - 1) / kMetadataThreads * kMetadataThreads; chunk >= 0; chunk -= kMetadataThreads) {
