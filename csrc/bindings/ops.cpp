@@ -27,7 +27,7 @@ TORCH_LIBRARY(mla_attn, m) {
   //   q_pe     None, or [.., h_q, 64] when q holds only the 512 latent dims
   //   kv_cache [num_pages, page_size, 576] or [num_pages, page_size, 1, 576], page_size 1..256, in q's
   //            dtype or float8_e4m3fn (with k_scale); or uint8 [num_pages, page_size(, 1), 656], DeepSeek-V3.2's
-  //            rows with their own scales (kv_format "ds_mla_fp8"; the rows64 kernel, rows copied one by one)
+  //            rows with their own scales (kv_format "ds_mla_fp8"; rows copied one by one, by rows64, narrow16 or narrow32)
   //   returns  out [.., h_q, 512] (q's dtype), lse fp32 [.., h_q] (natural log, +inf = no key)
   //   deterministic: the kernel is chosen by h_q alone (metadata computed with deterministic=True)
   //   fp8_mma: with a float8_e4m3fn cache and > 16 query rows per request (any when deterministic),

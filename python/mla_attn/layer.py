@@ -113,7 +113,8 @@ class MLAAttention(nn.Module):
         attends to, this step's own tokens included (they are written to the cache first); -1 and
         slots outside the cache are skipped; topk_length int32 [T] (optional) counts the first ones of
         each row; sparse_metadata: get_sparse_decode_metadata(indices, num_heads), made once per step
-        for all layers (it depends on shapes only; computed per call when omitted).
+        for all layers (it depends on shapes only; when omitted, the one an earlier call of the same
+        shapes made is reused).
         fp8_mma=True (float8_e4m3fn cache only): passed to mla_decode for the decode requests, whose
         MMAs then run in e4m3 above 16 query rows per request (h * query_len > 16; any with a
         deterministic batch); see mla_decode. mla_decode checks it: a step with decode requests raises

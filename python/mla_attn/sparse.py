@@ -1,5 +1,5 @@
 """Public sparse-attention API (DeepSeek-V3.2 top-k attention): mla_sparse_decode, mla_sparse_prefill and
-get_sparse_decode_metadata, built on mla_decode's kv_slots form.
+get_sparse_decode_metadata, built on the kv_slots form of the torch.ops.mla_attn.mla_decode op.
 
 Each query token has its own list of top-k cache slots (from the caller's indexer), so each token is a
 "request" of one query token for the dense decode kernel:
@@ -9,7 +9,7 @@ Each query token has its own list of top-k cache slots (from the caller's indexe
   2. compact_sparse_indices writes each row's valid indices (position < topk_length, 0 <= index <
      num_slots) in order to the front of a [R, topk] slot list, and their count, on every call; not for
      a ds_mla_fp8 cache, whose kernel takes the index rows as they are and skips invalid slots itself;
-  3. mla_decode(kv_slots=True) gathers the listed cache rows (DeepSeek-V3.2's ds_mla_fp8 rows too:
+  3. torch.ops.mla_attn.mla_decode(kv_slots=True) gathers the listed cache rows (DeepSeek-V3.2's ds_mla_fp8 rows too:
      the kernels dequantise them to fp16), each row's blocks ending at its count;
   4. an attention sink, if given, enters the denominators where the kernels normalise (epilogue, combine).
 Every step runs on the device without a host sync, so the whole call is CUDA-graph capturable and
@@ -131,9 +131,9 @@ def mla_sparse_decode(q: Tensor, kv_cache: Tensor, indices: Tensor, *, softmax_s
     kv_cache [num_pages, page_size(, 1), 576], page_size 1..256, in q's dtype or float8_e4m3fn with
     k_scale (float32 [1]: value = stored * k_scale); or DeepSeek-V3.2's FP8 layout, uint8 [num_pages,
     page_size(, 1), 656] with its scales in the rows (kv_format "ds_mla_fp8" of write_kv_cache; rows back
-    to back), no k_scale, whose gathered rows the kernels (rows64; narrow16/narrow32 at h_q <= 16/32)
-    dequantise to fp16: exactly for |latent values| up to 57344 (scale <= 2^7) and rope values within
-    fp16's range; larger values overflow.
+    to back), no k_scale, whose gathered rows the kernels (rows64; narrow16 at h_q <= 16, narrow32 at
+    h_q <= 32 from 128 index rows) dequantise to fp16: exactly for |latent values| up to 57344 (scale
+    <= 2^7) and rope values within fp16's range; larger values overflow.
     indices int32 [B, s_q, topk] (or [T, topk]), topk >= 1: the cache slots (page * page_size + row in
     page) each query token attends to. An index of -1, or any slot outside the cache, is skipped; a
     repeated index counts once per occurrence. topk_length int32 [B] (one per request, for each of its
