@@ -259,6 +259,9 @@ WRITE_ERRORS = [
      r"kv_cache: last dim must be contiguous"),
     (dict(kv_c=torch.zeros(6, 513, dtype=torch.bfloat16)[:, :512]), ValueError, r"kv_c: stride\(0\) = 513"),
     (dict(slot_mapping=torch.full((6,), 48)), ValueError, r"slot_mapping\[0\] = 48 is past the cache's .* 48 slots"),
+    # value checks (on CPU by default): a zero, negative or non-finite scale would fill the cache with +-448
+    (dict(kv_cache=CACHE.to(FP8), k_scale=torch.zeros(1)), ValueError, r"k_scale must be finite and > 0, got 0.0"),
+    (dict(kv_cache=CACHE.to(FP8), k_scale=torch.tensor([-1.0])), ValueError, r"k_scale must be finite and > 0"),
 ]
 
 
@@ -293,6 +296,7 @@ GATHER_ERRORS = [
     (dict(cu_seqlens=torch.tensor([0, 49, 50], dtype=torch.int32)), ValueError,
      r"block_table\[0, 2\] = 2147483647 is not a page id in \[0, 6\)"),
     (dict(cu_seqlens=torch.tensor([0, 65, 66], dtype=torch.int32)), ValueError, r"request 0 has 65 tokens"),
+    (dict(kv_cache=GC.to(FP8), k_scale=torch.tensor([float("nan")])), ValueError, r"k_scale must be finite and > 0"),
 ]
 
 

@@ -89,6 +89,26 @@ def test_batch_build():
         MLABatch.build([1], [0], [[1]], 16, "cpu", decode_threshold=513)
 
 
+def test_forward_refuses_a_batch_that_does_not_fit():
+    """A batch built for another page size than the cache's (its slots would land in other requests'
+    pages), or reaching past the layer's RoPE table (an index out of range on the device), raises before
+    anything is written; copy_ into a captured batch ignores the per-step longest length."""
+    layer = MLAAttention(dataclasses.replace(CONFIGS["q_lora"], max_position_embeddings=64), dtype=torch.bfloat16)
+    init_weights(layer, seed=1)
+    x = torch.randn(2, 256, generator=torch.Generator().manual_seed(0)).to(torch.bfloat16)
+    kv = torch.zeros(8, 16, 576, dtype=torch.bfloat16)
+    with pytest.raises(ValueError, match="kv_cache has page_size 16 but the batch was built for page_size 32"):
+        layer(x, kv, MLABatch.build([1, 1], [5, 9], [[0], [1]], 32, "cpu"))
+    with pytest.raises(ValueError, match=r"the batch reaches position 64, past the layer's RoPE table of 64 positions"):
+        layer(x, kv, MLABatch.build([1, 1], [64, 9], [[0, 1, 2, 3, 4], [5]], 16, "cpu"))
+    assert not kv.any()
+    assert torch.isfinite(layer(x, kv, MLABatch.build([1, 1], [63, 9], [[0, 1, 2, 3], [5]], 16, "cpu"))).all()
+    static = MLABatch.build([1, 1], [3, 9], torch.tensor([[0, 1, 2, 3], [5, 6, 7, 4]], dtype=torch.int32), 16, "cpu")
+    longer = MLABatch.build([1, 1], [40, 9], torch.tensor([[0, 1, 2, 3], [5, 6, 7, 4]], dtype=torch.int32), 16, "cpu")
+    static.copy_(longer)
+    assert torch.equal(static.decode_seq_lens, longer.decode_seq_lens)
+
+
 # ------------------------------------------------------------------------------------------------ GPU
 STEPS_GPU = [
     [("c", 40), ("a", 700), ("b", 1500)],

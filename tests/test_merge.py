@@ -208,6 +208,11 @@ def test_out_and_n_errors():
         mla_attn.merge_attn_states(**_pair(), out=torch.empty(4, 2, 16))
     with pytest.raises(ValueError, match=r"out shape"):
         mla_attn.merge_attn_states(**_pair(), out=torch.empty(4, 16, dtype=torch.bfloat16))
+    with pytest.raises(ValueError, match=r"out: elements overlap in memory"):
+        mla_attn.merge_attn_states(**_pair(), out=torch.empty(1, 2, 16, dtype=torch.bfloat16).expand(4, 2, 16))
+    with pytest.raises(ValueError, match=r"lse: elements overlap in memory"):
+        OPS.merge_attn_states_out(*_pair().values(), torch.empty(4, 2, 16, dtype=torch.bfloat16),
+                                  torch.empty(4, 1).expand(4, 2))
     with pytest.raises(ValueError, match=r"outs must be \[n, ..., d\]"):
         mla_attn.merge_attn_states_n(torch.zeros(16), torch.zeros(()))
     with pytest.raises(ValueError, match=r"lses must have shape \(3, 4\)"):

@@ -83,6 +83,8 @@ def test_opcheck_and_compile_cpu():
     (lambda c: c.update(max_seqlen_q=1), "max_seqlen"),
     (lambda c: c.update(cu_seqlens_q=c["cu_seqlens_q"] + 1), "must be 0"),
     (lambda c: c.update(softmax_scale=None), "softmax_scale is required"),
+    (lambda c: c.update(q=torch.empty(c["q"].numel() + 8, dtype=c["q"].dtype)[4:4 + c["q"].numel()].view(c["q"].shape)),
+     "q must start at a multiple of 16 bytes"),
 ])
 def test_validation_errors(mutate, match):
     c = make_prefill_case([3, 2], [3, 2], 2, split_pe=True)

@@ -170,6 +170,32 @@ def test_metadata_reuse():
         run_sparse(case, metadata=md.decode)
 
 
+@pytest.mark.parametrize("lead,kind", [((3, 2), "ds_fp8"), ((5,), "bf16"), ((2, 3), "fp8")])
+def test_more_query_tokens_than_a_schedule_takes(monkeypatch, lead, kind):
+    """Above MAX_SCHEDULED_REQUESTS query tokens (a long prefill) the call runs in pieces, each with a
+    schedule of its own: the same out and lse as one piece, into out= too; a schedule for that many
+    tokens cannot be made (shown here with the limit lowered to 2)."""
+    case = make_sparse_case(lead, 4, 24, 16, lengths=True, sink="finite", fp8=kind == "fp8",
+                            ds_fp8=kind == "ds_fp8", seed=11)
+    whole = run_sparse(case)
+    monkeypatch.setattr(mla_attn.sparse, "MAX_SCHEDULED_REQUESTS", 2)
+    pieces = run_sparse(case)
+    assert torch.equal(pieces[0], whole[0]) and torch.equal(pieces[1], whole[1])
+    out = torch.full(whole[0].shape, float("nan"), dtype=whole[0].dtype)
+    got, lse = run_sparse(case, out=out)
+    assert got.data_ptr() == out.data_ptr() and torch.equal(out, whole[0]) and torch.equal(lse, whole[1])
+    check_sparse(case, *pieces)
+    with pytest.raises(ValueError, match=r"one schedule takes at most 2 query tokens, got \d+; call mla_sparse_decode "
+                                         r"without metadata="):
+        mla_attn.get_sparse_decode_metadata(case["indices"], 4)
+
+
+def test_scheduler_request_limit():
+    """get_decode_metadata takes at most MAX_SCHEDULED_REQUESTS requests, on CPU as on the GPU."""
+    with pytest.raises(ValueError, match="get_decode_metadata schedules at most 50000 requests, got 50001"):
+        mla_attn.get_decode_metadata(torch.ones(50001, dtype=torch.int32), 16, s_q=1)
+
+
 def test_torch_compile_fullgraph_traces():
     """fullgraph tracing of the whole call (fakes of every op it runs); aot_eager keeps CPU compile time small."""
     case = make_sparse_case((3,), 4, 16, 16, lengths=True, sink="finite", seed=5)

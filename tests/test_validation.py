@@ -110,6 +110,25 @@ def test_call_level_errors():
         call(C, out=torch.empty(want, dtype=torch.bfloat16, device="meta"))
 
 
+def test_out_start_and_overlap():
+    """An out= view that starts off a 16-byte boundary (the kernels store 16-byte vectors), or whose
+    elements share memory (written by several threads at once), is refused; so is such a q."""
+    want = C["q"].shape[:-1] + (D_V,)
+    offset = torch.empty(want[:-1] + (D_V + 8,), dtype=torch.bfloat16)[..., 4:4 + D_V]  # strides fine, start 8 B in
+    with pytest.raises(ValueError, match="out must start at a multiple of 16 bytes; it starts 4 elements"):
+        call(C, out=offset)
+    with pytest.raises(ValueError, match="q must start at a multiple of 16 bytes"):
+        call(_with(C, q=torch.empty(C["q"].numel() + 8, dtype=torch.bfloat16)[4:4 + C["q"].numel()].view(C["q"].shape)))
+    shared = torch.empty(want[:-2] + (1, D_V), dtype=torch.bfloat16).expand(want)  # one row for every head
+    with pytest.raises(ValueError, match="out: elements overlap in memory"):
+        call(C, out=shared)
+    rows = torch.empty(want[:-1] + (D_V,), dtype=torch.bfloat16).as_strided(want, (0, 0, 256, 1))
+    with pytest.raises(ValueError, match="out: elements overlap in memory"):
+        call(C, out=rows)
+    fits = torch.empty(want[:-1] + (D_V + 8,), dtype=torch.bfloat16)[..., 8:8 + D_V]  # 16 B in: accepted
+    assert call(C, out=fits).data_ptr() == fits.data_ptr()
+
+
 def test_fp8_cache_errors():
     fp8 = KV.to(torch.float8_e4m3fn)
     scale = torch.tensor([0.5])

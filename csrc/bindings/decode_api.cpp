@@ -25,6 +25,9 @@ using mla_decode::DecodeParams;
 using mla_decode::DecodeProblem;
 using namespace mla_bindings;
 
+// Query tokens per request: MAX_SEQLEN_Q of python/mla_attn/_constants.py, which the wrappers check.
+constexpr int64_t kMaxSeqlenQ = 512;
+
 // The split kernel: the one `name` forces (ValueError if it is unknown or cannot run this case),
 // else the default choice.
 DecodeKernel resolve_decode_kernel(const std::optional<c10::string_view>& name, const DecodeProblem& problem) {
@@ -86,6 +89,13 @@ void mla_decode_cuda_impl(const Tensor& q, const std::optional<Tensor>& q_pe, co
   const int64_t q_dim = q.size(-1);
   TORCH_CHECK(q_pe.has_value() ? q_dim == kHeadDimV : q_dim == kHeadDimK,
               "mla_attn: q last dim must be 576, or 512 with q_pe given");
+  // q_pe, out and lse are indexed with q's leading dims (mla_decode_out takes out and lse from the caller).
+  const auto lead = q.sizes().slice(0, q.dim() - 1);
+  TORCH_CHECK(!q_pe.has_value() || (q_pe->scalar_type() == q.scalar_type() && q_pe->dim() == q.dim() &&
+                                    q_pe->sizes().slice(0, q.dim() - 1).equals(lead) && q_pe->size(-1) == kHeadDimK - kHeadDimV),
+              "mla_attn: q_pe must be [.., h_q, 64] of q's dtype with q's leading dims");
+  TORCH_CHECK(out.dim() == q.dim() && out.sizes().slice(0, q.dim() - 1).equals(lead) && lse.sizes().equals(lead),
+              "mla_attn: out must be [.., h_q, 512] and lse [.., h_q] with q's leading dims");
   const int64_t row_elements = ds_kv ? mla_common::kDsRowBytes : kHeadDimK;
   TORCH_CHECK(kv_cache.dim() == 3 || (kv_cache.dim() == 4 && kv_cache.size(2) == 1),
               "mla_attn: kv_cache must be [pages, page_size, ", row_elements, "] or [pages, page_size, 1, ", row_elements, "]");
@@ -98,10 +108,11 @@ void mla_decode_cuda_impl(const Tensor& q, const std::optional<Tensor>& q_pe, co
   check_aligned(q, "q", 16);
   if (q_pe.has_value()) check_aligned(*q_pe, "q_pe", 16);
   check_aligned(kv_cache, "kv_cache", 16);
-  check_aligned(out, "out", 4);
+  check_aligned(out, "out", 16);  // the 64-row, seesaw and combine kernels store 16-byte vectors
   for (const Tensor& t : {q, kv_cache, block_table, cache_seqlens, out, lse}) {
     TORCH_CHECK(t.device() == q.device(), "mla_attn: all tensors must be on ", q.device());
   }
+  TORCH_CHECK(!q_pe.has_value() || q_pe->device() == q.device(), "mla_attn: all tensors must be on ", q.device());
   check_i32(block_table, "block_table", q);
   check_i32(cache_seqlens, "cache_seqlens", q);
   check_i32(tile_sched, "tile_sched", q);
@@ -121,7 +132,8 @@ void mla_decode_cuda_impl(const Tensor& q, const std::optional<Tensor>& q_pe, co
   }
   const int64_t heads = q.size(-2);
   TORCH_CHECK(heads >= 1 && heads <= 128, "mla_attn: h_q must be in [1, 128]");
-  TORCH_CHECK(max_seqlen_q >= 1, "mla_attn: max_seqlen_q must be >= 1");
+  TORCH_CHECK(max_seqlen_q >= 1 && max_seqlen_q <= kMaxSeqlenQ, "mla_attn: max_seqlen_q must be in [1, ", kMaxSeqlenQ,
+              "]");
   const DecodeProblem problem{.fp8_cache = fp8_kv, .ds_mla_fp8_cache = ds_kv, .max_seqlen_q = max_seqlen_q, .heads_q = heads, .batch = batch,
                               .deterministic = deterministic, .fp8_mma = fp8_mma,
                               .gathered_rows = kv_slots || page_size % 16 != 0};

@@ -8,6 +8,9 @@ D_PE = D_QK - D_V  # the rope part
 MAX_HEADS_Q = 128
 MAX_SEQLEN_Q = 512  # query tokens per request
 PAGE_SIZE_MIN, PAGE_SIZE_MAX = 1, 256  # below 16, or not a multiple of 16, the kernels gather rows
+# Requests one device schedule takes (get_decode_metadata; sparse attention: query tokens): the range the
+# scheduler's tests cover (csrc/bindings/decode_api.cpp refuses more).
+MAX_SCHEDULED_REQUESTS = 50000
 
 # prefill: un-absorbed MLA over up-projected K/V
 PREFILL_D_QK = 192  # nope (128) + rope (64)

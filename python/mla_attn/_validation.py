@@ -26,8 +26,8 @@ import torch
 from torch import Tensor
 
 from ._constants import (ALIGN_BYTES, D_PE, D_QK, D_V, DS_ROW_BYTES, FP8, HALF_DTYPES, KV_FORMATS, MAX_HEADS_Q,
-                         MAX_SEQLEN_Q, MERGE_D_ALIGN, PAGE_SIZE_MAX, PAGE_SIZE_MIN, PREFILL_D_NOPE, PREFILL_D_PE,
-                         PREFILL_D_QK, PREFILL_D_V)
+                         MAX_SCHEDULED_REQUESTS, MAX_SEQLEN_Q, MERGE_D_ALIGN, PAGE_SIZE_MAX, PAGE_SIZE_MIN,
+                         PREFILL_D_NOPE, PREFILL_D_PE, PREFILL_D_QK, PREFILL_D_V)
 from .metadata import DECODE_KERNELS, DecodeMetadata, SparseDecodeMetadata
 
 _MERGE_DTYPES = HALF_DTYPES + (torch.float32,)
@@ -63,13 +63,29 @@ def check_device(name: str, t: Tensor, like_name: str, like: Tensor) -> None:
 
 
 def check_layout(name: str, t: Tensor) -> None:
-    """Last dim contiguous; other strides 16-byte aligned (size-1 dims are ignored: never stepped)."""
+    """Last dim contiguous; other strides and the start 16-byte aligned (size-1 dims are ignored: never
+    stepped). The start is checked as the offset into the tensor's storage, which torch allocates
+    aligned (not while torch.compile traces, which cannot read it; the CUDA ops check the address)."""
     if t.dim() and t.shape[-1] > 1 and t.stride(-1) != 1:
         raise ValueError(f"{name}: last dim must be contiguous (stride(-1) == 1), got strides {t.stride()}")
     for d in range(t.dim() - 1):
         if t.shape[d] > 1 and (t.stride(d) * t.element_size()) % ALIGN_BYTES:
             raise ValueError(f"{name}: stride({d}) = {t.stride(d)} elements is not a multiple of "
                              f"{ALIGN_BYTES} bytes (strides {t.stride()})")
+    if not torch.compiler.is_compiling() and t.numel() and (t.storage_offset() * t.element_size()) % ALIGN_BYTES:
+        raise ValueError(f"{name} must start at a multiple of {ALIGN_BYTES} bytes; it starts "
+                         f"{t.storage_offset()} elements into its storage")
+
+
+def check_no_overlap(name: str, t: Tensor) -> None:
+    """An output: no two elements share memory (an expanded or overlapping view would be written by
+    several threads at once). Each dim's stride must exceed the span of the dims with smaller strides."""
+    span = 0
+    for stride, size in sorted((t.stride(d), t.shape[d]) for d in range(t.dim()) if t.shape[d] > 1):
+        if stride <= span:
+            raise ValueError(f"{name}: elements overlap in memory (shape {tuple(t.shape)}, strides {t.stride()}); "
+                             "an output needs a distinct address per element")
+        span += stride * (size - 1)
 
 
 def check_int32(name: str, t: Tensor, dim: int) -> None:
@@ -273,6 +289,7 @@ def check_decode(q: Tensor, q_pe: Optional[Tensor], kv_cache: Tensor, block_tabl
     if out is not None:
         _check_like_q("out", out, q, D_V)
         check_layout("out", out)
+        check_no_overlap("out", out)
     return batch, max_seqlen_q
 
 
@@ -370,6 +387,9 @@ def check_decode_metadata_args(cache_seqlens: Tensor, num_heads_q: int, s_q: Opt
                                cu_seqlens_q: Optional[Tensor], max_seqlen_q: Optional[int]) -> int:
     """get_decode_metadata's arguments. Returns max_seqlen_q (s_q for a uniform batch)."""
     check_int32("cache_seqlens", cache_seqlens, 1)
+    if cache_seqlens.shape[0] > MAX_SCHEDULED_REQUESTS:
+        raise ValueError(f"get_decode_metadata schedules at most {MAX_SCHEDULED_REQUESTS} requests, got "
+                         f"{cache_seqlens.shape[0]}")
     if cu_seqlens_q is None:
         if s_q is not None and max_seqlen_q is not None and max_seqlen_q != s_q:
             raise ValueError(f"s_q={s_q} and max_seqlen_q={max_seqlen_q} disagree")
@@ -413,8 +433,10 @@ def check_prefill(q: Tensor, k: Tensor, v: Tensor, cu_seqlens_q: Tensor, cu_seql
         raise ValueError(f"v must be [{t_k}, {h_k}, {PREFILL_D_V}] like k, got {tuple(v.shape)}")
     if k_pe is not None and tuple(k_pe.shape[:2]) != (t_k, 1):
         raise ValueError(f"k_pe must be [{t_k}, 1, {PREFILL_D_PE}] (shared by all heads), got {tuple(k_pe.shape)}")
-    if out is not None and tuple(out.shape) != (q.shape[0], h_q, PREFILL_D_V):
-        raise ValueError(f"out must be [{q.shape[0]}, {h_q}, {PREFILL_D_V}], got {tuple(out.shape)}")
+    if out is not None:
+        if tuple(out.shape) != (q.shape[0], h_q, PREFILL_D_V):
+            raise ValueError(f"out must be [{q.shape[0]}, {h_q}, {PREFILL_D_V}], got {tuple(out.shape)}")
+        check_no_overlap("out", out)
     for name, cu in (("cu_seqlens_q", cu_seqlens_q), ("cu_seqlens_k", cu_seqlens_k)):
         check_int32(name, cu, 1)
         if cu.shape[0] < 1:
@@ -467,8 +489,10 @@ def check_merge(out_a: Tensor, lse_a: Tensor, out_b: Tensor, lse_b: Tensor, out:
     check_lse("lse_b", lse_b, lead, "out_a", out_a)
     if out is not None:
         _check_like_out_a("out", out, out_a)
+        check_no_overlap("out", out)
     if lse is not None:
         check_lse("lse", lse, lead, "out_a", out_a)
+        check_no_overlap("lse", lse)
 
 
 def check_merge_n(outs: Tensor, lses: Tensor) -> None:
@@ -543,7 +567,8 @@ def check_gather_kv_cache(kv_cache: Tensor, block_table: Tensor, cu_seqlens: Ten
     return fmt
 
 
-def check_write_values(kv_cache: Tensor, slot_mapping: Tensor) -> None:
+def check_write_values(kv_cache: Tensor, slot_mapping: Tensor, k_scale: Optional[Tensor]) -> None:
+    check_scale_value("k_scale", k_scale)
     num_slots = kv_cache.shape[0] * kv_cache.shape[1]
     bad = slot_mapping >= num_slots
     if bool(bad.any()):
@@ -552,7 +577,9 @@ def check_write_values(kv_cache: Tensor, slot_mapping: Tensor) -> None:
                          f"{num_slots} slots")
 
 
-def check_gather_values(kv_cache: Tensor, block_table: Tensor, cu_seqlens: Tensor) -> None:
+def check_gather_values(kv_cache: Tensor, block_table: Tensor, cu_seqlens: Tensor,
+                        k_scale: Optional[Tensor]) -> None:
+    check_scale_value("k_scale", k_scale)
     page_size = kv_cache.shape[1]
     cap = block_table.shape[1] * page_size
     for b, n in enumerate(check_cu_seqlens_values("cu_seqlens", cu_seqlens.tolist())):
@@ -563,6 +590,19 @@ def check_gather_values(kv_cache: Tensor, block_table: Tensor, cu_seqlens: Tenso
 
 
 # ------------------------------------------------------------------------------- layer, batch, CP
+def check_layer_step(kv_cache: Tensor, page_size: int, max_seq_len: int, max_position: int) -> None:
+    """MLAAttention.forward's cache and batch against each other and the layer's RoPE table: a batch built
+    for another page size would write and read other requests' rows, and a position past the table
+    would index out of it on the device."""
+    check_tensor("kv_cache", kv_cache)
+    if kv_cache.dim() < 2 or kv_cache.shape[1] != page_size:
+        got = kv_cache.shape[1] if kv_cache.dim() >= 2 else None
+        raise ValueError(f"kv_cache has page_size {got} but the batch was built for page_size {page_size}")
+    if max_seq_len > max_position:
+        raise ValueError(f"the batch reaches position {max_seq_len - 1}, past the layer's RoPE table of "
+                         f"{max_position} positions (MLAConfig.max_position_embeddings)")
+
+
 def check_layer_config(config: object) -> None:
     """An MLAConfig the kernels run: the head dims they are built for."""
     for name, want in LAYER_DIMS.items():
@@ -720,6 +760,7 @@ def check_sparse_decode(q: Tensor, q_pe: Optional[Tensor], kv_cache: Tensor, ind
         _check_like_q("out", out, q, D_V)
         check_device("out", out, "q", q)
         check_layout("out", out)
+        check_no_overlap("out", out)
         if q.dim() == 4 and out.shape[0] > 1 and out.shape[1] > 1 and out.stride(0) != out.shape[1] * out.stride(1):
             raise ValueError(f"out: the kernel writes it as [B * s_q, h_q, 512] rows, so stride(0) must be "
                              f"s_q * stride(1); got strides {out.stride()}")

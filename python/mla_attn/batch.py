@@ -8,7 +8,7 @@ Everything data-dependent that the forward pass needs as a Python value (token c
 host field here, so the forward never syncs with the device.
 """
 from collections.abc import Sequence
-from dataclasses import dataclass, fields
+from dataclasses import dataclass, field, fields
 from itertools import accumulate
 from typing import Optional, Union
 
@@ -37,6 +37,9 @@ class MLABatch:
     num_context_tokens: int       # over prefills: rows gather_kv_cache returns
     page_size: int
     deterministic: bool           # batch-invariant decode schedule
+    # keys of the longest request, new tokens included (positions are below it); per step, so copy_
+    # does not compare it
+    max_seq_len: int = field(metadata={"per_step": True})
     # device, token-major over the whole batch
     positions: torch.Tensor       # int64 [T]
     slot_mapping: torch.Tensor    # int64 [T]: page * page_size + offset; -1 = pad token, not written
@@ -101,7 +104,7 @@ class MLABatch:
             num_decodes=len(d_q), num_decode_tokens=sum(d_q), num_prefills=len(p_q), num_prefill_tokens=sum(p_q),
             max_decode_query_len=max_decode_q, max_prefill_query_len=max(p_q, default=0),
             max_context_len=max(p_ctx, default=0), num_context_tokens=sum(p_ctx), page_size=page_size,
-            deterministic=deterministic, positions=positions, slot_mapping=slot_mapping,
+            deterministic=deterministic, max_seq_len=max(seq_lens, default=0), positions=positions, slot_mapping=slot_mapping,
             decode_block_table=table[: len(d_q)], decode_seq_lens=decode_seq_lens, decode_cu_seqlens_q=decode_cu,
             decode_metadata=metadata, prefill_block_table=table[len(d_q):],
             prefill_cu_seqlens_q=torch.tensor(_cumsum0(p_q), **i32),
@@ -111,6 +114,8 @@ class MLABatch:
         """Copy other's device tensors into this batch's (in place), e.g. into the static batch a CUDA
         graph was captured with. Host fields (sizes, routing) must be equal: they shape the graph."""
         for f in fields(self):
+            if f.metadata.get("per_step"):
+                continue
             mine, theirs = getattr(self, f.name), getattr(other, f.name)
             if isinstance(mine, torch.Tensor):
                 if mine.shape != theirs.shape:

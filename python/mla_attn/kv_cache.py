@@ -89,7 +89,7 @@ def write_kv_cache(kv_c: Tensor, k_pe: Tensor, kv_cache: Tensor, slot_mapping: T
     """
     check.check_write_kv_cache(kv_c, k_pe, kv_cache, slot_mapping, k_scale, kv_format)
     if check.want_value_checks(validate, kv_c.device):
-        check.check_write_values(kv_cache, slot_mapping)
+        check.check_write_values(kv_cache, slot_mapping, k_scale)
     torch.ops.mla_attn.write_kv_cache(kv_c, k_pe, kv_cache, slot_mapping, k_scale=k_scale, kv_format=kv_format)
 
 
@@ -105,6 +105,6 @@ def gather_kv_cache(kv_cache: Tensor, block_table: Tensor, cu_seqlens: Tensor, n
     """
     check.check_gather_kv_cache(kv_cache, block_table, cu_seqlens, num_tokens, k_scale, out_dtype, kv_format)
     if check.want_value_checks(validate, kv_cache.device):
-        check.check_gather_values(kv_cache, block_table, cu_seqlens)
+        check.check_gather_values(kv_cache, block_table, cu_seqlens, k_scale)
     return torch.ops.mla_attn.gather_kv_cache(kv_cache, block_table, cu_seqlens, num_tokens, k_scale=k_scale,
                                               out_dtype=out_dtype, kv_format=kv_format)

@@ -121,6 +121,7 @@ class MLAAttention(nn.Module):
         ValueError on another cache. Prefills and sparse attention (indices=) do not use it."""
         c = self.config
         T, h = hidden_states.shape[0], c.num_heads
+        check.check_layer_step(kv_cache, batch.page_size, batch.max_seq_len, self.rotary_emb.cos_sin.shape[0])
         if c.q_lora_rank is None:
             q = self.q_proj(hidden_states)
         else:

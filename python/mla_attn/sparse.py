@@ -24,7 +24,7 @@ import torch
 from torch import Tensor
 
 from . import _validation as check
-from ._constants import D_V
+from ._constants import D_V, MAX_SCHEDULED_REQUESTS
 from .decode import get_decode_metadata
 from .metadata import SparseDecodeMetadata
 
@@ -108,7 +108,9 @@ def get_sparse_decode_metadata(indices: Tensor, num_heads_q: int) -> SparseDecod
     on shapes alone (the query tokens R and topk of indices, h_q), as FlashMLA's metadata does: make it once
     per step and pass it as metadata= to every layer's call, whatever its indices and topk_length.
 
-    indices int32 [B, s_q, topk] or [T, topk] (only its shape and device are read).
+    indices int32 [B, s_q, topk] or [T, topk] (only its shape and device are read), at most
+    MAX_SCHEDULED_REQUESTS (50000) query tokens: a call with more takes metadata=None and schedules them
+    in pieces.
     """
     check.check_int("num_heads_q", num_heads_q, 1, check.MAX_HEADS_Q)
     check.check_tensor("indices", indices)
@@ -116,7 +118,11 @@ def get_sparse_decode_metadata(indices: Tensor, num_heads_q: int) -> SparseDecod
         raise ValueError(f"indices must be [B, s_q, topk] or [T, topk], got shape {tuple(indices.shape)}")
     if indices.dtype != torch.int32:
         raise TypeError(f"indices must be int32, got {indices.dtype}")
-    return _sparse_schedule(math.prod(indices.shape[:-1]), indices.shape[-1], num_heads_q, indices.device)
+    rows = math.prod(indices.shape[:-1])
+    if rows > MAX_SCHEDULED_REQUESTS:
+        raise ValueError(f"one schedule takes at most {MAX_SCHEDULED_REQUESTS} query tokens, got {rows}; call "
+                         "mla_sparse_decode without metadata=, which then schedules them in pieces")
+    return _sparse_schedule(rows, indices.shape[-1], num_heads_q, indices.device)
 
 
 def mla_sparse_decode(q: Tensor, kv_cache: Tensor, indices: Tensor, *, softmax_scale: float,
@@ -145,7 +151,9 @@ def mla_sparse_decode(q: Tensor, kv_cache: Tensor, indices: Tensor, *, softmax_s
     A token with no valid index gets out 0 and lse +inf, with or without a sink.
     metadata: get_sparse_decode_metadata(indices, h_q), made once per step (shapes only); when omitted,
     the schedule an earlier call of the same R, topk and h_q made on this device is reused (made and
-    kept on the first such call outside a CUDA-graph capture). _kernel (private, for tests and
+    kept on the first such call outside a CUDA-graph capture); above MAX_SCHEDULED_REQUESTS (50000) query
+    tokens (a long prefill) the call runs in pieces of at most that many, each with its own schedule,
+    so metadata must be None there. _kernel (private, for tests and
     benchmarks): the split kernel to run (metadata.DECODE_KERNELS); the call is a decode of max_seqlen_q
     1, so rows = h_q.
     """
@@ -153,9 +161,7 @@ def mla_sparse_decode(q: Tensor, kv_cache: Tensor, indices: Tensor, *, softmax_s
     rows = check.check_sparse_decode(q, q_pe, kv_cache, indices, topk_length, attn_sink, out)
     check.check_decode_options(q, kv_cache, k_scale, False, _kernel, 1)
     h_q, topk = q.shape[-2], indices.shape[-1]
-    if metadata is None:
-        metadata = _schedules.get(rows, topk, h_q, q.device)
-    else:
+    if metadata is not None:
         check.check_sparse_metadata(metadata, indices, q)
     if check.want_value_checks(validate, q.device):
         check.check_topk_length_values(topk_length, topk)
@@ -166,8 +172,7 @@ def mla_sparse_decode(q: Tensor, kv_cache: Tensor, indices: Tensor, *, softmax_s
     # every listed slot valid: the valid indices are compacted to the front of each row first.
     skip_invalid = kv_cache.dtype == torch.uint8
     if skip_invalid:
-        slots = indices.reshape(rows, topk).contiguous()
-        counts = metadata.lengths if row_lengths is None else row_lengths
+        slots, counts = indices.reshape(rows, topk).contiguous(), row_lengths  # None: each schedule's lengths
     else:
         slots, counts = torch.ops.mla_attn.compact_sparse_indices(indices.reshape(rows, topk), row_lengths,
                                                                   kv_cache.shape[0] * kv_cache.shape[1])
@@ -176,17 +181,36 @@ def mla_sparse_decode(q: Tensor, kv_cache: Tensor, indices: Tensor, *, softmax_s
     # when its batch and token strides do not merge).
     q_rows = q.reshape(rows, 1, h_q, q.shape[-1])
     q_pe_rows = None if q_pe is None else q_pe.reshape(rows, 1, h_q, q_pe.shape[-1])
-    md = metadata.decode
-    args = (q_rows, q_pe_rows, kv_cache, slots, counts, None, 1, float(softmax_scale), False,
-            md.tile_sched, md.req_splits, md.num_sm_parts)
     kw = dict(k_scale=k_scale, split_kernel=_kernel, kv_slots=True, skip_invalid_slots=skip_invalid,
               attn_sink=None if attn_sink is None else attn_sink.contiguous())
-    if out is None:
-        out, lse = torch.ops.mla_attn.mla_decode(*args, **kw)
-        out = out.view(q.shape[:-1] + (D_V,))
+
+    def attend(r0: int, r1: int, md: SparseDecodeMetadata, out_rows: Optional[Tensor],
+               lse_rows: Optional[Tensor]) -> tuple[Tensor, Tensor]:
+        """Rows [r0, r1) under the schedule md made for them; into out_rows / lse_rows when given."""
+        piece_counts = md.lengths if counts is None else counts[r0:r1]
+        args = (q_rows[r0:r1], None if q_pe_rows is None else q_pe_rows[r0:r1], kv_cache, slots[r0:r1],
+                piece_counts, None, 1, float(softmax_scale), False,
+                md.decode.tile_sched, md.decode.req_splits, md.decode.num_sm_parts)
+        if out_rows is None:
+            return torch.ops.mla_attn.mla_decode(*args, **kw)
+        if lse_rows is None:
+            lse_rows = torch.empty(r1 - r0, 1, h_q, dtype=torch.float32, device=q.device)
+        torch.ops.mla_attn.mla_decode_out(*args, out_rows, lse_rows, **kw)
+        return out_rows, lse_rows
+
+    out_rows = None if out is None else out.view(rows, 1, h_q, D_V)
+    if metadata is not None or rows <= MAX_SCHEDULED_REQUESTS:
+        md = metadata if metadata is not None else _schedules.get(rows, topk, h_q, q.device)
+        out_rows, lse = attend(0, rows, md, out_rows, None)
     else:
+        # More query tokens than one schedule takes (a long prefill): pieces, each scheduled on its own.
+        if out_rows is None:
+            out_rows = torch.empty(rows, 1, h_q, D_V, dtype=q.dtype, device=q.device)
         lse = torch.empty(rows, 1, h_q, dtype=torch.float32, device=q.device)
-        torch.ops.mla_attn.mla_decode_out(*args, out.view(rows, 1, h_q, D_V), lse, **kw)
+        for r0 in range(0, rows, MAX_SCHEDULED_REQUESTS):
+            r1 = min(rows, r0 + MAX_SCHEDULED_REQUESTS)
+            attend(r0, r1, _schedules.get(r1 - r0, topk, h_q, q.device), out_rows[r0:r1], lse[r0:r1])
+    out = out_rows.view(q.shape[:-1] + (D_V,)) if out is None else out
     lse = lse.view(q.shape[:-1])
     return (out, lse) if return_lse else out
 
