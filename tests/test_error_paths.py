@@ -19,7 +19,7 @@ from cases import make_decode_case, make_prefill_case
 from conftest import to_device
 
 import mla_attn
-from mla_attn.distributed import cp_mla_decode, cp_slice
+from mla_attn.distributed import cp_mla_decode, cp_slice, cp_token_slot
 
 FP8 = torch.float8_e4m3fn
 R, V, T = RuntimeError, ValueError, TypeError
@@ -373,7 +373,7 @@ CPU_CASES = [
     ("write_kv_cache", lambda a: dict(kv_cache=a["kv_cache"].to(FP8)), V, r"float8_e4m3fn kv_cache needs k_scale"),
     ("gather_kv_cache", lambda a: dict(block_table=a["block_table"].long()), T, r"block_table must be int32"),
     ("gather_kv_cache", lambda a: dict(cu_seqlens=a["cu_seqlens"][:2]), V, r"cu_seqlens must have B \+ 1 = 3 entries"),
-    ("gather_kv_cache", lambda a: dict(num_tokens=-1), V, r"num_tokens must be in \[0, inf\], got -1"),
+    ("gather_kv_cache", lambda a: dict(num_tokens=-1), V, r"num_tokens must be in \[0, 2147483647\], got -1"),
     ("gather_kv_cache", lambda a: dict(out_dtype=torch.int8), T, r"out_dtype must be None, bfloat16"),
     ("gather_kv_cache", lambda a: dict(kv_cache=a["kv_cache"].float()), T,
      r"kv_cache must be bfloat16, float16, float8_e4m3fn or uint8 \(ds_mla_fp8\), got torch.float32"),
@@ -391,7 +391,7 @@ CPU_CASES = [
     ("mla_prefill", lambda a: dict(v=a["v"].half()), T, r"v dtype torch.float16 must match q dtype"),
     ("mla_prefill", lambda a: dict(cu_seqlens_k=a["cu_seqlens_k"].long()), T, r"cu_seqlens_k must be int32"),
     ("mla_prefill", lambda a: dict(k=a["k"][:, :3], v=a["v"][:, :3]), V, r"h_q = 4 must be a multiple of h_k = 3"),
-    ("mla_prefill", lambda a: dict(max_seqlen_q=-1), V, r"max_seqlen_q must be in \[0, inf\], got -1"),
+    ("mla_prefill", lambda a: dict(max_seqlen_q=-1), V, r"max_seqlen_q must be in \[0, 2147483647\], got -1"),
     ("mla_prefill_out", lambda a: dict(out=a["out"][:5]), V, r"out must be \[8, 4, 128\]"),
     ("compact_sparse_indices", lambda a: dict(indices=a["indices"].long()), T, r"indices must be int32"),
     ("compact_sparse_indices", lambda a: dict(indices=a["indices"][0]), V, r"indices must be 2-D"),
@@ -400,7 +400,7 @@ CPU_CASES = [
     ("compact_sparse_indices", lambda a: dict(topk_length=a["topk_length"].long()), T, r"topk_length must be int32"),
     ("compact_sparse_indices", lambda a: dict(topk_length=a["topk_length"][:1]), V,
      r"topk_length must be \[R\] = \[3\]"),
-    ("compact_sparse_indices", lambda a: dict(num_slots=-1), V, r"num_slots must be in \[0, inf\], got -1"),
+    ("compact_sparse_indices", lambda a: dict(num_slots=-1), V, r"num_slots must be in \[0, 2147483647\], got -1"),
 ]
 
 
@@ -452,6 +452,46 @@ WRAPPER_CASES = [
      r"mla_attn kernels need kv_lora_rank=512, got 256"),
     ("batch table dtype", lambda: mla_attn.MLABatch.build([1], [3], torch.zeros(1, 1, dtype=torch.int64), 16, "cpu"),
      T, r"block_table tensor must be int32"),
+    # found by fuzzing the wrappers on CPU: each raised another exception type (or nothing) before
+    ("softmax_scale huge int", _decode_call(softmax_scale=10**400), V, r"softmax_scale must be a finite number > 0"),
+    ("softmax_scale past float32", _decode_call(softmax_scale=1e300), V, r"softmax_scale must be a finite number > 0"),
+    ("causal str", _decode_call(causal="yes"), T, r"causal must be a bool, got str"),
+    ("validate str", _decode_call(validate=""), T, r"validate must be a bool or None, got str"),
+    ("metadata flag", lambda: mla_attn.get_decode_metadata(torch.zeros(2, dtype=torch.int32), 16, s_q=1,
+                                                           deterministic=1.0), T, r"deterministic must be a bool"),
+    ("metadata cu length", lambda: mla_attn.get_decode_metadata(torch.zeros(2, dtype=torch.int32), 16,
+                                                                cu_seqlens_q=torch.zeros(2, dtype=torch.int32),
+                                                                max_seqlen_q=1), V,
+     r"cu_seqlens_q must have batch \+ 1 = 3 entries, got 2"),
+    ("prefill k None", lambda: mla_attn.mla_prefill(_prefill_args()[0], None, *_prefill_args()[2:], softmax_scale=0.1,
+                                                    causal=True), T, r"k must be a tensor, got NoneType"),
+    ("prefill max_seqlen int64", lambda: mla_attn.mla_prefill(*_prefill_args()[:5], 2**63, 7, softmax_scale=0.1,
+                                                              causal=True), V,
+     r"max_seqlen_q must be in \[0, 2147483647\]"),
+    ("prefill requests", lambda: mla_attn.mla_prefill(*_prefill_args()[:3], torch.zeros(65537, dtype=torch.int32),
+                                                      torch.zeros(65537, dtype=torch.int32), 5, 7, softmax_scale=0.1,
+                                                      causal=True), V, r"at most 65535 requests and heads"),
+    ("decode cache slots", lambda: mla_attn.mla_decode(
+        torch.zeros(1, 1, 4, 576, dtype=torch.bfloat16), torch.zeros(1, 64, 576, dtype=torch.bfloat16).expand(2**25, -1, -1),
+        torch.zeros(1, 1, dtype=torch.int32), torch.ones(1, dtype=torch.int32), softmax_scale=0.1), V,
+     r"fewer than 2\^31 slots"),
+    ("sparse topk 0", lambda: mla_attn.get_sparse_decode_metadata(torch.zeros(2, 0, dtype=torch.int32), 16), V,
+     r"topk >= 1"),
+    ("quantize kv_c", lambda: mla_attn.quantize_ds_mla_fp8(torch.zeros(2, 511, dtype=torch.bfloat16),
+                                                          torch.zeros(2, 64, dtype=torch.bfloat16)), V,
+     r"kv_c must be \[T, 512\]"),
+    ("quantize None", lambda: mla_attn.quantize_ds_mla_fp8(None, torch.zeros(2, 64)), T, r"kv_c must be a tensor"),
+    ("dequantize dtype", lambda: mla_attn.dequantize_ds_mla_fp8(torch.zeros(2, 656)), T, r"rows must be uint8"),
+    ("dequantize shape", lambda: mla_attn.dequantize_ds_mla_fp8(torch.zeros(2, 600, dtype=torch.uint8)), V,
+     r"rows must be \[..., 656\]"),
+    ("cp page size", lambda: cp_token_slot(5, 0, 2), V, r"page_size must be in \[1, 2147483647\], got 0"),
+    ("cp table rank", lambda: cp_slice(torch.zeros(4, dtype=torch.int32), torch.zeros(1, dtype=torch.int32), 16, 2, 0),
+     V, r"block_table must be 2-D"),
+    ("batch lens float", lambda: mla_attn.MLABatch.build([float("inf")], [0], [[0]], 16, "cpu"), T,
+     r"query_lens\[0\] must be an int, got float"),
+    ("batch page size", lambda: mla_attn.MLABatch.build([1], [0], [[0]], 4.0, "cpu"), T, r"page_size must be an int"),
+    ("batch page id", lambda: mla_attn.MLABatch.build([1], [0], [[2**31]], 16, "cpu"), V,
+     r"block_table\[0\] holds a page id outside"),
 ]
 
 

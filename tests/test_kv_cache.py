@@ -286,7 +286,7 @@ GATHER_ERRORS = [
     (dict(cu_seqlens=GCU[:2]), ValueError, r"cu_seqlens must have B \+ 1 = 3 entries"),
     (dict(cu_seqlens=GCU.to("meta")), TypeError, r"cu_seqlens is on meta"),
     (dict(kv_cache=GC.to("meta")), TypeError, r"kv_cache is on meta"),
-    (dict(num_tokens=-1), ValueError, r"num_tokens must be in \[0, inf\], got -1"),
+    (dict(num_tokens=-1), ValueError, r"num_tokens must be in \[0, 2147483647\], got -1"),
     (dict(num_tokens=torch.tensor(3)), TypeError, r"num_tokens must be an int, got Tensor"),
     (dict(out_dtype=torch.int8), TypeError, r"out_dtype must be None, bfloat16, float16 or float32"),
     (dict(kv_cache=GC.to(FP8)), ValueError, r"needs k_scale"),

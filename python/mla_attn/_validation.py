@@ -31,6 +31,9 @@ from ._constants import (ALIGN_BYTES, D_PE, D_QK, D_V, DS_ROW_BYTES, FP8, HALF_D
 from .metadata import DECODE_KERNELS, DecodeMetadata, SparseDecodeMetadata
 
 _MERGE_DTYPES = HALF_DTYPES + (torch.float32,)
+INT32_MAX = 2**31 - 1
+_PREFILL_MAX_GRID = 65535  # requests and heads: the prefill grid's z and y (csrc/bindings/prefill_api.cpp)
+_MAX_SOFTMAX_SCALE = float(torch.finfo(torch.float32).max) / math.log2(math.e)
 # decode kernels that run one cache kind only, and the query rows (max_seqlen_q * h_q) the narrow ones take
 _FP8_ONLY_KERNELS = ("narrow16_3wg", "narrow32", "fp8mma")
 _HALF_ONLY_KERNELS = ("seesaw", "seesaw_steady")
@@ -98,22 +101,32 @@ def check_int32(name: str, t: Tensor, dim: int) -> None:
         raise ValueError(f"{name}: last dim must be contiguous, got strides {t.stride()}")
 
 
-def check_int(name: str, x: object, low: int, high: Optional[int] = None) -> None:
-    """A host int (a SymInt while torch.compile traces) in [low, high] (high None: no upper bound)."""
+def check_int(name: str, x: object, low: int, high: int = INT32_MAX) -> None:
+    """A host int (a SymInt while torch.compile traces) in [low, high]: the kernels take them in 32 bits."""
     if not isinstance(x, (int, torch.SymInt)) or isinstance(x, bool):
         raise TypeError(f"{name} must be an int, got {type(x).__name__}")
-    if x < low or (high is not None and x > high):
-        raise ValueError(f"{name} must be in [{low}, {'inf' if high is None else high}], got {x}")
+    if x < low or x > high:
+        raise ValueError(f"{name} must be in [{low}, {high}], got {x}")
+
+
+def check_flags(**flags: object) -> None:
+    """Options the ops take as bools (validate: None or a bool): anything else is a TypeError rather
+    than a silent truth value or an error of the op's schema."""
+    for name, value in flags.items():
+        if not isinstance(value, bool) and not (name == "validate" and value is None):
+            raise TypeError(f"{name} must be a bool{' or None' if name == 'validate' else ''}, got "
+                            f"{type(value).__name__}")
 
 
 def check_softmax_scale(softmax_scale: object) -> None:
-    """The kernels take the block max of unscaled scores: the scale must be finite and > 0."""
+    """The kernels take the block max of unscaled scores: the scale must be finite and > 0, and so must
+    scale * log2(e) in float32, the form the kernels use."""
     if softmax_scale is None:
         raise ValueError("softmax_scale is required (MLA: (qk_nope + qk_rope)^-0.5 * mscale^2, e.g. 192^-0.5; "
                          "not 1/sqrt of the head dim the kernel sees)")
-    if not isinstance(softmax_scale, numbers.Real):
+    if not isinstance(softmax_scale, numbers.Real) or isinstance(softmax_scale, bool):
         raise TypeError(f"softmax_scale must be a number, got {type(softmax_scale).__name__}")
-    if not (math.isfinite(softmax_scale) and softmax_scale > 0):
+    if not (0 < softmax_scale <= _MAX_SOFTMAX_SCALE):  # also False for NaN
         raise ValueError(f"softmax_scale must be a finite number > 0, got {softmax_scale}")
 
 
@@ -133,6 +146,18 @@ def check_kv_cache_shape(kv_cache: Tensor, row: int = D_QK) -> None:
         what = " (ds_mla_fp8: 656 bytes per token)" if row == DS_ROW_BYTES else ""
         raise ValueError(f"kv_cache must be [num_pages, page_size, {row}] or [num_pages, page_size, 1, {row}]{what}, "
                          f"got shape {tuple(kv_cache.shape)}")
+
+
+def check_decode_cache_geometry(kv_cache: Tensor) -> None:
+    """A cache the decode kernels read: its shape, a page size they take, and slot ids (page * page_size
+    + row) that fit 32 bits."""
+    check_kv_cache_shape(kv_cache, DS_ROW_BYTES if kv_cache.dtype == torch.uint8 else D_QK)
+    page_size = kv_cache.shape[1]
+    if not PAGE_SIZE_MIN <= page_size <= PAGE_SIZE_MAX:
+        raise ValueError(f"page_size must be in [{PAGE_SIZE_MIN}, {PAGE_SIZE_MAX}], got {page_size}")
+    if kv_cache.shape[0] * page_size > INT32_MAX:
+        raise ValueError(f"the cache must hold fewer than 2^31 slots (num_pages x page_size), got "
+                         f"{kv_cache.shape[0]} x {page_size}")
 
 
 _FORMAT_DTYPES = {"model": "bfloat16 or float16", "fp8": "float8_e4m3fn", "ds_mla_fp8": "uint8"}
@@ -245,10 +270,8 @@ def check_decode(q: Tensor, q_pe: Optional[Tensor], kv_cache: Tensor, block_tabl
                          f"{'' if q_pe is None else ' (with q_pe)'}, got shape {tuple(q.shape)}")
     if q_pe is not None:
         _check_like_q("q_pe", q_pe, q, D_PE)
-    check_kv_cache_shape(kv_cache, DS_ROW_BYTES if kv_cache.dtype == torch.uint8 else D_QK)
+    check_decode_cache_geometry(kv_cache)
     page_size = kv_cache.shape[1]
-    if not PAGE_SIZE_MIN <= page_size <= PAGE_SIZE_MAX:
-        raise ValueError(f"page_size must be in [{PAGE_SIZE_MIN}, {PAGE_SIZE_MAX}], got {page_size}")
     check_int32("block_table", block_table, 2)
     check_int32("cache_seqlens", cache_seqlens, 1)
     batch = cache_seqlens.shape[0]
@@ -263,6 +286,8 @@ def check_decode(q: Tensor, q_pe: Optional[Tensor], kv_cache: Tensor, block_tabl
             raise ValueError(f"cu_seqlens_q must have batch + 1 = {batch + 1} entries, got {cu_seqlens_q.shape[0]}")
         if max_seqlen_q is None:
             raise ValueError("cu_seqlens_q given without max_seqlen_q (needed to size the grid without a sync)")
+        if not isinstance(max_seqlen_q, (int, torch.SymInt)) or isinstance(max_seqlen_q, bool):
+            raise TypeError(f"max_seqlen_q must be an int, got {type(max_seqlen_q).__name__}")
     else:
         if cu_seqlens_q is not None:
             raise ValueError("cu_seqlens_q is only valid with 3-D (varlen) q; 4-D q has s_q tokens per request")
@@ -326,6 +351,8 @@ def check_decode_options(q: Tensor, kv_cache: Tensor, k_scale: Optional[Tensor],
 
 
 def check_num_sm_parts(num_sm_parts: int, num_sms: int) -> None:
+    if not isinstance(num_sm_parts, (int, torch.SymInt)) or isinstance(num_sm_parts, bool):
+        raise TypeError(f"num_sm_parts must be an int, got {type(num_sm_parts).__name__}")
     if not 1 <= num_sm_parts <= num_sms:
         raise ValueError(f"num_sm_parts={num_sm_parts} must be in [1, num_sms={num_sms}]")
 
@@ -399,6 +426,9 @@ def check_decode_metadata_args(cache_seqlens: Tensor, num_heads_q: int, s_q: Opt
     else:
         check_int32("cu_seqlens_q", cu_seqlens_q, 1)
         check_device("cu_seqlens_q", cu_seqlens_q, "cache_seqlens", cache_seqlens)
+        if cu_seqlens_q.shape[0] != cache_seqlens.shape[0] + 1:
+            raise ValueError(f"cu_seqlens_q must have batch + 1 = {cache_seqlens.shape[0] + 1} entries, got "
+                             f"{cu_seqlens_q.shape[0]}")
         if max_seqlen_q is None:
             raise ValueError("cu_seqlens_q given without max_seqlen_q")
     check_int("num_heads_q", num_heads_q, 1, MAX_HEADS_Q)
@@ -416,7 +446,7 @@ def check_prefill(q: Tensor, k: Tensor, v: Tensor, cu_seqlens_q: Tensor, cu_seql
     want_k = PREFILL_D_NOPE if k_pe is not None else PREFILL_D_QK
     for name, t, dim in (("q", q, PREFILL_D_QK), ("k", k, want_k), ("v", v, PREFILL_D_V), ("k_pe", k_pe, PREFILL_D_PE),
                          ("out", out, PREFILL_D_V)):
-        if t is None:
+        if t is None and name in ("k_pe", "out"):  # the optional ones
             continue
         check_tensor(name, t)
         if t.dim() != 3 or t.shape[-1] != dim:
@@ -427,7 +457,7 @@ def check_prefill(q: Tensor, k: Tensor, v: Tensor, cu_seqlens_q: Tensor, cu_seql
         check_device(name, t, "q", q)
         check_layout(name, t)
     h_q, (t_k, h_k) = q.shape[1], k.shape[:2]
-    if h_k < 1 or h_q % h_k:
+    if h_q < 1 or h_k < 1 or h_q % h_k:
         raise ValueError(f"h_q = {h_q} must be a multiple of h_k = {h_k}")
     if tuple(v.shape[:2]) != (t_k, h_k):
         raise ValueError(f"v must be [{t_k}, {h_k}, {PREFILL_D_V}] like k, got {tuple(v.shape)}")
@@ -445,6 +475,9 @@ def check_prefill(q: Tensor, k: Tensor, v: Tensor, cu_seqlens_q: Tensor, cu_seql
     if cu_seqlens_q.shape != cu_seqlens_k.shape:
         raise ValueError(f"cu_seqlens_q {tuple(cu_seqlens_q.shape)} and cu_seqlens_k {tuple(cu_seqlens_k.shape)} "
                          "must both be [B + 1]")
+    if cu_seqlens_q.shape[0] - 1 > _PREFILL_MAX_GRID or h_q > _PREFILL_MAX_GRID:  # grid dims z and y
+        raise ValueError(f"mla_prefill takes at most {_PREFILL_MAX_GRID} requests and heads, got "
+                         f"{cu_seqlens_q.shape[0] - 1} and {h_q}")
     check_int("max_seqlen_q", max_seqlen_q, 0)
     check_int("max_seqlen_k", max_seqlen_k, 0)
 
@@ -520,9 +553,8 @@ def _check_cache(kv_cache: Tensor, k_scale: Optional[Tensor], kv_format: Optiona
     return fmt
 
 
-def check_write_kv_cache(kv_c: Tensor, k_pe: Tensor, kv_cache: Tensor, slot_mapping: Tensor,
-                         k_scale: Optional[Tensor], kv_format: Optional[str] = None) -> str:
-    """Static checks of write_kv_cache. Returns the cache format."""
+def check_new_tokens(kv_c: Tensor, k_pe: Tensor) -> None:
+    """The tokens a cache write (or quantize_ds_mla_fp8) takes: kv_c [T, 512], k_pe [T(, 1), 64], bf16/fp16."""
     check_tensor("kv_c", kv_c)
     if kv_c.dtype not in HALF_DTYPES:
         raise TypeError(f"kv_c must be bfloat16 or float16, got {kv_c.dtype}")
@@ -534,13 +566,29 @@ def check_write_kv_cache(kv_c: Tensor, k_pe: Tensor, kv_cache: Tensor, slot_mapp
         raise TypeError(f"k_pe dtype {k_pe.dtype} must match kv_c dtype {kv_c.dtype}")
     if k_pe.shape not in ((T, D_PE), (T, 1, D_PE)):
         raise ValueError(f"k_pe must be [T, {D_PE}] or [T, 1, {D_PE}] with T = {T}, got shape {tuple(k_pe.shape)}")
+    check_device("k_pe", k_pe, "kv_c", kv_c)
+
+
+def check_ds_mla_fp8_rows(rows: Tensor) -> None:
+    """dequantize_ds_mla_fp8's input: uint8 [..., 656]."""
+    check_tensor("rows", rows)
+    if rows.dtype != torch.uint8:
+        raise TypeError(f"rows must be uint8 (ds_mla_fp8), got {rows.dtype}")
+    if rows.dim() < 1 or rows.shape[-1] != DS_ROW_BYTES:
+        raise ValueError(f"rows must be [..., {DS_ROW_BYTES}] (ds_mla_fp8), got shape {tuple(rows.shape)}")
+
+
+def check_write_kv_cache(kv_c: Tensor, k_pe: Tensor, kv_cache: Tensor, slot_mapping: Tensor,
+                         k_scale: Optional[Tensor], kv_format: Optional[str] = None) -> str:
+    """Static checks of write_kv_cache. Returns the cache format."""
+    check_new_tokens(kv_c, k_pe)
+    T = kv_c.shape[0]
     check_tensor("slot_mapping", slot_mapping)
     if slot_mapping.dtype != torch.int64:
         raise TypeError(f"slot_mapping must be int64, got {slot_mapping.dtype}")
     if slot_mapping.shape != (T,):
         raise ValueError(f"slot_mapping must have shape [T] = [{T}], got {tuple(slot_mapping.shape)}")
-    for name, t in (("k_pe", k_pe), ("slot_mapping", slot_mapping)):
-        check_device(name, t, "kv_c", kv_c)
+    check_device("slot_mapping", slot_mapping, "kv_c", kv_c)
     fmt = _check_cache(kv_cache, k_scale, kv_format, "kv_c", kv_c)
     if fmt == "model" and kv_cache.dtype != kv_c.dtype:
         raise TypeError(f"kv_cache dtype {kv_cache.dtype} must be kv_c's dtype {kv_c.dtype}, float8_e4m3fn or "
@@ -610,9 +658,28 @@ def check_layer_config(config: object) -> None:
             raise ValueError(f"mla_attn kernels need {name}={want}, got {getattr(config, name)}")
 
 
+def host_ints(name: str, values: object) -> list[int]:
+    """A sequence of host ints (Python or NumPy), as Python ints."""
+    if isinstance(values, (str, bytes)) or not isinstance(values, Sequence) and not hasattr(values, "__iter__"):
+        raise TypeError(f"{name} must be a sequence of ints, got {type(values).__name__}")
+    out = list(values)
+    for i, x in enumerate(out):
+        if not isinstance(x, numbers.Integral) or isinstance(x, bool):
+            raise TypeError(f"{name}[{i}] must be an int, got {type(x).__name__}")
+    return [int(x) for x in out]
+
+
 def check_batch(query_lens: list[int], context_lens: list[int], block_table: object, page_size: int,
-                decode_threshold: int, pad_to: Optional[int]) -> None:
+                decode_threshold: int, pad_to: Optional[int], deterministic: bool = False) -> None:
     """MLABatch.build's host arguments (lengths already ints)."""
+    check_int("page_size", page_size, PAGE_SIZE_MIN, PAGE_SIZE_MAX)
+    if not isinstance(decode_threshold, numbers.Integral) or isinstance(decode_threshold, bool):
+        raise TypeError(f"decode_threshold must be an int, got {type(decode_threshold).__name__}")
+    if pad_to is not None:
+        check_int("pad_to", pad_to, 0)
+    check_flags(deterministic=deterministic)
+    if max(query_lens + context_lens, default=0) > INT32_MAX:
+        raise ValueError(f"query_lens and context_lens must be at most {INT32_MAX}")
     B = len(query_lens)
     if len(context_lens) != B:
         raise ValueError(f"{B} query_lens but {len(context_lens)} context_lens")
@@ -640,16 +707,36 @@ def check_batch(query_lens: list[int], context_lens: list[int], block_table: obj
             raise ValueError(f"block_table has {block_table.shape[1]} pages per request, too few for "
                              f"{max(seq_lens)} tokens of page_size {page_size}")
         return
+    if isinstance(block_table, (str, bytes)) or not isinstance(block_table, Sequence):
+        raise TypeError(f"block_table must be an int32 tensor or a list of page lists, got {type(block_table).__name__}")
     if len(block_table) != B:
         raise ValueError(f"{len(block_table)} block_table rows for {B} requests")
     for b, (pages, n) in enumerate(zip(block_table, seq_lens)):
+        pages = host_ints(f"block_table[{b}]", pages)
         if len(pages) * page_size < n:
             raise ValueError(f"request {b}: {len(pages)} pages of {page_size} cannot hold {n} tokens")
+        if pages and not 0 <= min(pages) <= max(pages) <= INT32_MAX:
+            raise ValueError(f"block_table[{b}] holds a page id outside [0, {INT32_MAX}]: {pages}")
 
 
-def check_cp_rank(rank: int, world_size: int) -> None:
-    if not 0 <= rank < world_size:
-        raise ValueError(f"rank {rank} is not in [0, world_size={world_size})")
+def check_cp_layout(page_size: int, world_size: int, rank: Optional[int] = None) -> None:
+    """cp_slice / cp_token_slot: a page size, a world size and (cp_slice) the rank."""
+    check_int("page_size", page_size, 1)
+    check_int("world_size", world_size, 1)
+    if rank is not None:
+        check_int("rank", rank, 0)
+        if rank >= world_size:
+            raise ValueError(f"rank {rank} is not in [0, world_size={world_size})")
+
+
+def check_cp_requests(block_table: Tensor, cache_seqlens: Tensor) -> None:
+    """cp_slice's full requests: block_table int32 [B, max_pages], cache_seqlens int32 [B]."""
+    check_int32("block_table", block_table, 2)
+    check_int32("cache_seqlens", cache_seqlens, 1)
+    check_device("cache_seqlens", cache_seqlens, "block_table", block_table)
+    if cache_seqlens.shape[0] != block_table.shape[0]:
+        raise ValueError(f"block_table has {block_table.shape[0]} rows but cache_seqlens has "
+                         f"{cache_seqlens.shape[0]} requests")
 
 
 def check_cp_query(q: Tensor) -> None:
@@ -683,9 +770,7 @@ def check_sparse_cache(kv_cache: Tensor, q_dtype: Optional[torch.dtype]) -> None
     if kv_cache.dtype not in allowed + (FP8, torch.uint8):
         raise TypeError(f"kv_cache dtype {kv_cache.dtype} must match q dtype {q_dtype}, or be float8_e4m3fn or "
                         "uint8 (ds_mla_fp8)")
-    check_kv_cache_shape(kv_cache, DS_ROW_BYTES if kv_cache.dtype == torch.uint8 else D_QK)
-    if not PAGE_SIZE_MIN <= kv_cache.shape[1] <= PAGE_SIZE_MAX:
-        raise ValueError(f"page_size must be in [{PAGE_SIZE_MIN}, {PAGE_SIZE_MAX}], got {kv_cache.shape[1]}")
+    check_decode_cache_geometry(kv_cache)
     check_layout("kv_cache", kv_cache)
     # Read as one row per slot (a view [num_pages * page_size, 1, 656]): the pages must follow each
     # other at page_size rows' distance.

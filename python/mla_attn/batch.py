@@ -65,8 +65,10 @@ class MLABatch:
         pad_to: append dummy decode requests (1 token, no key, never written) up to this many requests,
         for a CUDA graph captured at a fixed batch size; decode-only batches.
         """
-        query_lens, context_lens = [int(x) for x in query_lens], [int(x) for x in context_lens]
-        check.check_batch(query_lens, context_lens, block_table, page_size, decode_threshold, pad_to)
+        query_lens, context_lens = check.host_ints("query_lens", query_lens), check.host_ints("context_lens", context_lens)
+        check.check_batch(query_lens, context_lens, block_table, page_size, decode_threshold, pad_to, deterministic)
+        if num_heads is not None:
+            check.check_int("num_heads", num_heads, 1, check.MAX_HEADS_Q)
         B = len(query_lens)
         num_decodes = sum(q <= decode_threshold for q in query_lens)
         num_pads = 0 if pad_to is None else pad_to - B

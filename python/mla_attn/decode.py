@@ -24,6 +24,7 @@ def get_decode_metadata(cache_seqlens: Tensor, num_heads_q: int, *, s_q: Optiona
     deterministic=True never splits a request across CTAs, so each row's result is bit-identical
     whatever else is in the batch (batch invariance), at the cost of load balance for long requests.
     """
+    check.check_flags(causal=causal, deterministic=deterministic)
     max_seqlen_q = check.check_decode_metadata_args(cache_seqlens, num_heads_q, s_q, cu_seqlens_q, max_seqlen_q)
     num_sms = device_num_sms(cache_seqlens.device)
     parts = num_sm_parts(num_sms, max_seqlen_q, num_heads_q)
@@ -66,6 +67,8 @@ def mla_decode(q: Tensor, kv_cache: Tensor, block_table: Tensor, cache_seqlens: 
     instead of the one the dispatch chooses; ValueError if it cannot run the call.
     """
     check.check_softmax_scale(softmax_scale)
+    check.check_flags(causal=causal, return_lse=return_lse, validate=validate, deterministic=deterministic,
+                      fp8_mma=fp8_mma)
     batch, max_seqlen_q = check.check_decode(q, q_pe, kv_cache, block_table, cache_seqlens, cu_seqlens_q,
                                              max_seqlen_q, out)
     check.check_decode_options(q, kv_cache, k_scale, fp8_mma, _kernel, max_seqlen_q, q_scale)

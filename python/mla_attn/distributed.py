@@ -40,7 +40,8 @@ def cp_slice(block_table: Tensor, cache_seqlens: Tensor, page_size: int, world_s
     Pure tensor ops on the inputs' device (no host sync). The returned block table holds the page ids
     of the input table; an engine that numbers pages per rank keeps the same positions.
     """
-    check.check_cp_rank(rank, world_size)
+    check.check_cp_layout(page_size, world_size, rank)
+    check.check_cp_requests(block_table, cache_seqlens)
     pages = block_table[:, rank::world_size].contiguous()
     first_key = (rank + world_size * torch.arange(pages.shape[1], device=block_table.device)) * page_size
     keys = (cache_seqlens[:, None] - first_key).clamp(0, page_size)  # keys in each local page
@@ -53,6 +54,7 @@ def cp_token_slot(positions: Position, page_size: int, world_size: int) -> tuple
     The KV of position t is written to local page local // page_size of the rank's block-table row,
     slot local % page_size. Works elementwise on tensors and on ints.
     """
+    check.check_cp_layout(page_size, world_size)
     page = positions // page_size
     return page % world_size, (page // world_size) * page_size + positions % page_size
 
@@ -81,6 +83,7 @@ def cp_mla_decode(q: Tensor, kv_cache: Tensor, block_table: Tensor, cache_seqlen
     No host sync: capturable in a CUDA graph with NCCL.
     """
     check.check_cp_query(q)
+    check.check_flags(return_lse=return_lse, validate=validate)
     world = dist.get_world_size(group)
     local = q.new_empty(q.shape[:-1] + (_ROW,))
     # one new token sees every key, so causal=False is the same attention

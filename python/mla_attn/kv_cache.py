@@ -54,6 +54,7 @@ def quantize_ds_mla_fp8(kv_c: Tensor, k_pe: Tensor) -> Tensor:
     nearest). Byte order: little-endian, as on the GPU. The CPU and CUDA write ops produce these bytes,
     bit for bit, for finite inputs.
     """
+    check.check_new_tokens(kv_c, k_pe)
     T = kv_c.shape[0]
     scale = ds_mla_fp8_scales(kv_c)  # [T, 4]
     x = kv_c.reshape(T, DS_NUM_TILES, DS_TILE).float() / scale[..., None]
@@ -67,6 +68,7 @@ def dequantize_ds_mla_fp8(rows: Tensor) -> Tensor:
     With power-of-two scales the products are exact (and exact in bf16 too), except that bf16's largest
     values (|x| > 255 * 2^120) come back as inf (their e4m3 256 times the scale 2^120 is 2^128); the rope
     part is the stored bf16 exactly."""
+    check.check_ds_mla_fp8_rows(rows)
     lead = rows.shape[:-1]
     latent = rows[..., :D_V].contiguous().view(FP8).float().reshape(*lead, DS_NUM_TILES, DS_TILE)
     scale = rows[..., DS_SCALE_OFFSET:DS_ROPE_OFFSET].contiguous().view(torch.float32)
@@ -88,6 +90,7 @@ def write_kv_cache(kv_c: Tensor, k_pe: Tensor, kv_cache: Tensor, slot_mapping: T
     contiguous, other strides free (16-byte aligned).
     """
     check.check_write_kv_cache(kv_c, k_pe, kv_cache, slot_mapping, k_scale, kv_format)
+    check.check_flags(validate=validate)
     if check.want_value_checks(validate, kv_c.device):
         check.check_write_values(kv_cache, slot_mapping, k_scale)
     torch.ops.mla_attn.write_kv_cache(kv_c, k_pe, kv_cache, slot_mapping, k_scale=k_scale, kv_format=kv_format)
@@ -104,6 +107,7 @@ def gather_kv_cache(kv_cache: Tensor, block_table: Tensor, cu_seqlens: Tensor, n
     for "fp8", e4m3 * tile scale | the bf16 rope values for "ds_mla_fp8"). kv_format as in write_kv_cache.
     """
     check.check_gather_kv_cache(kv_cache, block_table, cu_seqlens, num_tokens, k_scale, out_dtype, kv_format)
+    check.check_flags(validate=validate)
     if check.want_value_checks(validate, kv_cache.device):
         check.check_gather_values(kv_cache, block_table, cu_seqlens, k_scale)
     return torch.ops.mla_attn.gather_kv_cache(kv_cache, block_table, cu_seqlens, num_tokens, k_scale=k_scale,

@@ -26,6 +26,7 @@ def mla_prefill(q: Tensor, k: Tensor, v: Tensor, cu_seqlens_q: Tensor, cu_seqlen
     +inf for rows that see no key, whose out is 0) if return_lse.
     """
     check.check_softmax_scale(softmax_scale)
+    check.check_flags(causal=causal, return_lse=return_lse, validate=validate)
     check.check_prefill(q, k, v, cu_seqlens_q, cu_seqlens_k, max_seqlen_q, max_seqlen_k, k_pe, out)
     if check.want_value_checks(validate, q.device):
         check.check_prefill_values(cu_seqlens_q, q.shape[0], max_seqlen_q, "cu_seqlens_q")

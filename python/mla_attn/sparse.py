@@ -118,6 +118,8 @@ def get_sparse_decode_metadata(indices: Tensor, num_heads_q: int) -> SparseDecod
         raise ValueError(f"indices must be [B, s_q, topk] or [T, topk], got shape {tuple(indices.shape)}")
     if indices.dtype != torch.int32:
         raise TypeError(f"indices must be int32, got {indices.dtype}")
+    if indices.shape[-1] < 1:
+        raise ValueError(f"indices must have topk >= 1 slots per row, got shape {tuple(indices.shape)}")
     rows = math.prod(indices.shape[:-1])
     if rows > MAX_SCHEDULED_REQUESTS:
         raise ValueError(f"one schedule takes at most {MAX_SCHEDULED_REQUESTS} query tokens, got {rows}; call "
@@ -158,6 +160,7 @@ def mla_sparse_decode(q: Tensor, kv_cache: Tensor, indices: Tensor, *, softmax_s
     1, so rows = h_q.
     """
     check.check_softmax_scale(softmax_scale)
+    check.check_flags(return_lse=return_lse, validate=validate)
     rows = check.check_sparse_decode(q, q_pe, kv_cache, indices, topk_length, attn_sink, out)
     check.check_decode_options(q, kv_cache, k_scale, False, _kernel, 1)
     h_q, topk = q.shape[-2], indices.shape[-1]
