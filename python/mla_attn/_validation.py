@@ -69,12 +69,15 @@ def check_layout(name: str, t: Tensor) -> None:
     """Last dim contiguous; other strides and the start 16-byte aligned (size-1 dims are ignored: never
     stepped). The start is checked as the offset into the tensor's storage, which torch allocates
     aligned (not while torch.compile traces, which cannot read it; the CUDA ops check the address)."""
-    if t.dim() and t.shape[-1] > 1 and t.stride(-1) != 1:
-        raise ValueError(f"{name}: last dim must be contiguous (stride(-1) == 1), got strides {t.stride()}")
-    for d in range(t.dim() - 1):
-        if t.shape[d] > 1 and (t.stride(d) * t.element_size()) % ALIGN_BYTES:
-            raise ValueError(f"{name}: stride({d}) = {t.stride(d)} elements is not a multiple of "
-                             f"{ALIGN_BYTES} bytes (strides {t.stride()})")
+    # A contiguous tensor of 16-byte rows has every outer stride a multiple of its row: the usual case
+    # skips the loop (this runs on every call).
+    if not (t.is_contiguous() and t.dim() and (t.shape[-1] * t.element_size()) % ALIGN_BYTES == 0):
+        if t.dim() and t.shape[-1] > 1 and t.stride(-1) != 1:
+            raise ValueError(f"{name}: last dim must be contiguous (stride(-1) == 1), got strides {t.stride()}")
+        for d in range(t.dim() - 1):
+            if t.shape[d] > 1 and (t.stride(d) * t.element_size()) % ALIGN_BYTES:
+                raise ValueError(f"{name}: stride({d}) = {t.stride(d)} elements is not a multiple of "
+                                 f"{ALIGN_BYTES} bytes (strides {t.stride()})")
     if not torch.compiler.is_compiling() and t.numel() and (t.storage_offset() * t.element_size()) % ALIGN_BYTES:
         raise ValueError(f"{name} must start at a multiple of {ALIGN_BYTES} bytes; it starts "
                          f"{t.storage_offset()} elements into its storage")
@@ -83,6 +86,8 @@ def check_layout(name: str, t: Tensor) -> None:
 def check_no_overlap(name: str, t: Tensor) -> None:
     """An output: no two elements share memory (an expanded or overlapping view would be written by
     several threads at once). Each dim's stride must exceed the span of the dims with smaller strides."""
+    if t.is_contiguous():  # the usual out=, without the sort
+        return
     span = 0
     for stride, size in sorted((t.stride(d), t.shape[d]) for d in range(t.dim()) if t.shape[d] > 1):
         if stride <= span:
