@@ -262,6 +262,7 @@ WRITE_ERRORS = [
     # value checks (on CPU by default): a zero, negative or non-finite scale would fill the cache with +-448
     (dict(kv_cache=CACHE.to(FP8), k_scale=torch.zeros(1)), ValueError, r"k_scale must be finite and > 0, got 0.0"),
     (dict(kv_cache=CACHE.to(FP8), k_scale=torch.tensor([-1.0])), ValueError, r"k_scale must be finite and > 0"),
+    (dict(slot_mapping=torch.tensor([3, -1, 7, -1, 3, 5])), ValueError, r"slot_mapping names slot 3 more than once"),
 ]
 
 

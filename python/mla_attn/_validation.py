@@ -628,6 +628,10 @@ def check_write_values(kv_cache: Tensor, slot_mapping: Tensor, k_scale: Optional
         t = int(bad.nonzero()[0])
         raise ValueError(f"slot_mapping[{t}] = {int(slot_mapping[t])} is past the cache's num_pages x page_size = "
                          f"{num_slots} slots")
+    slots, counts = slot_mapping[slot_mapping >= 0].unique(return_counts=True)
+    if bool((counts > 1).any()):  # which token's row lands there would depend on thread timing
+        raise ValueError(f"slot_mapping names slot {int(slots[counts > 1][0])} more than once; valid slots must be "
+                         "distinct")
 
 
 def check_gather_values(kv_cache: Tensor, block_table: Tensor, cu_seqlens: Tensor,
