@@ -491,7 +491,9 @@ WRAPPER_CASES = [
      r"query_lens\[0\] must be an int, got float"),
     ("batch page size", lambda: mla_attn.MLABatch.build([1], [0], [[0]], 4.0, "cpu"), T, r"page_size must be an int"),
     ("batch page id", lambda: mla_attn.MLABatch.build([1], [0], [[2**31]], 16, "cpu"), V,
-     r"block_table\[0\] holds a page id outside"),
+     r"block_table\[0\]: page ids must be in \[0, 2147483647\]"),
+    ("batch used page id", lambda: mla_attn.MLABatch.build([1], [0], [[-1]], 16, "cpu"), V,
+     r"block_table\[0\]: page ids must be in"),
 ]
 
 

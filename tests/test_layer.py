@@ -4,6 +4,7 @@ with 1 and several new tokens, mixed in one batch) against the un-absorbed fp64 
 import dataclasses
 import math
 
+import numpy as np
 import pytest
 import torch
 from layer_oracle import init_weights, run_scenario
@@ -106,7 +107,11 @@ def test_forward_refuses_a_batch_that_does_not_fit():
     static = MLABatch.build([1, 1], [3, 9], torch.tensor([[0, 1, 2, 3], [5, 6, 7, 4]], dtype=torch.int32), 16, "cpu")
     longer = MLABatch.build([1, 1], [40, 9], torch.tensor([[0, 1, 2, 3], [5, 6, 7, 4]], dtype=torch.int32), 16, "cpu")
     static.copy_(longer)
-    assert torch.equal(static.decode_seq_lens, longer.decode_seq_lens)
+    assert torch.equal(static.decode_seq_lens, longer.decode_seq_lens) and static.max_seq_len == 41
+    # host ints from NumPy or a tensor, and a list table padded with -1 past the used pages, as before
+    b = MLABatch.build(torch.tensor([1, 1]), np.array([3, 9]), [[0, -1], [5, -1]], np.int64(16), "cpu",
+                       pad_to=np.int64(4))
+    assert b.slot_mapping.tolist() == [3, 89, -1, -1]
 
 
 # ------------------------------------------------------------------------------------------------ GPU

@@ -85,8 +85,9 @@ def check_layout(name: str, t: Tensor) -> None:
 
 def check_no_overlap(name: str, t: Tensor) -> None:
     """An output: no two elements share memory (an expanded or overlapping view would be written by
-    several threads at once). Each dim's stride must exceed the span of the dims with smaller strides."""
-    if t.is_contiguous():  # the usual out=, without the sort
+    several threads at once). Each dim's stride must exceed the span of the dims with smaller strides.
+    Not while torch.compile traces: it cannot sort symbolic strides."""
+    if t.is_contiguous() or torch.compiler.is_compiling():  # the usual out=, without the sort
         return
     span = 0
     for stride, size in sorted((t.stride(d), t.shape[d]) for d in range(t.dim()) if t.shape[d] > 1):
@@ -655,7 +656,8 @@ def check_layer_step(kv_cache: Tensor, page_size: int, max_seq_len: int, max_pos
     if kv_cache.dim() < 2 or kv_cache.shape[1] != page_size:
         got = kv_cache.shape[1] if kv_cache.dim() >= 2 else None
         raise ValueError(f"kv_cache has page_size {got} but the batch was built for page_size {page_size}")
-    if max_seq_len > max_position:
+    # A host check: while torch.compile traces, a comparison on the step's length would guard on it.
+    if not torch.compiler.is_compiling() and max_seq_len > max_position:
         raise ValueError(f"the batch reaches position {max_seq_len - 1}, past the layer's RoPE table of "
                          f"{max_position} positions (MLAConfig.max_position_embeddings)")
 
@@ -667,23 +669,29 @@ def check_layer_config(config: object) -> None:
             raise ValueError(f"mla_attn kernels need {name}={want}, got {getattr(config, name)}")
 
 
+def host_int(name: str, x: object) -> int:
+    """A host int (Python or NumPy), as a Python int."""
+    if not isinstance(x, numbers.Integral) or isinstance(x, bool):
+        raise TypeError(f"{name} must be an int, got {type(x).__name__}")
+    return int(x)
+
+
 def host_ints(name: str, values: object) -> list[int]:
-    """A sequence of host ints (Python or NumPy), as Python ints."""
-    if isinstance(values, (str, bytes)) or not isinstance(values, Sequence) and not hasattr(values, "__iter__"):
+    """A sequence of host ints (Python or NumPy, or an integer tensor: read on the host), as Python ints."""
+    if isinstance(values, Tensor):
+        if values.dtype.is_floating_point or values.dtype.is_complex or values.dtype == torch.bool or values.dim() != 1:
+            raise TypeError(f"{name} must be ints: a 1-D integer tensor or a sequence, got {values.dtype} "
+                            f"{tuple(values.shape)}")
+        return values.tolist()
+    if isinstance(values, (str, bytes)) or not hasattr(values, "__iter__"):
         raise TypeError(f"{name} must be a sequence of ints, got {type(values).__name__}")
-    out = list(values)
-    for i, x in enumerate(out):
-        if not isinstance(x, numbers.Integral) or isinstance(x, bool):
-            raise TypeError(f"{name}[{i}] must be an int, got {type(x).__name__}")
-    return [int(x) for x in out]
+    return [host_int(f"{name}[{i}]", x) for i, x in enumerate(values)]
 
 
 def check_batch(query_lens: list[int], context_lens: list[int], block_table: object, page_size: int,
                 decode_threshold: int, pad_to: Optional[int], deterministic: bool = False) -> None:
     """MLABatch.build's host arguments (lengths already ints)."""
     check_int("page_size", page_size, PAGE_SIZE_MIN, PAGE_SIZE_MAX)
-    if not isinstance(decode_threshold, numbers.Integral) or isinstance(decode_threshold, bool):
-        raise TypeError(f"decode_threshold must be an int, got {type(decode_threshold).__name__}")
     if pad_to is not None:
         check_int("pad_to", pad_to, 0)
     check_flags(deterministic=deterministic)
@@ -724,8 +732,11 @@ def check_batch(query_lens: list[int], context_lens: list[int], block_table: obj
         pages = host_ints(f"block_table[{b}]", pages)
         if len(pages) * page_size < n:
             raise ValueError(f"request {b}: {len(pages)} pages of {page_size} cannot hold {n} tokens")
-        if pages and not 0 <= min(pages) <= max(pages) <= INT32_MAX:
-            raise ValueError(f"block_table[{b}] holds a page id outside [0, {INT32_MAX}]: {pages}")
+        used = pages[:-(-n // page_size)]  # the tail past them may hold anything int32 holds
+        if pages and not (0 <= min(used, default=0) and max(used, default=0) <= INT32_MAX
+                          and -INT32_MAX - 1 <= min(pages) and max(pages) <= INT32_MAX):
+            raise ValueError(f"block_table[{b}]: page ids must be in [0, {INT32_MAX}] (int32 in the unused tail), "
+                             f"got {pages}")
 
 
 def check_cp_layout(page_size: int, world_size: int, rank: Optional[int] = None) -> None:

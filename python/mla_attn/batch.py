@@ -37,8 +37,8 @@ class MLABatch:
     num_context_tokens: int       # over prefills: rows gather_kv_cache returns
     page_size: int
     deterministic: bool           # batch-invariant decode schedule
-    # keys of the longest request, new tokens included (positions are below it); per step, so copy_
-    # does not compare it
+    # keys of the longest request, new tokens included (positions are below it); per step: copy_ takes
+    # the new batch's value rather than comparing it
     max_seq_len: int = field(metadata={"per_step": True})
     # device, token-major over the whole batch
     positions: torch.Tensor       # int64 [T]
@@ -66,6 +66,8 @@ class MLABatch:
         for a CUDA graph captured at a fixed batch size; decode-only batches.
         """
         query_lens, context_lens = check.host_ints("query_lens", query_lens), check.host_ints("context_lens", context_lens)
+        page_size, decode_threshold = check.host_int("page_size", page_size), check.host_int("decode_threshold", decode_threshold)
+        pad_to = None if pad_to is None else check.host_int("pad_to", pad_to)
         check.check_batch(query_lens, context_lens, block_table, page_size, decode_threshold, pad_to, deterministic)
         if num_heads is not None:
             check.check_int("num_heads", num_heads, 1, check.MAX_HEADS_Q)
@@ -116,7 +118,8 @@ class MLABatch:
         """Copy other's device tensors into this batch's (in place), e.g. into the static batch a CUDA
         graph was captured with. Host fields (sizes, routing) must be equal: they shape the graph."""
         for f in fields(self):
-            if f.metadata.get("per_step"):
+            if f.metadata.get("per_step"):  # the step's own value, whatever the graph was captured with
+                object.__setattr__(self, f.name, getattr(other, f.name))
                 continue
             mine, theirs = getattr(self, f.name), getattr(other, f.name)
             if isinstance(mine, torch.Tensor):
