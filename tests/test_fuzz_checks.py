@@ -79,7 +79,7 @@ def _mutate(kw, r):
         kw[name] = r.choice(TENSOR_CHANGES)(value, r)
     else:
         kw[name] = r.choice(VALUE_CHANGES)
-    return f"{name}"
+    return name
 
 
 @pytest.mark.parametrize("call", CALLS, ids=[c.__name__.strip("_") for c in CALLS])

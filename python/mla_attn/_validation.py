@@ -107,10 +107,15 @@ def check_int32(name: str, t: Tensor, dim: int) -> None:
         raise ValueError(f"{name}: last dim must be contiguous, got strides {t.stride()}")
 
 
-def check_int(name: str, x: object, low: int, high: int = INT32_MAX) -> None:
-    """A host int (a SymInt while torch.compile traces) in [low, high]: the kernels take them in 32 bits."""
+def check_int_type(name: str, x: object) -> None:
+    """A host int the ops take (a SymInt while torch.compile traces), not a bool."""
     if not isinstance(x, (int, torch.SymInt)) or isinstance(x, bool):
         raise TypeError(f"{name} must be an int, got {type(x).__name__}")
+
+
+def check_int(name: str, x: object, low: int, high: int = INT32_MAX) -> None:
+    """A host int in [low, high]: the kernels take them in 32 bits."""
+    check_int_type(name, x)
     if x < low or x > high:
         raise ValueError(f"{name} must be in [{low}, {high}], got {x}")
 
@@ -292,8 +297,7 @@ def check_decode(q: Tensor, q_pe: Optional[Tensor], kv_cache: Tensor, block_tabl
             raise ValueError(f"cu_seqlens_q must have batch + 1 = {batch + 1} entries, got {cu_seqlens_q.shape[0]}")
         if max_seqlen_q is None:
             raise ValueError("cu_seqlens_q given without max_seqlen_q (needed to size the grid without a sync)")
-        if not isinstance(max_seqlen_q, (int, torch.SymInt)) or isinstance(max_seqlen_q, bool):
-            raise TypeError(f"max_seqlen_q must be an int, got {type(max_seqlen_q).__name__}")
+        check_int_type("max_seqlen_q", max_seqlen_q)
     else:
         if cu_seqlens_q is not None:
             raise ValueError("cu_seqlens_q is only valid with 3-D (varlen) q; 4-D q has s_q tokens per request")
@@ -357,8 +361,7 @@ def check_decode_options(q: Tensor, kv_cache: Tensor, k_scale: Optional[Tensor],
 
 
 def check_num_sm_parts(num_sm_parts: int, num_sms: int) -> None:
-    if not isinstance(num_sm_parts, (int, torch.SymInt)) or isinstance(num_sm_parts, bool):
-        raise TypeError(f"num_sm_parts must be an int, got {type(num_sm_parts).__name__}")
+    check_int_type("num_sm_parts", num_sm_parts)
     if not 1 <= num_sm_parts <= num_sms:
         raise ValueError(f"num_sm_parts={num_sm_parts} must be in [1, num_sms={num_sms}]")
 
@@ -725,7 +728,8 @@ def check_batch(query_lens: list[int], context_lens: list[int], block_table: obj
                              f"{max(seq_lens)} tokens of page_size {page_size}")
         return
     if isinstance(block_table, (str, bytes)) or not isinstance(block_table, Sequence):
-        raise TypeError(f"block_table must be an int32 tensor or a list of page lists, got {type(block_table).__name__}")
+        raise TypeError(f"block_table must be an int32 tensor or a list of page lists, got "
+                        f"{type(block_table).__name__}")
     if len(block_table) != B:
         raise ValueError(f"{len(block_table)} block_table rows for {B} requests")
     for b, (pages, n) in enumerate(zip(block_table, seq_lens)):
@@ -733,8 +737,7 @@ def check_batch(query_lens: list[int], context_lens: list[int], block_table: obj
         if len(pages) * page_size < n:
             raise ValueError(f"request {b}: {len(pages)} pages of {page_size} cannot hold {n} tokens")
         used = pages[:-(-n // page_size)]  # the tail past them may hold anything int32 holds
-        if pages and not (0 <= min(used, default=0) and max(used, default=0) <= INT32_MAX
-                          and -INT32_MAX - 1 <= min(pages) and max(pages) <= INT32_MAX):
+        if pages and (min(used, default=0) < 0 or min(pages) < -INT32_MAX - 1 or max(pages) > INT32_MAX):
             raise ValueError(f"block_table[{b}]: page ids must be in [0, {INT32_MAX}] (int32 in the unused tail), "
                              f"got {pages}")
 

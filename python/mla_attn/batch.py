@@ -65,8 +65,10 @@ class MLABatch:
         pad_to: append dummy decode requests (1 token, no key, never written) up to this many requests,
         for a CUDA graph captured at a fixed batch size; decode-only batches.
         """
-        query_lens, context_lens = check.host_ints("query_lens", query_lens), check.host_ints("context_lens", context_lens)
-        page_size, decode_threshold = check.host_int("page_size", page_size), check.host_int("decode_threshold", decode_threshold)
+        query_lens = check.host_ints("query_lens", query_lens)
+        context_lens = check.host_ints("context_lens", context_lens)
+        page_size = check.host_int("page_size", page_size)
+        decode_threshold = check.host_int("decode_threshold", decode_threshold)
         pad_to = None if pad_to is None else check.host_int("pad_to", pad_to)
         check.check_batch(query_lens, context_lens, block_table, page_size, decode_threshold, pad_to, deterministic)
         if num_heads is not None:
@@ -108,7 +110,8 @@ class MLABatch:
             num_decodes=len(d_q), num_decode_tokens=sum(d_q), num_prefills=len(p_q), num_prefill_tokens=sum(p_q),
             max_decode_query_len=max_decode_q, max_prefill_query_len=max(p_q, default=0),
             max_context_len=max(p_ctx, default=0), num_context_tokens=sum(p_ctx), page_size=page_size,
-            deterministic=deterministic, max_seq_len=max(seq_lens, default=0), positions=positions, slot_mapping=slot_mapping,
+            deterministic=deterministic, max_seq_len=max(seq_lens, default=0), positions=positions,
+            slot_mapping=slot_mapping,
             decode_block_table=table[: len(d_q)], decode_seq_lens=decode_seq_lens, decode_cu_seqlens_q=decode_cu,
             decode_metadata=metadata, prefill_block_table=table[len(d_q):],
             prefill_cu_seqlens_q=torch.tensor(_cumsum0(p_q), **i32),

@@ -9,8 +9,8 @@ Each query token has its own list of top-k cache slots (from the caller's indexe
   2. compact_sparse_indices writes each row's valid indices (position < topk_length, 0 <= index <
      num_slots) in order to the front of a [R, topk] slot list, and their count, on every call; not for
      a ds_mla_fp8 cache, whose kernel takes the index rows as they are and skips invalid slots itself;
-  3. torch.ops.mla_attn.mla_decode(kv_slots=True) gathers the listed cache rows (DeepSeek-V3.2's ds_mla_fp8 rows too:
-     the kernels dequantise them to fp16), each row's blocks ending at its count;
+  3. torch.ops.mla_attn.mla_decode(kv_slots=True) gathers the listed cache rows (DeepSeek-V3.2's
+     ds_mla_fp8 rows too: the kernels dequantise them to fp16), each row's blocks ending at its count;
   4. an attention sink, if given, enters the denominators where the kernels normalise (epilogue, combine).
 Every step runs on the device without a host sync, so the whole call is CUDA-graph capturable and
 traceable by torch.compile. Arguments are checked by _validation (static checks always; value checks on
@@ -155,9 +155,8 @@ def mla_sparse_decode(q: Tensor, kv_cache: Tensor, indices: Tensor, *, softmax_s
     the schedule an earlier call of the same R, topk and h_q made on this device is reused (made and
     kept on the first such call outside a CUDA-graph capture); above MAX_SCHEDULED_REQUESTS (50000) query
     tokens (a long prefill) the call runs in pieces of at most that many, each with its own schedule,
-    so metadata must be None there. _kernel (private, for tests and
-    benchmarks): the split kernel to run (metadata.DECODE_KERNELS); the call is a decode of max_seqlen_q
-    1, so rows = h_q.
+    so metadata must be None there. _kernel (private, for tests and benchmarks): the split kernel to run
+    (metadata.DECODE_KERNELS); the call is a decode of max_seqlen_q 1, so rows = h_q.
     """
     check.check_softmax_scale(softmax_scale)
     check.check_flags(return_lse=return_lse, validate=validate)
