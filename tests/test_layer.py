@@ -67,6 +67,24 @@ def test_softmax_scale_conventions():
         MLAAttention(MLAConfig(64, 2, kv_lora_rank=256))
 
 
+def test_layers_share_the_rope_table():
+    """One cos/sin table per configuration and device (DeepSeek-V3's 163,840 positions: 42 MB each),
+    not one per layer; a different table where the configuration differs."""
+    cfg = CONFIGS["q_lora_yarn_v3"]
+    a, b = MLAAttention(cfg, dtype=torch.bfloat16), MLAAttention(cfg, dtype=torch.bfloat16, device="cpu")
+    assert a.rotary_emb.cos_sin.data_ptr() == b.rotary_emb.cos_sin.data_ptr()
+    longer = MLAAttention(dataclasses.replace(cfg, max_position_embeddings=8192), dtype=torch.bfloat16)
+    assert longer.rotary_emb.cos_sin.data_ptr() != a.rotary_emb.cos_sin.data_ptr()
+    assert torch.equal(longer.rotary_emb.cos_sin[:4096], a.rotary_emb.cos_sin)
+    other = MLAAttention(CONFIGS["q_lora"], dtype=torch.bfloat16)  # no YaRN: other frequencies
+    assert not torch.equal(other.rotary_emb.cos_sin, a.rotary_emb.cos_sin)
+    if torch.cuda.is_available():
+        on_gpu = MLAAttention(cfg, dtype=torch.bfloat16, device="cuda")
+        assert MLAAttention(cfg, dtype=torch.bfloat16, device=torch.device("cuda", torch.cuda.current_device())
+                            ).rotary_emb.cos_sin.data_ptr() == on_gpu.rotary_emb.cos_sin.data_ptr()
+        assert torch.equal(on_gpu.rotary_emb.cos_sin.cpu(), a.rotary_emb.cos_sin)
+
+
 def test_batch_build():
     b = MLABatch.build([2, 1, 30], [5, 0, 17], [[7, 3], [9], [1, 2, 4, 6]], 16, "cpu", decode_threshold=8)
     assert (b.num_decodes, b.num_decode_tokens, b.num_prefills, b.num_prefill_tokens) == (2, 3, 1, 30)

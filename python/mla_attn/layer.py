@@ -75,9 +75,7 @@ class MLAAttention(nn.Module):
         self.kv_b_proj = nn.Linear(c.kv_lora_rank, h * (c.qk_nope_head_dim + c.v_head_dim), bias=False, **kw)
         self.o_proj = nn.Linear(h * c.v_head_dim, c.hidden_size, bias=False, **kw)
         self.rotary_emb = RotaryEmbedding(c.qk_rope_head_dim, c.max_position_embeddings, c.rope_theta,
-                                          c.rope_interleaved, c.rope_scaling)
-        if device is not None:
-            self.rotary_emb.to(device)
+                                          c.rope_interleaved, c.rope_scaling, device=device)
         self.softmax_scale = c.softmax_scale
 
     # kv_b_proj.weight [h * (nope + v), 512] viewed per head; views, so they follow weight updates

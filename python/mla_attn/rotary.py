@@ -7,6 +7,7 @@ only the layout of k_pe in the cache differs. `interleaved=False` is plain neox 
 trained that way. The rotation is computed in fp32 and the result keeps x's layout and dtype.
 """
 import math
+import weakref
 from dataclasses import dataclass
 from typing import Optional
 
@@ -52,24 +53,43 @@ class YarnScaling:
         return extra / self.factor * (1 - keep) + extra * keep
 
 
-class RotaryEmbedding(nn.Module):
-    """cos/sin table for positions [0, max_position); forward(positions [T], x [T, n, dim]).
+# One cos/sin table per (dim, max_position, base, scaling, device), shared by every layer that asks for
+# it: DeepSeek-V3's 163,840 positions make a 42 MB fp32 table, which 61 layers would otherwise hold
+# 61 times. Weak values: a table lives as long as a module holds it.
+_TABLES: "weakref.WeakValueDictionary[tuple, Tensor]" = weakref.WeakValueDictionary()
 
-    The table is an fp32 buffer: create the layer with dtype= rather than casting it with
-    module.to(dtype), which would round the table too.
-    """
 
-    def __init__(self, dim: int, max_position: int, base: float = 10000.0, interleaved: bool = True,
-                 scaling: Optional[YarnScaling] = None):
-        super().__init__()
-        self.dim, self.interleaved = dim, interleaved
+def _cos_sin_table(dim: int, max_position: int, base: float, scaling: Optional[YarnScaling],
+                   device: Optional[torch.device | str]) -> Tensor:
+    device = torch.empty(0, device=device).device  # "cuda" -> "cuda:N", so equal devices share
+    key = (dim, max_position, float(base), scaling, device)
+    table = _TABLES.get(key)
+    if table is None:
         if scaling is None:
             inv_freq, mscale = base ** -(torch.arange(0, dim, 2, dtype=torch.float32) / dim), 1.0
         else:
             inv_freq, mscale = scaling.inv_freq(dim, base), scaling.rotary_mscale
         angles = torch.outer(torch.arange(max_position, dtype=torch.float32), inv_freq)
+        table = (torch.cat([angles.cos(), angles.sin()], -1) * mscale).to(device)
+        _TABLES[key] = table
+    return table
+
+
+class RotaryEmbedding(nn.Module):
+    """cos/sin table for positions [0, max_position); forward(positions [T], x [T, n, dim]).
+
+    The table is an fp32 buffer, shared by the modules created with the same arguments on the same
+    device (create layers with device= to share it: module.to(device) gives each module its own copy).
+    Create the layer with dtype= rather than casting it with module.to(dtype), which would round the
+    table too. The table is computed on the CPU, so it is the same on every device.
+    """
+
+    def __init__(self, dim: int, max_position: int, base: float = 10000.0, interleaved: bool = True,
+                 scaling: Optional[YarnScaling] = None, device: Optional[torch.device | str] = None):
+        super().__init__()
+        self.dim, self.interleaved = dim, interleaved
         # not persistent: derived from the config, so state dicts of checkpoints load without it
-        self.register_buffer("cos_sin", torch.cat([angles.cos(), angles.sin()], -1) * mscale, persistent=False)
+        self.register_buffer("cos_sin", _cos_sin_table(dim, max_position, base, scaling, device), persistent=False)
 
     def forward(self, positions: Tensor, x: Tensor) -> Tensor:
         cos, sin = self.cos_sin[positions].unsqueeze(-2).chunk(2, dim=-1)  # [T, 1, dim / 2]
