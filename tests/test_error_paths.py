@@ -54,6 +54,11 @@ def padded(t):
     return buf[..., :-1]
 
 
+def one_row_on(t):
+    """A view of t's storage one row further on: it shares all but one of t's rows (the storage must go on)."""
+    return torch.as_strided(t, t.shape, t.stride(), t.storage_offset() + t.stride(0))
+
+
 def strided_last(t):
     return t.transpose(-1, -2).contiguous().transpose(-1, -2)
 
@@ -345,6 +350,7 @@ CPU_CASES = [
     ("mla_decode", lambda a: dict(block_table=a["block_table"].long()), T, r"block_table must be int32"),
     ("mla_decode", lambda a: dict(q=a["q"][..., :512]), V, r"q must be \[B, s_q, h_q, 576\]"),
     ("mla_decode", lambda a: dict(kv_cache=a["kv_cache"][:, :0]), V, r"page_size must be in \[1, 256\]"),
+    ("mla_decode", lambda a: dict(kv_cache=a["kv_cache"][:0]), V, r"kv_cache must hold at least one page, got 0"),
     ("mla_decode", lambda a: dict(q=padded(a["q"])), V, r"q: stride\(1\) = 2308 elements is not a multiple of 16"),
     ("mla_decode", lambda a: dict(block_table=a["block_table"][:1]), V, r"block_table has 1 rows but cache_seqlens has 2"),
     ("mla_decode", lambda a: dict(fp8_mma=True), V, r"fp8_mma=True needs a float8_e4m3fn kv_cache"),
@@ -386,6 +392,8 @@ CPU_CASES = [
     ("merge_attn_states", lambda a: dict(out_a=a["out_a"].double()), T, r"out_a must be bfloat16, float16 or float32"),
     ("merge_attn_states", lambda a: dict(out_b=a["out_b"][:3]), V, r"out_b shape \(3, 3, 16\) must match out_a"),
     ("merge_attn_states_out", lambda a: dict(lse=a["lse"][:2]), V, r"lse must have shape \(5, 3\)"),
+    ("merge_attn_states_out", lambda a: dict(out=one_row_on(a["out_a"])), V, r"out shares part of out_a's memory"),
+    ("merge_attn_states_out", lambda a: dict(lse=one_row_on(a["lse_a"])), V, r"lse shares part of lse_a's memory"),
     ("merge_attn_states_n", lambda a: dict(lses=a["lses"].double()), T, r"lses must be float32"),
     ("mla_prefill", lambda a: dict(softmax_scale=math.inf), V, r"softmax_scale must be a finite number > 0, got inf"),
     ("mla_prefill", lambda a: dict(v=a["v"].half()), T, r"v dtype torch.float16 must match q dtype"),
@@ -494,7 +502,37 @@ WRAPPER_CASES = [
      r"block_table\[0\]: page ids must be in \[0, 2147483647\]"),
     ("batch used page id", lambda: mla_attn.MLABatch.build([1], [0], [[-1]], 16, "cpu"), V,
      r"block_table\[0\]: page ids must be in"),
+    ("batch tensor page id", lambda: mla_attn.MLABatch.build([12, 9], [0, 0], torch.tensor([[-1, 1], [2, 3]],
+                                                                                         dtype=torch.int32), 8, "cpu"),
+     V, r"block_table\[0, 0\] = -1 is not a page id"),
+    ("batch device", lambda: mla_attn.MLABatch.build([1], [0], [[0]], 16, "x"), V, r"device='x' is not a device"),
+    ("batch device type", lambda: mla_attn.MLABatch.build([1], [0], [[0]], 16, 1.5), T,
+     r"device must be a torch.device, str or int"),
+    ("batch meta lens", lambda: mla_attn.MLABatch.build(torch.ones(1, dtype=torch.int32, device="meta"), [0], [[0]],
+                                                        16, "cpu"), T, r"query_lens is a meta tensor"),
+    ("layer batch", lambda: _layer_call(batch=None), T, r"batch must be an MLABatch"),
+    ("layer tokens", lambda: _layer_call(rows=3), V, r"hidden_states must be \[T, hidden_size\] = \[4, 128\]"),
+    ("layer dtype", lambda: _layer_call(dtype=torch.float32), T, r"hidden_states dtype torch.float32 must be"),
+    ("layer fp8_mma", lambda: _layer_call(fp8_mma=1), T, r"fp8_mma must be a bool"),
+    ("layer topk_length", lambda: _layer_call(topk_length=torch.ones(4, dtype=torch.int32)), V,
+     r"topk_length and sparse_metadata are options of sparse attention: they need indices"),
+    ("cp group", lambda: cp_mla_decode(torch.zeros(2, 1, 4, 576), None, None, None, softmax_scale=0.1, group="x"), T,
+     r"group must be a torch.distributed ProcessGroup or None"),
+    ("cp positions float", lambda: cp_token_slot(1.5, 16, 3), T, r"positions must be an int or an integer tensor"),
+    ("cp positions negative", lambda: cp_token_slot(torch.tensor([3, -5]), 16, 3), V, r"positions must be >= 0"),
+    ("cp lengths", lambda: cp_slice(torch.zeros(2, 3, dtype=torch.int32), torch.tensor([-5, 10], dtype=torch.int32),
+                                    16, 2, 0), V, r"cache_seqlens\[0\] = -5 is not in \[0, 48\]"),
 ]
+
+
+def _layer_call(batch="build", rows=None, dtype=torch.bfloat16, **kw):
+    """One decode step of a small layer (2 requests, 4 new tokens), with one argument changed."""
+    layer = mla_attn.MLAAttention(mla_attn.MLAConfig(hidden_size=128, num_heads=2, q_lora_rank=48), dtype=torch.bfloat16)
+    kv = torch.zeros(4, 16, 576, dtype=torch.bfloat16)
+    if batch == "build":
+        batch = mla_attn.MLABatch.build([1, 3], [5, 0], [[0, 1], [2, 3]], 16, "cpu", decode_threshold=1)
+    x = torch.zeros(4 if rows is None else rows, 128, dtype=dtype)
+    return layer(x, kv, batch, **kw)
 
 
 def _prefill_args(cu_k=torch.int32):
@@ -506,3 +544,10 @@ def _prefill_args(cu_k=torch.int32):
 def test_wrapper_error(name, fn, exc, match):
     with pytest.raises(exc, match=match):
         fn()
+
+
+def test_dequantize_empty_strided_rows():
+    """An empty view of wider rows (found by the fuzz: torch's byte-to-float view refused its strides)."""
+    rows = torch.zeros(0, 658, dtype=torch.uint8)[:, :656]
+    out = mla_attn.dequantize_ds_mla_fp8(rows)
+    assert out.shape == (0, 576) and out.dtype == torch.float32

@@ -56,7 +56,40 @@ def _merge_call():
                                             out_b=torch.randn(3, 2, 16).to(BF), lse_b=torch.randn(3, 2))
 
 
-CALLS = [_decode_call, _metadata_call, _sparse_call, _prefill_call, _write_call, _gather_call, _merge_call]
+def _sparse_prefill_call():
+    return mla_attn.mla_sparse_prefill, dict(q=torch.randn(2, 4, 576).to(BF), kv=torch.randn(6, 576).to(BF),
+                                             indices=torch.tensor([[0, 5, -1], [2, 9, 2]], dtype=torch.int32),
+                                             softmax_scale=0.1, topk_length=torch.tensor([3, 1], dtype=torch.int32),
+                                             return_lse=True)
+
+
+_LAYER = mla_attn.MLAAttention(mla_attn.MLAConfig(hidden_size=64, num_heads=2, q_lora_rank=32), dtype=BF)
+
+
+def _layer_call():
+    batch = mla_attn.MLABatch.build([1, 3], [5, 0], [[0, 1], [2, 3]], 16, "cpu", decode_threshold=1)
+    return _LAYER.forward, dict(hidden_states=torch.randn(4, 64).to(BF), kv_cache=torch.zeros(4, 16, 576, dtype=BF),
+                                batch=batch)
+
+
+def _batch_call():
+    return mla_attn.MLABatch.build, dict(query_lens=[1, 3], context_lens=[5, 0],
+                                         block_table=torch.tensor([[0, 1], [2, 3]], dtype=torch.int32), page_size=16,
+                                         device="cpu", decode_threshold=1)
+
+
+def _cp_slice_call():
+    return mla_attn.cp_slice, dict(block_table=torch.tensor([[0, 1, 2], [3, 4, 5]], dtype=torch.int32),
+                                   cache_seqlens=torch.tensor([40, 7], dtype=torch.int32), page_size=16,
+                                   world_size=2, rank=1)
+
+
+def _cp_token_slot_call():
+    return mla_attn.cp_token_slot, dict(positions=torch.tensor([0, 17, 40]), page_size=16, world_size=2)
+
+
+CALLS = [_decode_call, _metadata_call, _sparse_call, _prefill_call, _write_call, _gather_call, _merge_call,
+         _sparse_prefill_call, _layer_call, _batch_call, _cp_slice_call, _cp_token_slot_call]
 
 TENSOR_CHANGES = [
     lambda t, r: t.to(r.choice([torch.float32, torch.float16, torch.int64, torch.int32, torch.bool, torch.uint8])),
@@ -86,6 +119,7 @@ def _mutate(kw, r):
 def test_bad_arguments_raise_type_or_value_errors(call):
     fn, valid = call()
     fn(**valid)  # the base call is valid
+    name = getattr(fn, "__qualname__", fn.__name__)
     for i in range(300):
         r = random.Random(i)
         kw = dict(valid)
@@ -95,4 +129,4 @@ def test_bad_arguments_raise_type_or_value_errors(call):
         except (TypeError, ValueError):
             pass
         except Exception as e:  # noqa: BLE001 - the point of the test
-            pytest.fail(f"{fn.__name__} with {changed} changed (seed {i}): {type(e).__name__}: {e}")
+            pytest.fail(f"{name} with {changed} changed (seed {i}): {type(e).__name__}: {e}")

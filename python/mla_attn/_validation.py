@@ -97,6 +97,33 @@ def check_no_overlap(name: str, t: Tensor) -> None:
         span += stride * (size - 1)
 
 
+def _dense(t: Tensor) -> bool:
+    """Whether t's elements fill a block of memory without gaps or overlaps, in some order of its dims."""
+    expected = 1
+    for stride, size in sorted((t.stride(d), t.shape[d]) for d in range(t.dim()) if t.shape[d] > 1):
+        if stride != expected:
+            return False
+        expected *= size
+    return True
+
+
+def check_no_partial_overlap(name: str, out: Tensor, input_name: str, inp: Tensor) -> None:
+    """An output that shares part of an input's memory (as torch judges it: dense tensors only). All of
+    it is fine where each thread reads its part of the input before writing it (the merge). Not while
+    torch.compile traces, nor on the meta device (no memory)."""
+    if torch.compiler.is_compiling() or out.device.type == "meta" or not out.numel() or not inp.numel():
+        return
+    if out.untyped_storage().data_ptr() != inp.untyped_storage().data_ptr():
+        return
+    if out.data_ptr() == inp.data_ptr() and out.shape == inp.shape and out.stride() == inp.stride():
+        return
+    if not (_dense(out) and _dense(inp)):
+        return
+    out_end = out.data_ptr() + out.numel() * out.element_size()
+    if out.data_ptr() < inp.data_ptr() + inp.numel() * inp.element_size() and inp.data_ptr() < out_end:
+        raise ValueError(f"{name} shares part of {input_name}'s memory; an output may be an input, or apart from it")
+
+
 def check_int32(name: str, t: Tensor, dim: int) -> None:
     check_tensor(name, t)
     if t.dtype != torch.int32:
@@ -166,6 +193,8 @@ def check_decode_cache_geometry(kv_cache: Tensor) -> None:
     page_size = kv_cache.shape[1]
     if not PAGE_SIZE_MIN <= page_size <= PAGE_SIZE_MAX:
         raise ValueError(f"page_size must be in [{PAGE_SIZE_MIN}, {PAGE_SIZE_MAX}], got {page_size}")
+    if kv_cache.shape[0] < 1:  # the kernels clamp page ids into the cache
+        raise ValueError("kv_cache must hold at least one page, got 0")
     if kv_cache.shape[0] * page_size > INT32_MAX:
         raise ValueError(f"the cache must hold fewer than 2^31 slots (num_pages x page_size), got "
                          f"{kv_cache.shape[0]} x {page_size}")
@@ -532,9 +561,13 @@ def check_merge(out_a: Tensor, lse_a: Tensor, out_b: Tensor, lse_b: Tensor, out:
     if out is not None:
         _check_like_out_a("out", out, out_a)
         check_no_overlap("out", out)
+        check_no_partial_overlap("out", out, "out_a", out_a)
+        check_no_partial_overlap("out", out, "out_b", out_b)
     if lse is not None:
         check_lse("lse", lse, lead, "out_a", out_a)
         check_no_overlap("lse", lse)
+        check_no_partial_overlap("lse", lse, "lse_a", lse_a)
+        check_no_partial_overlap("lse", lse, "lse_b", lse_b)
 
 
 def check_merge_n(outs: Tensor, lses: Tensor) -> None:
@@ -665,6 +698,31 @@ def check_layer_step(kv_cache: Tensor, page_size: int, max_seq_len: int, max_pos
                          f"{max_position} positions (MLAConfig.max_position_embeddings)")
 
 
+def check_layer_inputs(hidden_states: object, batch: object, hidden_size: int, like: Tensor, fp8_mma: object,
+                       indices: Optional[Tensor], topk_length: Optional[Tensor], sparse_metadata: object) -> None:
+    """MLAAttention.forward's own arguments (the ops it calls check the rest): an MLABatch, hidden_states
+    [T, hidden_size] of the layer's dtype and device with T the batch's tokens, and the sparse options
+    only with indices."""
+    from .batch import MLABatch  # batch.py imports this module
+    if not isinstance(batch, MLABatch):
+        raise TypeError(f"batch must be an MLABatch (MLABatch.build), got {type(batch).__name__}")
+    check_tensor("hidden_states", hidden_states)
+    if hidden_states.dtype != like.dtype:
+        raise TypeError(f"hidden_states dtype {hidden_states.dtype} must be the layer's dtype {like.dtype}")
+    check_device("hidden_states", hidden_states, "the layer", like)
+    check_tensor("batch.positions", batch.positions)
+    if batch.positions.dim() != 1:
+        raise ValueError(f"batch.positions must be [T], got shape {tuple(batch.positions.shape)}")
+    check_device("batch", batch.positions, "hidden_states", hidden_states)
+    T = batch.positions.shape[0]
+    if hidden_states.dim() != 2 or hidden_states.shape[0] != T or hidden_states.shape[1] != hidden_size:
+        raise ValueError(f"hidden_states must be [T, hidden_size] = [{T}, {hidden_size}] (T: the batch's tokens), "
+                         f"got shape {tuple(hidden_states.shape)}")
+    check_flags(fp8_mma=fp8_mma)
+    if indices is None and (topk_length is not None or sparse_metadata is not None):
+        raise ValueError("topk_length and sparse_metadata are options of sparse attention: they need indices")
+
+
 def check_layer_config(config: object) -> None:
     """An MLAConfig the kernels run: the head dims they are built for."""
     for name, want in LAYER_DIMS.items():
@@ -685,15 +743,33 @@ def host_ints(name: str, values: object) -> list[int]:
         if values.dtype.is_floating_point or values.dtype.is_complex or values.dtype == torch.bool or values.dim() != 1:
             raise TypeError(f"{name} must be ints: a 1-D integer tensor or a sequence, got {values.dtype} "
                             f"{tuple(values.shape)}")
+        if values.device.type == "meta":
+            raise TypeError(f"{name} is a meta tensor: its values cannot be read")
         return values.tolist()
     if isinstance(values, (str, bytes)) or not hasattr(values, "__iter__"):
         raise TypeError(f"{name} must be a sequence of ints, got {type(values).__name__}")
     return [host_int(f"{name}[{i}]", x) for i, x in enumerate(values)]
 
 
+def as_device(name: str, device: object) -> Optional[torch.device]:
+    """A device argument (torch.device, str or int; None: torch's default), as a torch.device."""
+    if device is None or isinstance(device, torch.device):
+        return device
+    if not isinstance(device, (str, int)) or isinstance(device, bool):
+        raise TypeError(f"{name} must be a torch.device, str or int, got {type(device).__name__}")
+    try:
+        device = torch.device(device)
+    except RuntimeError as e:  # an unknown device type, a negative index
+        raise ValueError(f"{name}={device!r} is not a device: {e}") from None
+    if device.type == "cuda" and (device.index or 0) >= torch.cuda.device_count():
+        raise ValueError(f"{name}={device} is not one of this machine's {torch.cuda.device_count()} CUDA devices")
+    return device
+
+
 def check_batch(query_lens: list[int], context_lens: list[int], block_table: object, page_size: int,
-                decode_threshold: int, pad_to: Optional[int], deterministic: bool = False) -> None:
-    """MLABatch.build's host arguments (lengths already ints)."""
+                decode_threshold: int, pad_to: Optional[int], deterministic: bool = False,
+                device: Optional[torch.device] = None) -> None:
+    """MLABatch.build's host arguments (lengths already ints; device from as_device)."""
     check_int("page_size", page_size, PAGE_SIZE_MIN, PAGE_SIZE_MAX)
     if pad_to is not None:
         check_int("pad_to", pad_to, 0)
@@ -726,6 +802,17 @@ def check_batch(query_lens: list[int], context_lens: list[int], block_table: obj
         if max(seq_lens, default=0) > block_table.shape[1] * page_size:
             raise ValueError(f"block_table has {block_table.shape[1]} pages per request, too few for "
                              f"{max(seq_lens)} tokens of page_size {page_size}")
+        if block_table.device.type == "meta" and (device is None or device.type != "meta"):
+            raise TypeError(f"block_table is a meta tensor: it cannot be copied to {device or 'cpu'}")
+        # As for a list table: the pages a request uses must be page ids (a negative one would make its
+        # tokens' slots negative, which write_kv_cache skips). Read where that needs no sync.
+        if B and want_value_checks(None, block_table.device):
+            used = torch.arange(block_table.shape[1])[None, :] * page_size < torch.tensor(seq_lens)[:, None]
+            bad = used & (block_table[:B] < 0)
+            if bool(bad.any()):
+                b, j = (int(x) for x in bad.nonzero()[0])
+                raise ValueError(f"block_table[{b}, {j}] = {int(block_table[b, j])} is not a page id (>= 0); "
+                                 f"request {b} uses its first {-(-seq_lens[b] // page_size)} pages")
         return
     if isinstance(block_table, (str, bytes)) or not isinstance(block_table, Sequence):
         raise TypeError(f"block_table must be an int32 tensor or a list of page lists, got "
@@ -750,6 +837,36 @@ def check_cp_layout(page_size: int, world_size: int, rank: Optional[int] = None)
         check_int("rank", rank, 0)
         if rank >= world_size:
             raise ValueError(f"rank {rank} is not in [0, world_size={world_size})")
+
+
+def check_cp_positions(positions: object) -> None:
+    """cp_token_slot's key positions: an int >= 0, or an integer tensor (values >= 0, read on the CPU)."""
+    if isinstance(positions, Tensor):
+        if positions.dtype.is_floating_point or positions.dtype.is_complex or positions.dtype == torch.bool:
+            raise TypeError(f"positions must be an int or an integer tensor, got {positions.dtype}")
+        if want_value_checks(None, positions.device) and bool((positions < 0).any()):
+            raise ValueError(f"positions must be >= 0, got {int(positions.min())}")
+        return
+    if not isinstance(positions, (numbers.Integral, torch.SymInt)) or isinstance(positions, bool):
+        raise TypeError(f"positions must be an int or an integer tensor, got {type(positions).__name__}")
+    if positions < 0:
+        raise ValueError(f"positions must be >= 0, got {positions}")
+
+
+def check_cp_group(group: object) -> None:
+    process_group = getattr(torch.distributed, "ProcessGroup", None)
+    if group is not None and (process_group is None or not isinstance(group, process_group)):
+        raise TypeError(f"group must be a torch.distributed ProcessGroup or None, got {type(group).__name__}")
+
+
+def check_cp_request_values(block_table: Tensor, cache_seqlens: Tensor, page_size: int) -> None:
+    """Value check of cp_slice (host sync on GPU): each length fits its block-table row."""
+    cap = block_table.shape[1] * page_size
+    bad = (cache_seqlens < 0) | (cache_seqlens > cap)
+    if bool(bad.any()):
+        b = int(bad.nonzero()[0])
+        raise ValueError(f"cache_seqlens[{b}] = {int(cache_seqlens[b])} is not in [0, {cap}] (block_table's "
+                         f"{block_table.shape[1]} pages x page_size {page_size})")
 
 
 def check_cp_requests(block_table: Tensor, cache_seqlens: Tensor) -> None:

@@ -70,7 +70,9 @@ class MLABatch:
         page_size = check.host_int("page_size", page_size)
         decode_threshold = check.host_int("decode_threshold", decode_threshold)
         pad_to = None if pad_to is None else check.host_int("pad_to", pad_to)
-        check.check_batch(query_lens, context_lens, block_table, page_size, decode_threshold, pad_to, deterministic)
+        device = check.as_device("device", device)
+        check.check_batch(query_lens, context_lens, block_table, page_size, decode_threshold, pad_to, deterministic,
+                          device)
         if num_heads is not None:
             check.check_int("num_heads", num_heads, 1, check.MAX_HEADS_Q)
         B = len(query_lens)

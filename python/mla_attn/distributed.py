@@ -42,6 +42,8 @@ def cp_slice(block_table: Tensor, cache_seqlens: Tensor, page_size: int, world_s
     """
     check.check_cp_layout(page_size, world_size, rank)
     check.check_cp_requests(block_table, cache_seqlens)
+    if check.want_value_checks(None, block_table.device):
+        check.check_cp_request_values(block_table, cache_seqlens, page_size)
     pages = block_table[:, rank::world_size].contiguous()
     first_key = (rank + world_size * torch.arange(pages.shape[1], device=block_table.device)) * page_size
     keys = (cache_seqlens[:, None] - first_key).clamp(0, page_size)  # keys in each local page
@@ -55,6 +57,7 @@ def cp_token_slot(positions: Position, page_size: int, world_size: int) -> tuple
     slot local % page_size. Works elementwise on tensors and on ints.
     """
     check.check_cp_layout(page_size, world_size)
+    check.check_cp_positions(positions)
     page = positions // page_size
     return page % world_size, (page // world_size) * page_size + positions % page_size
 
@@ -84,6 +87,7 @@ def cp_mla_decode(q: Tensor, kv_cache: Tensor, block_table: Tensor, cache_seqlen
     """
     check.check_cp_query(q)
     check.check_flags(return_lse=return_lse, validate=validate)
+    check.check_cp_group(group)
     world = dist.get_world_size(group)
     local = q.new_empty(q.shape[:-1] + (_ROW,))
     # one new token sees every key, so causal=False is the same attention

@@ -18,7 +18,7 @@ import torch
 from torch import Tensor
 
 from . import _validation as check
-from ._constants import (D_PE, D_V, DS_MIN_SCALE_INV, DS_NUM_TILES, DS_ROPE_OFFSET, DS_ROW_BYTES,
+from ._constants import (D_PE, D_QK, D_V, DS_MIN_SCALE_INV, DS_NUM_TILES, DS_ROPE_OFFSET, DS_ROW_BYTES,
                          DS_SCALE_OFFSET, DS_TILE, FP8, FP8_MAX)
 
 
@@ -70,6 +70,8 @@ def dequantize_ds_mla_fp8(rows: Tensor) -> Tensor:
     part is the stored bf16 exactly."""
     check.check_ds_mla_fp8_rows(rows)
     lead = rows.shape[:-1]
+    if rows.numel() == 0:  # contiguous() keeps an empty view's strides, which the fp32 / bf16 views below refuse
+        return rows.new_zeros(*lead, D_QK, dtype=torch.float32)
     latent = rows[..., :D_V].contiguous().view(FP8).float().reshape(*lead, DS_NUM_TILES, DS_TILE)
     scale = rows[..., DS_SCALE_OFFSET:DS_ROPE_OFFSET].contiguous().view(torch.float32)
     rope = rows[..., DS_ROPE_OFFSET:DS_ROW_BYTES].contiguous().view(torch.bfloat16).float()
