@@ -337,3 +337,13 @@ def test_layer_sparse_with_every_key_is_dense_attention():
         check_close(i, batch, got, want, lowp, factor=1.5)
 
     run_scenario(layer, STEPS_CPU, page_size=16, num_pages=64, device="cpu", decode_threshold=8, check=check)
+
+
+def test_empty_cache_gives_empty_rows():
+    """A cache of no page (or no kv row): every index is outside it, so every row is empty."""
+    q = torch.randn(2, 4, 576).bfloat16()
+    idx = torch.tensor([[0, -1], [3, 1]], dtype=torch.int32)
+    out, lse = mla_attn.mla_sparse_prefill(q, torch.zeros(0, 576).bfloat16(), idx, softmax_scale=0.1, return_lse=True)
+    assert not out.any() and torch.isinf(lse).all() and (lse > 0).all()
+    out = mla_attn.mla_sparse_decode(q, torch.zeros(0, 16, 576).bfloat16(), idx, softmax_scale=0.1)
+    assert not out.any()

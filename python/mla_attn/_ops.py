@@ -65,7 +65,7 @@ def _decode(q: Tensor, q_pe: Optional[Tensor], kv_cache: Tensor, block_table: Te
     CUDA kernels do (ops.cpp)."""
     check.check_softmax_scale(softmax_scale)
     batch, max_seqlen_q = check.check_decode(q, q_pe, kv_cache, block_table, cache_seqlens, cu_seqlens_q,
-                                             max_seqlen_q, out)
+                                             max_seqlen_q, out, kv_slots)
     check.check_decode_options(q, kv_cache, k_scale, fp8_mma, kernel, max_seqlen_q, q_scale)
     check.check_schedule(tile_sched, req_splits, num_sm_parts, batch, q)
     check.check_skip_invalid_slots(skip_invalid_slots, kv_slots, kv_cache)

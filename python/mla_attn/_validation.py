@@ -193,8 +193,6 @@ def check_decode_cache_geometry(kv_cache: Tensor) -> None:
     page_size = kv_cache.shape[1]
     if not PAGE_SIZE_MIN <= page_size <= PAGE_SIZE_MAX:
         raise ValueError(f"page_size must be in [{PAGE_SIZE_MIN}, {PAGE_SIZE_MAX}], got {page_size}")
-    if kv_cache.shape[0] < 1:  # the kernels clamp page ids into the cache
-        raise ValueError("kv_cache must hold at least one page, got 0")
     if kv_cache.shape[0] * page_size > INT32_MAX:
         raise ValueError(f"the cache must hold fewer than 2^31 slots (num_pages x page_size), got "
                          f"{kv_cache.shape[0]} x {page_size}")
@@ -295,8 +293,9 @@ def _check_like_q(name: str, t: Tensor, q: Tensor, last_dim: int) -> None:
 
 
 def check_decode(q: Tensor, q_pe: Optional[Tensor], kv_cache: Tensor, block_table: Tensor, cache_seqlens: Tensor,
-                 cu_seqlens_q: Optional[Tensor], max_seqlen_q: Optional[int], out: Optional[Tensor]) -> tuple[int, int]:
-    """Static checks of mla_decode's tensors. Returns (batch, max_seqlen_q)."""
+                 cu_seqlens_q: Optional[Tensor], max_seqlen_q: Optional[int], out: Optional[Tensor],
+                 kv_slots: bool = False) -> tuple[int, int]:
+    """Static checks of mla_decode's tensors (kv_slots: the op's sparse form). Returns (batch, max_seqlen_q)."""
     check_tensor("q", q)
     check_tensor("kv_cache", kv_cache)
     if q.dtype not in HALF_DTYPES:
@@ -311,6 +310,8 @@ def check_decode(q: Tensor, q_pe: Optional[Tensor], kv_cache: Tensor, block_tabl
     if q_pe is not None:
         _check_like_q("q_pe", q_pe, q, D_PE)
     check_decode_cache_geometry(kv_cache)
+    if kv_cache.shape[0] < 1 and not kv_slots:  # page ids are clamped into the cache; slots outside it skipped
+        raise ValueError("kv_cache must hold at least one page, got 0")
     page_size = kv_cache.shape[1]
     check_int32("block_table", block_table, 2)
     check_int32("cache_seqlens", cache_seqlens, 1)
