@@ -1,5 +1,5 @@
-"""A seeded slice of a mutation fuzz of the wrappers' argument checks (CPU): valid calls with one or two
-arguments changed at random (dtype, rank, layout, device, Python type, range). Every call must either
+"""A seeded slice of a mutation fuzz of the public entry points' argument checks (CPU): valid calls with
+one or two arguments changed at random (dtype, rank, layout, device, Python type, range). Every call must either
 run or raise TypeError / ValueError (the rule of mla_attn/_validation.py), never another exception."""
 import random
 
@@ -56,6 +56,24 @@ def _merge_call():
                                             out_b=torch.randn(3, 2, 16).to(BF), lse_b=torch.randn(3, 2))
 
 
+def _decode_fp8_call():
+    c = make_decode_case([20, 3], 2, 4, 16, seed=3)
+    scale = torch.tensor([0.05])
+    kv = (c["kv_cache"].nan_to_num() / scale).to(torch.float8_e4m3fn)
+    return mla_attn.mla_decode, dict(q=c["q"][..., :512].contiguous(), q_pe=c["q"][..., 512:].contiguous(), kv_cache=kv,
+                                     block_table=c["block_table"], cache_seqlens=c["cache_seqlens"], k_scale=scale,
+                                     fp8_mma=True, q_scale=torch.tensor([0.5]), attn_sink=torch.zeros(4),
+                                     softmax_scale=0.1, return_lse=True)
+
+
+def _sparse_ds_call():
+    rows = mla_attn.quantize_ds_mla_fp8(torch.randn(32, 512).to(BF), torch.randn(32, 64).to(BF))
+    return mla_attn.mla_sparse_decode, dict(q=torch.randn(2, 4, 576).to(BF), kv_cache=rows.view(2, 16, 656),
+                                            indices=torch.tensor([[0, 31, -1], [7, 7, 40]], dtype=torch.int32),
+                                            softmax_scale=0.1, topk_length=torch.tensor([3, 2], dtype=torch.int32),
+                                            attn_sink=torch.zeros(4), return_lse=True)
+
+
 def _sparse_prefill_call():
     return mla_attn.mla_sparse_prefill, dict(q=torch.randn(2, 4, 576).to(BF), kv=torch.randn(6, 576).to(BF),
                                              indices=torch.tensor([[0, 5, -1], [2, 9, 2]], dtype=torch.int32),
@@ -89,7 +107,8 @@ def _cp_token_slot_call():
 
 
 CALLS = [_decode_call, _metadata_call, _sparse_call, _prefill_call, _write_call, _gather_call, _merge_call,
-         _sparse_prefill_call, _layer_call, _batch_call, _cp_slice_call, _cp_token_slot_call]
+         _decode_fp8_call, _sparse_ds_call, _sparse_prefill_call, _layer_call, _batch_call, _cp_slice_call,
+         _cp_token_slot_call]
 
 TENSOR_CHANGES = [
     lambda t, r: t.to(r.choice([torch.float32, torch.float16, torch.int64, torch.int32, torch.bool, torch.uint8])),
