@@ -13,6 +13,7 @@ then the wrappers' checks that only they make.
 """
 import math
 
+import numpy as np
 import pytest
 import torch
 from cases import make_decode_case, make_prefill_case
@@ -518,8 +519,9 @@ WRAPPER_CASES = [
      r"topk_length and sparse_metadata are options of sparse attention: they need indices"),
     ("cp group", lambda: cp_mla_decode(torch.zeros(2, 1, 4, 576), None, None, None, softmax_scale=0.1, group="x"), T,
      r"group must be a torch.distributed ProcessGroup or None"),
-    ("cp positions float", lambda: cp_token_slot(1.5, 16, 3), T, r"positions must be an int or an integer tensor"),
+    ("cp positions float", lambda: cp_token_slot(1.5, 16, 3), T, r"positions must be an int, an integer tensor or array"),
     ("cp positions negative", lambda: cp_token_slot(torch.tensor([3, -5]), 16, 3), V, r"positions must be >= 0"),
+    ("cp positions numpy", lambda: cp_token_slot(np.array([3, -5]), 16, 3), V, r"positions must be >= 0"),
     ("cp lengths", lambda: cp_slice(torch.zeros(2, 3, dtype=torch.int32), torch.tensor([-5, 10], dtype=torch.int32),
                                     16, 2, 0), V, r"cache_seqlens\[0\] = -5 is not in \[0, 48\]"),
 ]

@@ -78,6 +78,18 @@ def test_layers_share_the_rope_table():
     assert torch.equal(longer.rotary_emb.cos_sin[:4096], a.rotary_emb.cos_sin)
     other = MLAAttention(CONFIGS["q_lora"], dtype=torch.bfloat16)  # no YaRN: other frequencies
     assert not torch.equal(other.rotary_emb.cos_sin, a.rotary_emb.cos_sin)
+    # tables made under a tracing mode or inference mode are not shared; the default device does not matter
+    from torch._subclasses.fake_tensor import FakeTensorMode
+    with FakeTensorMode():
+        MLAAttention(cfg, dtype=torch.bfloat16)
+    with torch.inference_mode():
+        assert MLAAttention(cfg, dtype=torch.bfloat16).rotary_emb.cos_sin.data_ptr() != a.rotary_emb.cos_sin.data_ptr()
+    with torch.device("meta"):
+        assert MLAAttention(cfg, dtype=torch.bfloat16, device="cpu").rotary_emb.cos_sin.data_ptr() == \
+            a.rotary_emb.cos_sin.data_ptr()
+    fresh = MLAAttention(dataclasses.replace(cfg, max_position_embeddings=4097), dtype=torch.bfloat16)
+    assert type(fresh.rotary_emb.cos_sin) is torch.Tensor and torch.equal(fresh.rotary_emb.cos_sin[:4096],
+                                                                          a.rotary_emb.cos_sin)
     if torch.cuda.is_available():
         on_gpu = MLAAttention(cfg, dtype=torch.bfloat16, device="cuda")
         assert MLAAttention(cfg, dtype=torch.bfloat16, device=torch.device("cuda", torch.cuda.current_device())

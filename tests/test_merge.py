@@ -203,6 +203,28 @@ def test_pair_errors(kw, exc, match):
         mla_attn.merge_attn_states(**_pair(**kw))
 
 
+def test_out_overlapping_an_input():
+    """out may be an input itself (also with another stride on a size-1 dim) or apart from it in one
+    buffer; part of an input is refused. Fake tensors (no memory) are not judged."""
+    buf = torch.randn(12, 3, 16).bfloat16()
+    lse = torch.randn(12, 3)
+    a, b = dict(out_a=buf[:4], lse_a=lse[:4]), dict(out_b=buf[4:8], lse_b=lse[4:8])
+    want, _ = mla_attn.merge_attn_states(**a, **b)
+    got, _ = mla_attn.merge_attn_states(**a, **b, out=buf[8:12])  # apart, in the same buffer
+    assert torch.equal(got, want)
+    got, _ = mla_attn.merge_attn_states(**a, **b, out=buf[:4])  # out_a itself
+    assert torch.equal(got, want)
+    x = torch.randn(3, 16).bfloat16()
+    one = dict(out_a=x.unsqueeze(0), lse_a=torch.zeros(1, 3), out_b=torch.randn(1, 3, 16).bfloat16(), lse_b=torch.zeros(1, 3))
+    mla_attn.merge_attn_states(**one, out=x.view(3, 1, 16).transpose(0, 1))  # out_a with another size-1 stride
+    with pytest.raises(ValueError, match="out shares part of out_a's memory"):
+        mla_attn.merge_attn_states(**a, **b, out=buf[1:5])
+    from torch._subclasses.fake_tensor import FakeTensorMode
+    with FakeTensorMode() as mode:
+        fake = {k: mode.from_tensor(v) for k, v in {**a, **b}.items()}
+        mla_attn.merge_attn_states(**fake, out=mode.from_tensor(torch.empty(9, 3, 16).bfloat16())[2:6])
+
+
 def test_out_and_n_errors():
     with pytest.raises(TypeError, match=r"out dtype torch.float32 must match"):
         mla_attn.merge_attn_states(**_pair(), out=torch.empty(4, 2, 16))

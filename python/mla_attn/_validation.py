@@ -97,6 +97,15 @@ def check_no_overlap(name: str, t: Tensor) -> None:
         span += stride * (size - 1)
 
 
+def _byte_range(t: Tensor) -> tuple[int, int]:
+    """[first, last + 1) byte addresses t's elements span."""
+    first = t.data_ptr()
+    if t.is_contiguous():
+        return first, first + t.numel() * t.element_size()
+    span = sum(stride * (size - 1) for stride, size in zip(t.stride(), t.shape) if size > 1)
+    return first, first + (span + 1) * t.element_size()
+
+
 def _dense(t: Tensor) -> bool:
     """Whether t's elements fill a block of memory without gaps or overlaps, in some order of its dims."""
     expected = 1
@@ -107,21 +116,26 @@ def _dense(t: Tensor) -> bool:
     return True
 
 
-def check_no_partial_overlap(name: str, out: Tensor, input_name: str, inp: Tensor) -> None:
+def check_no_partial_overlap(name: str, out: Tensor, inputs: dict[str, Tensor]) -> None:
     """An output that shares part of an input's memory (as torch judges it: dense tensors only). All of
     it is fine where each thread reads its part of the input before writing it (the merge). Not while
-    torch.compile traces, nor on the meta device (no memory)."""
-    if torch.compiler.is_compiling() or out.device.type == "meta" or not out.numel() or not inp.numel():
+    torch.compile traces, nor for fake, functional or meta tensors (no memory)."""
+    if torch.compiler.is_compiling() or type(out) is not Tensor or out.device.type == "meta" or not out.numel():
         return
-    if out.untyped_storage().data_ptr() != inp.untyped_storage().data_ptr():
-        return
-    if out.data_ptr() == inp.data_ptr() and out.shape == inp.shape and out.stride() == inp.stride():
-        return
-    if not (_dense(out) and _dense(inp)):
-        return
-    out_end = out.data_ptr() + out.numel() * out.element_size()
-    if out.data_ptr() < inp.data_ptr() + inp.numel() * inp.element_size() and inp.data_ptr() < out_end:
-        raise ValueError(f"{name} shares part of {input_name}'s memory; an output may be an input, or apart from it")
+    out_first, out_end = _byte_range(out)
+    for input_name, inp in inputs.items():
+        if type(inp) is not Tensor or not inp.numel():
+            continue
+        in_first, in_end = _byte_range(inp)
+        if out_end <= in_first or in_end <= out_first:  # apart: the usual case
+            continue
+        same_layout = out.shape == inp.shape and all(
+            out.stride(d) == inp.stride(d) for d in range(out.dim()) if out.shape[d] > 1)
+        if out_first == in_first and same_layout:  # the input itself
+            continue
+        if _dense(out) and _dense(inp):
+            raise ValueError(f"{name} shares part of {input_name}'s memory; an output may be an input, or apart "
+                             "from it")
 
 
 def check_int32(name: str, t: Tensor, dim: int) -> None:
@@ -562,13 +576,11 @@ def check_merge(out_a: Tensor, lse_a: Tensor, out_b: Tensor, lse_b: Tensor, out:
     if out is not None:
         _check_like_out_a("out", out, out_a)
         check_no_overlap("out", out)
-        check_no_partial_overlap("out", out, "out_a", out_a)
-        check_no_partial_overlap("out", out, "out_b", out_b)
+        check_no_partial_overlap("out", out, {"out_a": out_a, "out_b": out_b})
     if lse is not None:
         check_lse("lse", lse, lead, "out_a", out_a)
         check_no_overlap("lse", lse)
-        check_no_partial_overlap("lse", lse, "lse_a", lse_a)
-        check_no_partial_overlap("lse", lse, "lse_b", lse_b)
+        check_no_partial_overlap("lse", lse, {"lse_a": lse_a, "lse_b": lse_b})
 
 
 def check_merge_n(outs: Tensor, lses: Tensor) -> None:
@@ -699,18 +711,23 @@ def check_layer_step(kv_cache: Tensor, page_size: int, max_seq_len: int, max_pos
                          f"{max_position} positions (MLAConfig.max_position_embeddings)")
 
 
-def check_layer_inputs(hidden_states: object, batch: object, hidden_size: int, like: Tensor, fp8_mma: object,
-                       indices: Optional[Tensor], topk_length: Optional[Tensor], sparse_metadata: object) -> None:
+def check_layer_inputs(hidden_states: object, batch: object, hidden_size: int, weight: object, kv_cache: object,
+                       fp8_mma: object, indices: Optional[Tensor], topk_length: Optional[Tensor],
+                       sparse_metadata: object) -> None:
     """MLAAttention.forward's own arguments (the ops it calls check the rest): an MLABatch, hidden_states
-    [T, hidden_size] of the layer's dtype and device with T the batch's tokens, and the sparse options
-    only with indices."""
+    [T, hidden_size] on the cache's device with T the batch's tokens, of the first projection's weight
+    dtype where that is a float type (a quantised Linear keeps another dtype, or no weight), and the
+    sparse options only with indices."""
     from .batch import MLABatch  # batch.py imports this module
     if not isinstance(batch, MLABatch):
         raise TypeError(f"batch must be an MLABatch (MLABatch.build), got {type(batch).__name__}")
     check_tensor("hidden_states", hidden_states)
-    if hidden_states.dtype != like.dtype:
-        raise TypeError(f"hidden_states dtype {hidden_states.dtype} must be the layer's dtype {like.dtype}")
-    check_device("hidden_states", hidden_states, "the layer", like)
+    float_weight = isinstance(weight, Tensor) and weight.dtype in HALF_DTYPES + (torch.float32,)
+    if not hidden_states.dtype.is_floating_point or (float_weight and hidden_states.dtype != weight.dtype):
+        raise TypeError(f"hidden_states dtype {hidden_states.dtype} must be the layer's dtype "
+                        f"{weight.dtype if float_weight else 'a floating point dtype'}")
+    check_tensor("kv_cache", kv_cache)
+    check_device("hidden_states", hidden_states, "kv_cache", kv_cache)
     check_tensor("batch.positions", batch.positions)
     if batch.positions.dim() != 1:
         raise ValueError(f"batch.positions must be [T], got shape {tuple(batch.positions.shape)}")
@@ -807,9 +824,14 @@ def check_batch(query_lens: list[int], context_lens: list[int], block_table: obj
             raise TypeError(f"block_table is a meta tensor: it cannot be copied to {device or 'cpu'}")
         # As for a list table: the pages a request uses must be page ids (a negative one would make its
         # tokens' slots negative, which write_kv_cache skips). Read where that needs no sync.
-        if B and want_value_checks(None, block_table.device):
-            used = torch.arange(block_table.shape[1])[None, :] * page_size < torch.tensor(seq_lens)[:, None]
-            bad = used & (block_table[:B] < 0)
+        cols = -(-max(seq_lens, default=0) // page_size)
+        if B and cols and block_table.device.type != "meta" and want_value_checks(None, block_table.device):
+            table = block_table[:B, :cols]
+            if not bool((table < 0).any()):  # the usual table: no row to look at
+                return
+            dev = block_table.device
+            used = torch.arange(cols, device=dev)[None, :] * page_size < torch.tensor(seq_lens, device=dev)[:, None]
+            bad = used & (table < 0)
             if bool(bad.any()):
                 b, j = (int(x) for x in bad.nonzero()[0])
                 raise ValueError(f"block_table[{b}, {j}] = {int(block_table[b, j])} is not a page id (>= 0); "
@@ -841,15 +863,23 @@ def check_cp_layout(page_size: int, world_size: int, rank: Optional[int] = None)
 
 
 def check_cp_positions(positions: object) -> None:
-    """cp_token_slot's key positions: an int >= 0, or an integer tensor (values >= 0, read on the CPU)."""
+    """cp_token_slot's key positions: an int >= 0, or an integer tensor (values >= 0, read on the CPU) or
+    NumPy array."""
     if isinstance(positions, Tensor):
         if positions.dtype.is_floating_point or positions.dtype.is_complex or positions.dtype == torch.bool:
             raise TypeError(f"positions must be an int or an integer tensor, got {positions.dtype}")
         if want_value_checks(None, positions.device) and bool((positions < 0).any()):
             raise ValueError(f"positions must be >= 0, got {int(positions.min())}")
         return
+    kind = getattr(getattr(positions, "dtype", None), "kind", None)  # a NumPy array or scalar
+    if kind is not None:
+        if kind not in "iu":
+            raise TypeError(f"positions must be ints, got a NumPy array of {positions.dtype}")
+        if (positions < 0).any():
+            raise ValueError(f"positions must be >= 0, got {positions.min()}")
+        return
     if not isinstance(positions, (numbers.Integral, torch.SymInt)) or isinstance(positions, bool):
-        raise TypeError(f"positions must be an int or an integer tensor, got {type(positions).__name__}")
+        raise TypeError(f"positions must be an int, an integer tensor or array, got {type(positions).__name__}")
     if positions < 0:
         raise ValueError(f"positions must be >= 0, got {positions}")
 

@@ -61,17 +61,23 @@ _TABLES: "weakref.WeakValueDictionary[tuple, Tensor]" = weakref.WeakValueDiction
 
 def _cos_sin_table(dim: int, max_position: int, base: float, scaling: Optional[YarnScaling],
                    device: Optional[torch.device | str]) -> Tensor:
-    device = torch.empty(0, device=device).device  # "cuda" -> "cuda:N", so equal devices share
+    probe = torch.empty(0, device=device)
+    device = probe.device  # "cuda" -> "cuda:N", so equal devices share
+    # Only plain tensors are shared: not fake ones (a tracing mode), nor inference tensors.
+    shared = type(probe) is Tensor and not torch.is_inference_mode_enabled()
     key = (dim, max_position, float(base), scaling, device)
-    table = _TABLES.get(key)
+    table = _TABLES.get(key) if shared else None
     if table is None:
-        if scaling is None:
-            inv_freq, mscale = base ** -(torch.arange(0, dim, 2, dtype=torch.float32) / dim), 1.0
-        else:
-            inv_freq, mscale = scaling.inv_freq(dim, base), scaling.rotary_mscale
-        angles = torch.outer(torch.arange(max_position, dtype=torch.float32), inv_freq)
-        table = (torch.cat([angles.cos(), angles.sin()], -1) * mscale).to(device)
-        _TABLES[key] = table
+        with torch.device("cpu"):  # whatever the default device: the same values everywhere
+            if scaling is None:
+                inv_freq, mscale = base ** -(torch.arange(0, dim, 2, dtype=torch.float32) / dim), 1.0
+            else:
+                inv_freq, mscale = scaling.inv_freq(dim, base), scaling.rotary_mscale
+            angles = torch.outer(torch.arange(max_position, dtype=torch.float32), inv_freq)
+            table = torch.cat([angles.cos(), angles.sin()], -1) * mscale
+        table = table.to(device)
+        if shared:
+            _TABLES[key] = table
     return table
 
 
