@@ -273,13 +273,15 @@ def check_scale_value(name: str, scale: Optional[Tensor]) -> None:
             raise ValueError(f"{name} must be finite and > 0, got {value}")
 
 
-def check_block_table_values(block_table: Tensor, lens: Tensor, num_pages: int, page_size: int) -> None:
-    """Every page a request of lens[b] keys uses is an id in [0, num_pages); the tail may be garbage."""
+def check_block_table_values(block_table: Tensor, lens: Tensor, num_pages: Optional[int], page_size: int) -> None:
+    """Every page a request of lens[b] keys uses is an id in [0, num_pages) (num_pages None: >= 0, the cache
+    not known yet); the tail may be garbage."""
     used = torch.arange(block_table.shape[1], device=block_table.device)[None, :] * page_size < lens[:, None]
-    bad = used & ((block_table < 0) | (block_table >= num_pages))
+    bad = used & ((block_table < 0) if num_pages is None else (block_table < 0) | (block_table >= num_pages))
     if bool(bad.any()):
         b, j = (int(x) for x in bad.nonzero()[0])
-        raise ValueError(f"block_table[{b}, {j}] = {int(block_table[b, j])} is not a page id in [0, {num_pages}) "
+        ids = ">= 0" if num_pages is None else f"in [0, {num_pages})"
+        raise ValueError(f"block_table[{b}, {j}] = {int(block_table[b, j])} is not a page id {ids} "
                          f"(request {b} uses its first {-(-int(lens[b]) // page_size)} pages)")
 
 
@@ -442,13 +444,8 @@ def check_metadata(md: object, batch: int, max_seqlen_q: int, causal: bool, dete
     check_schedule(md.tile_sched, md.req_splits, md.num_sm_parts, batch, q)
 
 
-def check_decode_values(kv_cache: Tensor, block_table: Tensor, cache_seqlens: Tensor, cu_seqlens_q: Optional[Tensor],
-                        max_seqlen_q: int, num_tokens: int, k_scale: Optional[Tensor],
-                        q_scale: Optional[Tensor] = None) -> None:
-    """Value checks of mla_decode (host sync on GPU)."""
-    check_scale_value("k_scale", k_scale)
-    check_scale_value("q_scale", q_scale)
-    page_size = kv_cache.shape[1]
+def check_seqlens_values(block_table: Tensor, cache_seqlens: Tensor, page_size: int) -> None:
+    """Each length in [0, what its block-table row holds] (host sync on GPU)."""
     cap = block_table.shape[1] * page_size
     for b, n in enumerate(cache_seqlens.tolist()):
         if n < 0:
@@ -456,6 +453,16 @@ def check_decode_values(kv_cache: Tensor, block_table: Tensor, cache_seqlens: Te
         if n > cap:
             raise ValueError(f"cache_seqlens[{b}] = {n} exceeds block_table capacity {block_table.shape[1]} pages "
                              f"x page_size {page_size} = {cap}")
+
+
+def check_decode_values(kv_cache: Tensor, block_table: Tensor, cache_seqlens: Tensor, cu_seqlens_q: Optional[Tensor],
+                        max_seqlen_q: int, num_tokens: int, k_scale: Optional[Tensor],
+                        q_scale: Optional[Tensor] = None) -> None:
+    """Value checks of mla_decode (host sync on GPU)."""
+    check_scale_value("k_scale", k_scale)
+    check_scale_value("q_scale", q_scale)
+    page_size = kv_cache.shape[1]
+    check_seqlens_values(block_table, cache_seqlens, page_size)
     if cu_seqlens_q is not None:
         for b, s in enumerate(check_cu_seqlens_values("cu_seqlens_q", cu_seqlens_q.tolist(), num_tokens)):
             if s > max_seqlen_q:
@@ -697,27 +704,14 @@ def check_gather_values(kv_cache: Tensor, block_table: Tensor, cu_seqlens: Tenso
 
 
 # ------------------------------------------------------------------------------- layer, batch, CP
-def check_layer_step(kv_cache: Tensor, page_size: int, max_seq_len: int, max_position: int) -> None:
-    """MLAAttention.forward's cache and batch against each other and the layer's RoPE table: a batch built
-    for another page size would write and read other requests' rows, and a position past the table
-    would index out of it on the device."""
-    check_tensor("kv_cache", kv_cache)
-    if kv_cache.dim() < 2 or kv_cache.shape[1] != page_size:
-        got = kv_cache.shape[1] if kv_cache.dim() >= 2 else None
-        raise ValueError(f"kv_cache has page_size {got} but the batch was built for page_size {page_size}")
-    # A host check: while torch.compile traces, a comparison on the step's length would guard on it.
-    if not torch.compiler.is_compiling() and max_seq_len > max_position:
-        raise ValueError(f"the batch reaches position {max_seq_len - 1}, past the layer's RoPE table of "
-                         f"{max_position} positions (MLAConfig.max_position_embeddings)")
-
-
-def check_layer_inputs(hidden_states: object, batch: object, hidden_size: int, weight: object, kv_cache: object,
-                       fp8_mma: object, indices: Optional[Tensor], topk_length: Optional[Tensor],
-                       sparse_metadata: object) -> None:
+def check_layer_call(hidden_states: object, kv_cache: object, batch: object, hidden_size: int, weight: object,
+                     max_position: int, fp8_mma: object, indices: Optional[Tensor], topk_length: Optional[Tensor],
+                     sparse_metadata: object) -> None:
     """MLAAttention.forward's own arguments (the ops it calls check the rest): an MLABatch, hidden_states
     [T, hidden_size] on the cache's device with T the batch's tokens, of the first projection's weight
     dtype where that is a float type (a quantised Linear keeps another dtype, or no weight), and the
-    sparse options only with indices."""
+    sparse options only with indices. A batch built for another page size would write and read other
+    requests' rows, and a position past the layer's RoPE table would index out of it on the device."""
     from .batch import MLABatch  # batch.py imports this module
     if not isinstance(batch, MLABatch):
         raise TypeError(f"batch must be an MLABatch (MLABatch.build), got {type(batch).__name__}")
@@ -739,6 +733,13 @@ def check_layer_inputs(hidden_states: object, batch: object, hidden_size: int, w
     check_flags(fp8_mma=fp8_mma)
     if indices is None and (topk_length is not None or sparse_metadata is not None):
         raise ValueError("topk_length and sparse_metadata are options of sparse attention: they need indices")
+    if kv_cache.dim() < 2 or kv_cache.shape[1] != batch.page_size:
+        got = kv_cache.shape[1] if kv_cache.dim() >= 2 else None
+        raise ValueError(f"kv_cache has page_size {got} but the batch was built for page_size {batch.page_size}")
+    # A host check: while torch.compile traces, a comparison on the step's length would guard on it.
+    if not torch.compiler.is_compiling() and batch.max_seq_len > max_position:
+        raise ValueError(f"the batch reaches position {batch.max_seq_len - 1}, past the layer's RoPE table of "
+                         f"{max_position} positions (MLAConfig.max_position_embeddings)")
 
 
 def check_layer_config(config: object) -> None:
@@ -827,15 +828,8 @@ def check_batch(query_lens: list[int], context_lens: list[int], block_table: obj
         cols = -(-max(seq_lens, default=0) // page_size)
         if B and cols and block_table.device.type != "meta" and want_value_checks(None, block_table.device):
             table = block_table[:B, :cols]
-            if not bool((table < 0).any()):  # the usual table: no row to look at
-                return
-            dev = block_table.device
-            used = torch.arange(cols, device=dev)[None, :] * page_size < torch.tensor(seq_lens, device=dev)[:, None]
-            bad = used & (table < 0)
-            if bool(bad.any()):
-                b, j = (int(x) for x in bad.nonzero()[0])
-                raise ValueError(f"block_table[{b}, {j}] = {int(block_table[b, j])} is not a page id (>= 0); "
-                                 f"request {b} uses its first {-(-seq_lens[b] // page_size)} pages")
+            if bool((table < 0).any()):  # else the usual table: no row to look at
+                check_block_table_values(table, torch.tensor(seq_lens, device=table.device), None, page_size)
         return
     if isinstance(block_table, (str, bytes)) or not isinstance(block_table, Sequence):
         raise TypeError(f"block_table must be an int32 tensor or a list of page lists, got "
@@ -888,16 +882,6 @@ def check_cp_group(group: object) -> None:
     process_group = getattr(torch.distributed, "ProcessGroup", None)
     if group is not None and (process_group is None or not isinstance(group, process_group)):
         raise TypeError(f"group must be a torch.distributed ProcessGroup or None, got {type(group).__name__}")
-
-
-def check_cp_request_values(block_table: Tensor, cache_seqlens: Tensor, page_size: int) -> None:
-    """Value check of cp_slice (host sync on GPU): each length fits its block-table row."""
-    cap = block_table.shape[1] * page_size
-    bad = (cache_seqlens < 0) | (cache_seqlens > cap)
-    if bool(bad.any()):
-        b = int(bad.nonzero()[0])
-        raise ValueError(f"cache_seqlens[{b}] = {int(cache_seqlens[b])} is not in [0, {cap}] (block_table's "
-                         f"{block_table.shape[1]} pages x page_size {page_size})")
 
 
 def check_cp_requests(block_table: Tensor, cache_seqlens: Tensor) -> None:

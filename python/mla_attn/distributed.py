@@ -43,7 +43,7 @@ def cp_slice(block_table: Tensor, cache_seqlens: Tensor, page_size: int, world_s
     check.check_cp_layout(page_size, world_size, rank)
     check.check_cp_requests(block_table, cache_seqlens)
     if check.want_value_checks(None, block_table.device):
-        check.check_cp_request_values(block_table, cache_seqlens, page_size)
+        check.check_seqlens_values(block_table, cache_seqlens, page_size)
     pages = block_table[:, rank::world_size].contiguous()
     first_key = (rank + world_size * torch.arange(pages.shape[1], device=block_table.device)) * page_size
     keys = (cache_seqlens[:, None] - first_key).clamp(0, page_size)  # keys in each local page

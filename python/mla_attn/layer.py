@@ -118,10 +118,10 @@ class MLAAttention(nn.Module):
         deterministic batch); see mla_decode. mla_decode checks it: a step with decode requests raises
         ValueError on another cache. Prefills and sparse attention (indices=) do not use it."""
         c = self.config
-        check.check_layer_inputs(hidden_states, batch, c.hidden_size, getattr(self.kv_a_proj_with_mqa, "weight", None),
-                                 kv_cache, fp8_mma, indices, topk_length, sparse_metadata)
+        weight = getattr(self.kv_a_proj_with_mqa, "weight", None)
+        check.check_layer_call(hidden_states, kv_cache, batch, c.hidden_size, weight, self.rotary_emb.cos_sin.shape[0],
+                               fp8_mma, indices, topk_length, sparse_metadata)
         T, h = hidden_states.shape[0], c.num_heads
-        check.check_layer_step(kv_cache, batch.page_size, batch.max_seq_len, self.rotary_emb.cos_sin.shape[0])
         if c.q_lora_rank is None:
             q = self.q_proj(hidden_states)
         else:
