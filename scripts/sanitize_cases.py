@@ -5,7 +5,9 @@ ds_mla_fp8 cache and through
 every split kernel that can run it. Prefill: partial and causal-diagonal blocks, empty
 rows, k_pe split. Then an LSE merge and a KV-cache write + gather round trip. Sparse top-k decode with
 invalid indices and lengths (rows ending before their scheduled pieces, empty rows) over a 16-bit, an
-FP8 and a ds_mla_fp8 cache, with the schedule made once for two index sets."""
+FP8 and a ds_mla_fp8 cache, with the schedule made once for two index sets. Last, values only validation
+refuses: lengths past the block table through every 16-bit kernel, out-of-range cu_seqlens in decode
+and prefill."""
 import os
 import sys
 
@@ -13,7 +15,7 @@ import torch
 
 sys.path.insert(0, os.path.join(os.path.dirname(__file__), "..", "tests"))
 import mla_attn  # noqa: E402
-from cases import make_decode_case, make_prefill_case  # noqa: E402
+from cases import make_decode_case, make_overlong_decode_case, make_prefill_case, scramble_cu_seqlens  # noqa: E402
 from conftest import decode_kernels_for  # noqa: E402
 from fp8_cases import dequantized, to_ds_case, to_fp8_case  # noqa: E402
 from sparse_cases import check_sparse, make_sparse_case, run_sparse, to_device  # noqa: E402
@@ -135,11 +137,33 @@ def check_sparse_decode():
             print(f"sparse lead={lead} h_q={h_q} topk={topk} page={page} cache={fmt} seed={seed}: ok", flush=True)
 
 
+def check_unchecked_values():
+    """validate=False with values the kernels must survive (tests/test_unchecked_values_gpu.py)."""
+    overlong, _ = make_overlong_decode_case(2, 64, 64)
+    overlong = cuda(overlong)
+    for kernel in decode_kernels_for(torch.bfloat16, 128):
+        mla_attn.mla_decode(overlong["q"], overlong["kv_cache"], overlong["block_table"], overlong["cache_seqlens"],
+                            softmax_scale=overlong["softmax_scale"], causal=True, validate=False, _kernel=kernel)
+    c = cuda(make_decode_case([300, 70, 0, 129, 64], 2, 64, 64, varlen=True))
+    bad = scramble_cu_seqlens(c["cu_seqlens_q"], c["q"].shape[0])
+    for kernel in decode_kernels_for(torch.bfloat16, 128):
+        mla_attn.mla_decode(c["q"], c["kv_cache"], c["block_table"], c["cache_seqlens"], cu_seqlens_q=bad,
+                            max_seqlen_q=2, softmax_scale=c["softmax_scale"], causal=True, validate=False,
+                            _kernel=kernel)
+    p = cuda(make_prefill_case([200, 5, 64, 90], [300, 0, 64, 128], 2))
+    mla_attn.mla_prefill(p["q"], p["k"], p["v"], scramble_cu_seqlens(p["cu_seqlens_q"], p["q"].shape[0]),
+                         scramble_cu_seqlens(p["cu_seqlens_k"], p["k"].shape[0]), p["max_seqlen_q"], p["max_seqlen_k"],
+                         softmax_scale=p["softmax_scale"], causal=True, validate=False)
+    torch.cuda.synchronize()
+    print("lengths past the block table, out-of-range cu_seqlens: ran", flush=True)
+
+
 def main():
     check_prefill()
     check_merge_and_cache()
     check_decode()
     check_sparse_decode()
+    check_unchecked_values()
 
 
 if __name__ == "__main__":

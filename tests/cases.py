@@ -113,3 +113,24 @@ def make_prefill_case(lens_q, lens_k, h_q, *, h_k=None, split_pe=False, dtype=to
     return dict(q=q, k=k, v=v, k_pe=k_pe, cu_seqlens_q=cu_q, cu_seqlens_k=cu_k,
                 max_seqlen_q=max(lens_q, default=0), max_seqlen_k=max(lens_k, default=0),
                 softmax_scale=192**-0.5)
+
+
+def make_overlong_decode_case(s_q, h_q, page_size, *, seed=0):
+    """Lengths past what the block table holds, as only validation refuses them: (case, reference
+    case). The table's width is exactly what the first two requests' keys fill (no tail), their
+    lengths are that + 300 and INT32_MAX; the kernels clamp them to the table, so the reference is the
+    same case at the clamped lengths. A third request of ordinary length keeps NaN past its keys."""
+    keys = 12 * page_size
+    case = make_decode_case([keys, keys, 700], s_q, h_q, page_size, seed=seed)
+    case["block_table"] = case["block_table"][:, :12].contiguous()
+    overlong = {**case, "cache_seqlens": torch.tensor([keys + 300, 2**31 - 1, 700], dtype=torch.int32)}
+    return overlong, case
+
+
+def scramble_cu_seqlens(cu, total):
+    """cu_seqlens as validation would refuse them: offsets past the packed rows, negative and
+    decreasing ones, a request longer than every max_seqlen. The first request stays as it was."""
+    bad = cu.clone()
+    tail = [total + 5, -3, total // 2, 2**31 - 1, 1, 2**31 - 1][: len(bad) - 2]
+    bad[2:] = torch.tensor(tail, dtype=bad.dtype)
+    return bad

@@ -179,6 +179,7 @@ void mla_decode_cuda_impl(const Tensor& q, const std::optional<Tensor>& q_pe, co
   p.max_keys = int(std::min<int64_t>(block_table.size(1) * (kv_slots ? 1 : page_size), INT32_MAX));
   p.cache_seqlens = cache_seqlens.data_ptr<int>();
   p.cu_seqlens_q = varlen ? cu_seqlens_q->data_ptr<int>() : nullptr;
+  p.num_q_tokens = varlen ? int(std::min<int64_t>(q.size(0), INT32_MAX)) : 0;
   p.kv = kv_cache.data_ptr();
   p.k_scale = fp8_kv ? k_scale->data_ptr<float>() : nullptr;
   p.q_scale = q_scale.has_value() ? q_scale->data_ptr<float>() : nullptr;

@@ -80,6 +80,8 @@ void mla_prefill_cuda_impl(const Tensor& q, const Tensor& k, const Tensor& v, co
   p.lse_head_stride = lse.stride(1);
   p.cu_seqlens_q = cu_seqlens_q.data_ptr<int>();
   p.cu_seqlens_k = cu_seqlens_k.data_ptr<int>();
+  p.total_q = int(std::min<int64_t>(q.size(0), INT32_MAX));
+  p.total_k = int(std::min<int64_t>(tokens_k, INT32_MAX));
   p.batch = int(batch);
   p.num_heads_q = int(heads_q);
   p.num_heads_k = int(heads_k);

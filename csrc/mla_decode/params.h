@@ -63,9 +63,10 @@ struct DecodeParams {
   float* partial_lse;  // [slots * num_q_tiles * 64]
 
   // [h_q] fp32 (natural log) or nullptr: final rows of head h are normalised by sum + e^(attn_sink[h] - max)
-  // instead of sum, i.e. scaled by e^lse / (e^lse + e^attn_sink[h]); the lse written is unchanged. Last,
+  // instead of sum, i.e. scaled by e^lse / (e^lse + e^attn_sink[h]); the lse written is unchanged. Late,
   // so that the other members keep their offsets in the kernels' parameter bank.
   const float* attn_sink;
+  int num_q_tokens;  // with cu_seqlens_q: q's (and out's, lse's) token count, T; shared/query_span.cuh
 };
 
 // n / divisor = __umulhi(n, multiplier) >> shift, exact for 0 <= n < 2^31 (divisor >= 2; made by

@@ -14,6 +14,7 @@ struct PrefillParams {
   int64_t lse_token_stride, lse_head_stride;
   const int* cu_seqlens_q;  // [batch + 1]
   const int* cu_seqlens_k;  // [batch + 1]
+  int total_q, total_k;                 // T_q, T_k: the packed rows (cu_seqlens are clamped to them)
   int batch, num_heads_q, num_heads_k;  // q head h reads k/v head h / (num_heads_q / num_heads_k)
   int num_m_blocks;                     // ceil(max_seqlen_q / kBlockM)
   float scale_log2;                     // softmax_scale * log2(e)

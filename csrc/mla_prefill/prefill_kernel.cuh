@@ -41,16 +41,21 @@ struct Tile {
     t.head = blockIdx.y;
     t.head_k = t.head / (p.num_heads_q / p.num_heads_k);
     t.m0 = (p.num_m_blocks - 1 - int(blockIdx.x)) * kBlockM;
-    t.q_start = p.cu_seqlens_q[t.b];
-    t.seqlen_q = p.cu_seqlens_q[t.b + 1] - t.q_start;
+    // cu_seqlens are checked on the GPU only under validation (their values need a host sync): the
+    // spans are clamped into the packed tensors, so bad offsets give wrong rows, never an access outside
+    // q, out, lse, k or v, nor a walk over blocks that hold no key.
+    clamp_span(p.cu_seqlens_q, t.b, p.total_q, t.q_start, t.seqlen_q);
     if (t.m0 >= t.seqlen_q) return false;
-    t.k_start = p.cu_seqlens_k[t.b];
-    t.seqlen_k = p.cu_seqlens_k[t.b + 1] - t.k_start;
+    clamp_span(p.cu_seqlens_k, t.b, p.total_k, t.k_start, t.seqlen_k);
     // Keys past the last row's diagonal are invisible to the whole tile (bottom-right causal).
     const int last_row = min(t.m0 + kBlockM, t.seqlen_q) - 1;
     const int key_end = p.causal ? min(t.seqlen_k, last_row + t.seqlen_k - t.seqlen_q + 1) : t.seqlen_k;
     t.num_blocks = max(mla_common::ceil_div(key_end, kBlockN), 0);
     return true;
+  }
+  __device__ static void clamp_span(const int* cu_seqlens, int b, int total, int& start, int& count) {
+    start = min(max(cu_seqlens[b], 0), total);
+    count = min(max(cu_seqlens[b + 1], start), total) - start;
   }
   // Last key (inclusive) that request-local query row `row` sees.
   __device__ int last_key(const PrefillParams& p, int row) const {

@@ -25,6 +25,7 @@
 #include "mla_decode/config.h"
 #include "mla_decode/shared/packed_pair.cuh"
 #include "mla_decode/params.h"
+#include "mla_decode/shared/query_span.cuh"
 
 namespace mla_decode {
 
@@ -69,8 +70,8 @@ __global__ void __launch_bounds__(kCombineThreads)
   const int row = blockIdx.y * kRowsPerCta + warp / kWarpsPerRow;
   const int num_splits = p.req_splits[2 * b];
   if (num_splits <= 1) return;  // written directly by the split kernel
-  const int first_token = p.cu_seqlens_q ? p.cu_seqlens_q[b] : 0;
-  const int seqlen_q = p.cu_seqlens_q ? p.cu_seqlens_q[b + 1] - first_token : p.max_seqlen_q;
+  const QuerySpan span = QuerySpan::of(p, b);
+  const int first_token = span.first, seqlen_q = span.count;
   if (row >= seqlen_q * p.num_heads_q) return;
   mla_common::grid_dependency_wait();  // the split kernel's partials are visible from here on
 

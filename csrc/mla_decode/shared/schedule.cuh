@@ -4,6 +4,7 @@
 #include "common/device_utils.cuh"
 #include "mla_decode/config.h"
 #include "mla_decode/params.h"
+#include "mla_decode/shared/query_span.cuh"
 
 namespace mla_decode {
 
@@ -43,17 +44,21 @@ struct PartRange {
   // Fills `seg` for request b; returns false when this CTA's q-tile has no rows in request b.
   __device__ bool segment(const DecodeParams& p, int b, int m_block, Segment& seg) const {
     seg.b = b;
-    seg.first_token = p.cu_seqlens_q ? p.cu_seqlens_q[b] : 0;
-    seg.seqlen_q = p.cu_seqlens_q ? p.cu_seqlens_q[b + 1] - seg.first_token : p.max_seqlen_q;
+    const QuerySpan span = QuerySpan::of(p, b);
+    seg.first_token = span.first;
+    seg.seqlen_q = span.count;
     if (m_block * kBlockM >= seg.seqlen_q * p.num_heads_q) return false;
     const int seqlen = b == begin_b && !p.kv_slots ? begin_seqlen : p.cache_seqlens[b];
     seg.seqlen_k = min(max(seqlen, 0), p.max_keys);
     seg.blk_lo = b == begin_b ? begin_blk : 0;
     seg.blk_hi = b == last_b ? last_hi : mla_common::ceil_div(max(seqlen, 0), kBlockN);
-    if (p.kv_slots) {
-      // Slot lists (sparse top-k) may be scheduled for max_keys keys each, from shapes alone, while a
-      // row holds fewer valid slots: its blocks end at its own count, and a piece past it is empty (its
-      // partial has LSE -inf).
+    if (p.kv_slots || seqlen != seg.seqlen_k) {
+      // The schedule counts the blocks of the length as given. Slot lists (sparse top-k) are scheduled
+      // for max_keys keys each, from shapes alone, while a row holds fewer valid slots; a dense length
+      // past what the block table holds (unchecked on the GPU) is clamped. Either way the blocks end at
+      // the clamped count, and a piece past it is empty (its partial has LSE -inf): no kernel may walk
+      // blocks without keys (the seesaw kernels zero a tail block's rows from its key count). A branch,
+      // not an unconditional min: the min costs registers in the narrow kernels.
       seg.blk_hi = min(seg.blk_hi, mla_common::ceil_div(seg.seqlen_k, kBlockN));
       seg.blk_lo = min(seg.blk_lo, seg.blk_hi);
     }

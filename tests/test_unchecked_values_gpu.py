@@ -1,0 +1,75 @@
+"""What the kernels do with the values only validation checks (validate=False, the GPU default):
+lengths past the block table and out-of-range cu_seqlens give wrong rows at worst, never an access
+outside the tensors, a hang or a lost CUDA context."""
+import pytest
+import torch
+from cases import make_decode_case, make_overlong_decode_case, make_prefill_case, scramble_cu_seqlens
+from conftest import FP8, check_decode, check_unit_scale, decode_kernels_for, run_decode, to_device
+from fp8_cases import to_fp8_case
+
+
+pytestmark = pytest.mark.gpu
+
+GUARD = 4  # rows of sentinel on either side of an output
+
+
+def guarded(shape, dtype, fill):
+    """A tensor of `shape` inside a buffer with GUARD sentinel rows before and after it."""
+    buf = torch.full((shape[0] + 2 * GUARD, *shape[1:]), fill, dtype=dtype, device="cuda")
+    return buf, buf[GUARD:-GUARD]
+
+
+def assert_guards_intact(buf, fill):
+    assert (buf[:GUARD] == fill).all() and (buf[-GUARD:] == fill).all(), "a kernel wrote outside its output"
+
+
+OVERLONG = [(torch.bfloat16, 1, 16, 64), (torch.bfloat16, 2, 128, 64), (torch.bfloat16, 1, 128, 16),
+            (FP8, 1, 16, 64), (FP8, 2, 16, 64), (FP8, 1, 128, 64), (torch.bfloat16, 1, 16, 24)]
+
+
+@pytest.mark.parametrize("cache_dtype,s_q,h_q,page_size,kernel",
+                         [(*c, k) for c in OVERLONG for k in decode_kernels_for(c[0], c[1] * c[2])])
+def test_lengths_past_the_block_table(cache_dtype, s_q, h_q, page_size, kernel):
+    """Every kernel attends to what the table holds (the reference at the clamped lengths), including
+    the seesaw kernels that zero a tail block's rows from its key count and a length of INT32_MAX
+    (whose schedule spreads ~2^25 blocks over the parts: all but the first few pieces must be empty)."""
+    overlong, clamped = make_overlong_decode_case(s_q, h_q, page_size, seed=h_q + s_q)
+    if cache_dtype == FP8:
+        overlong = to_fp8_case(overlong)
+        clamped = {**clamped, "kv_cache": overlong["kv_cache"], "k_scale": overlong["k_scale"]}
+    overlong, clamped = to_device(overlong), to_device(clamped)
+    out, lse = run_decode(overlong, True, validate=False, _kernel=kernel)
+    torch.cuda.synchronize()
+    check_decode(clamped, True, out, lse, kernel)
+
+
+@pytest.mark.parametrize("h_q,s_q,kernel", [(h, s, k) for h, s in [(16, 1), (8, 4), (128, 2)]
+                                             for k in decode_kernels_for(torch.bfloat16, h * s)])
+def test_decode_cu_seqlens_q_out_of_range(h_q, s_q, kernel):
+    """Spans past q's tokens, negative, decreasing, longer than max_seqlen_q: the kernels write only
+    inside out (the sentinels around it stay), and the context survives (the same call with the right
+    offsets is then correct)."""
+    case = to_device(make_decode_case([300, 70, 0, 129, 64, 5], s_q, h_q, 64, varlen=True, seed=3))
+    total = case["q"].shape[0]
+    bad = scramble_cu_seqlens(case["cu_seqlens_q"], total)
+    out_buf, out = guarded((total, h_q, 512), case["q"].dtype, 3.0)
+    run_decode({**case, "cu_seqlens_q": bad}, True, out=out, validate=False, _kernel=kernel)
+    torch.cuda.synchronize()
+    assert_guards_intact(out_buf, 3.0)
+    out, lse = run_decode(case, True, _kernel=kernel)
+    check_unit_scale(case, True, out, lse)
+
+
+@pytest.mark.parametrize("causal", [True, False])
+def test_prefill_cu_seqlens_out_of_range(causal):
+    c = to_device(make_prefill_case([200, 5, 64, 90, 30, 7], [300, 0, 64, 128, 31, 9], 2))
+    t_q = c["q"].shape[0]
+    bad_q = scramble_cu_seqlens(c["cu_seqlens_q"], t_q)
+    bad_k = scramble_cu_seqlens(c["cu_seqlens_k"], c["k"].shape[0])
+    out_buf, out = guarded((t_q, 2, 128), c["q"].dtype, 3.0)
+    lse_buf, lse = guarded((t_q, 2), torch.float32, 3.0)
+    torch.ops.mla_attn.mla_prefill_out(c["q"], c["k"], c["v"], bad_q, bad_k, c["max_seqlen_q"], c["max_seqlen_k"],
+                                       c["softmax_scale"], causal, out, lse)
+    torch.cuda.synchronize()
+    assert_guards_intact(out_buf, 3.0)
+    assert_guards_intact(lse_buf, 3.0)
