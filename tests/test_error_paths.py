@@ -127,9 +127,16 @@ def on(device):
 # (inputs key, changes, exception, message pattern); one per reachable TORCH_CHECK
 GPU_CASES = [
     # decode_api.cpp: mla_decode_cuda_impl
-    ("mla_decode", lambda a: dict(softmax_scale=math.inf), R, r"softmax_scale must be a finite number > 0, got inf"),
+    ("mla_decode", lambda a: dict(softmax_scale=math.inf), R, r"softmax_scale must be a finite number > 0 .*got inf"),
     ("mla_decode", lambda a: dict(softmax_scale=0.0), R, r"softmax_scale must be a finite number > 0"),
+    ("mla_decode", lambda a: dict(softmax_scale=1e39), R,  # finite, but not as a float32
+     r"softmax_scale must be a finite number > 0 \(also as float32 times log2\(e\)\), got 1e\+39"),
     ("mla_decode_varlen", lambda a: dict(q=a["q"][None]), R, r"q must be \[B, s_q, h_q, D\] or, with cu_seqlens_q"),
+    ("mla_decode", lambda a: dict(q=a["q"][0]), R, r"q must be \[B, s_q, h_q, D\] or, with cu_seqlens_q"),
+    # a 0-dim q crashed the host (the out shape was taken from q's last dim)
+    ("mla_decode", lambda a: dict(q=a["q"][0, 0, 0, 0]), R, r"q must be \[B, s_q, h_q, D\] or, with cu_seqlens_q"),
+    ("mla_decode_out", lambda a: dict(q=a["q"][0, 0, 0, 0]), R, r"q must be \[B, s_q, h_q, D\] or, with cu_seqlens_q"),
+    ("mla_decode_out", lambda a: dict(out=a["out"][0, 0, 0, 0]), R, r"out must be \[.., h_q, 512\] of q's dtype"),
     ("mla_decode", lambda a: dict(q=a["q"].float()), R, r"q must be bf16 or fp16"),
     ("mla_decode", lambda a: dict(kv_cache=a["kv_cache"].half()), R, r"kv_cache dtype must equal q dtype"),
     ("mla_decode", lambda a: dict(kv_cache=a["kv_cache"].to(FP8)), R,
@@ -157,6 +164,9 @@ GPU_CASES = [
      r"kv_cache must be \[pages, page_size, 576\] or \[pages, page_size, 1, 576\]"),
     ("mla_decode", lambda a: dict(kv_cache=a["kv_cache"][..., :512]), R, r"kv_cache last dim must be 576, contiguous"),
     ("mla_decode", lambda a: dict(kv_cache=a["kv_cache"][:, :0]), R, r"page_size must be in \[1, 256\]"),
+    # page ids are clamped to num_pages - 1 (a slot list over no page is empty: test_sparse_gpu.py)
+    ("mla_decode", lambda a: dict(kv_cache=a["kv_cache"][:0]), R, r"kv_cache must hold at least one page, got 0"),
+    ("mla_decode_ds", lambda a: dict(kv_cache=a["kv_cache"][:0]), R, r"kv_cache must hold at least one page, got 0"),
     ("mla_decode", lambda a: dict(q=strided_last(a["q"])), R, r"q and q_pe must be contiguous in the last dim"),
     ("mla_decode", lambda a: dict(q=shifted(a["q"])), R, r"mla_attn: q must be 16-byte aligned"),
     ("mla_decode", lambda a: dict(q=padded(a["q"])), R, r"mla_attn: q stride\(1\) must be a multiple of 16 bytes"),
@@ -167,6 +177,9 @@ GPU_CASES = [
     ("mla_decode", lambda a: dict(block_table=a["block_table"].cpu()), R, r"all tensors must be on cuda"),
     ("mla_decode", lambda a: dict(block_table=a["block_table"].long()), R, r"block_table must be int32"),
     ("mla_decode", lambda a: dict(cache_seqlens=a["cache_seqlens"].long()), R, r"cache_seqlens must be int32"),
+    # rank-2 lengths were read flat
+    ("mla_decode", lambda a: dict(cache_seqlens=a["cache_seqlens"][:, None]), R, r"cache_seqlens must be \[B\], got \[2, 1\]"),
+    ("mla_decode", lambda a: dict(cache_seqlens=a["cache_seqlens"][0]), R, r"cache_seqlens must be \[B\], got \[\]"),
     ("mla_decode", lambda a: dict(tile_sched=a["tile_sched"].long()), R, r"tile_sched must be int32"),
     ("mla_decode", lambda a: dict(tile_sched=a["tile_sched"].cpu()), R, r"tile_sched must be on cuda"),
     ("mla_decode", lambda a: dict(req_splits=a["req_splits"].long()), R, r"req_splits must be int32"),
@@ -178,7 +191,9 @@ GPU_CASES = [
     ("mla_decode", lambda a: dict(req_splits=torch.cat([a["req_splits"]] * 2)), R,
      r"metadata was made for another batch size"),
     ("mla_decode_varlen", lambda a: dict(cu_seqlens_q=a["cu_seqlens_q"].long()), R, r"cu_seqlens_q must be int32"),
-    ("mla_decode_varlen", lambda a: dict(cu_seqlens_q=a["cu_seqlens_q"][:2]), R, r"cu_seqlens_q must have B \+ 1 entries"),
+    ("mla_decode_varlen", lambda a: dict(cu_seqlens_q=a["cu_seqlens_q"][:2]), R, r"cu_seqlens_q must be \[B \+ 1\], got \[2\]"),
+    ("mla_decode_varlen", lambda a: dict(cu_seqlens_q=a["cu_seqlens_q"][None]), R,
+     r"cu_seqlens_q must be \[B \+ 1\], got \[1, 3\]"),
     ("mla_decode", lambda a: dict(max_seqlen_q=3), R, r"q must be \[B, s_q, h_q, D\](?! or)"),
     ("mla_decode", lambda a: dict(q=torch.zeros(2, 2, 129, 576, dtype=torch.bfloat16, device="cuda")), R,
      r"h_q must be in \[1, 128\]"),
@@ -192,6 +207,12 @@ GPU_CASES = [
      r"out must be \[.., h_q, 512\] and lse \[.., h_q\] with q's leading dims"),
     ("mla_decode_out", lambda a: dict(lse=a["lse"][:, :1]), R,
      r"out must be \[.., h_q, 512\] and lse \[.., h_q\] with q's leading dims"),
+    # outputs with two elements at one address: stride 0, and heads 256 elements apart in 512-wide rows
+    ("mla_decode_out", lambda a: dict(out=a["out"][:, :, :1].expand(-1, -1, 4, -1)), R, r"out: elements overlap in memory"),
+    ("mla_decode_out", lambda a: dict(out=torch.empty(2 * 2 * 4 * 256 + 256, dtype=torch.bfloat16, device="cuda")
+                                      .as_strided((2, 2, 4, 512), (2048, 1024, 256, 1))), R,
+     r"out: elements overlap in memory"),
+    ("mla_decode_out", lambda a: dict(lse=a["lse"][:, :, :1].expand(-1, -1, 4)), R, r"lse: elements overlap in memory"),
     ("mla_decode", lambda a: dict(q=a["q"][..., :512].contiguous(), q_pe=a["q"][..., 512:].half()), R,
      r"q_pe must be \[.., h_q, 64\] of q's dtype with q's leading dims"),
     ("mla_decode", lambda a: dict(q=a["q"][..., :512].contiguous(), q_pe=a["q"][:1, ..., 512:].contiguous()), R,
@@ -199,6 +220,8 @@ GPU_CASES = [
     ("mla_decode", lambda a: dict(q=a["q"][..., :512].contiguous(), q_pe=a["q"][..., 512:].cpu()), R,
      r"all tensors must be on cuda"),
     ("get_decode_metadata", lambda a: dict(cache_seqlens=a["cache_seqlens"].long()), R, r"cache_seqlens must be int32"),
+    ("get_decode_metadata", lambda a: dict(cache_seqlens=a["cache_seqlens"][:, None]), R,
+     r"cache_seqlens must be \[B\], got \[2, 1\]"),
     ("get_decode_metadata", lambda a: dict(num_sm_parts=0), R, r"need 1 <= num_sm_parts <= min\(num_sms, "),
     ("get_decode_metadata", lambda a: dict(cache_seqlens=torch.zeros(50001, dtype=torch.int32, device="cuda")), R,
      r"get_decode_metadata supports at most 50000 requests"),

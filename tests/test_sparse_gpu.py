@@ -157,6 +157,25 @@ def test_all_rows_empty():
     assert not out.any() and torch.isinf(lse).all() and (lse > 0).all()
 
 
+@pytest.mark.parametrize("cache_dtype", [torch.bfloat16, torch.uint8], ids=["bf16", "ds_mla_fp8"])
+def test_raw_kv_slots_over_a_cache_of_no_page(cache_dtype):
+    """torch.ops.mla_attn.mla_decode(kv_slots=True) over a cache of no page: every request is empty (out 0,
+    lse +inf) whatever its length and slots, on every kernel (slots were clamped to -1 before)."""
+    h_q = 16
+    lens = torch.tensor([5, 64, 1], dtype=torch.int32, device="cuda")
+    slots = torch.arange(3 * 64, dtype=torch.int32, device="cuda").view(3, 64)
+    q = torch.randn(3, 1, h_q, 576, device="cuda").bfloat16()
+    kv = torch.empty(0, 64, 656 if cache_dtype == torch.uint8 else 576, dtype=cache_dtype, device="cuda")
+    md = mla_attn.get_decode_metadata(lens, h_q, s_q=1, causal=False)
+    for kernel in [None] + decode_kernels_for(cache_dtype, h_q):
+        for skip in (False, True) if cache_dtype == torch.uint8 else (False,):
+            out, lse = torch.ops.mla_attn.mla_decode(q, None, kv, slots, lens, None, 1, 0.1, False, md.tile_sched,
+                                                     md.req_splits, md.num_sm_parts, kv_slots=True,
+                                                     skip_invalid_slots=skip, split_kernel=kernel)
+            torch.cuda.synchronize()
+            assert not out.any() and torch.isinf(lse).all() and (lse > 0).all(), (kernel, skip)
+
+
 @pytest.mark.parametrize("kernel", [None] + decode_kernels_for(torch.bfloat16, 64))
 def test_sparse_prefill_matches_reference(kernel):
     """Prefill: indices into gathered rows kv [S, 576]; the case's page-size-1 cache is that kv."""

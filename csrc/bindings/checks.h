@@ -5,7 +5,12 @@
 #include <ATen/cuda/CUDAContext.h>
 #include <c10/util/Exception.h>
 
+#include <algorithm>
+#include <cmath>
 #include <cstdint>
+#include <limits>
+#include <utility>
+#include <vector>
 
 #include "common/dtype.h"
 
@@ -42,7 +47,36 @@ inline void check_aligned(const at::Tensor& t, const char* name, int64_t bytes) 
 inline void check_i32(const at::Tensor& t, const char* name, const at::Tensor& like) {
   TORCH_CHECK(t.scalar_type() == at::kInt, "mla_attn: ", name, " must be int32");
   TORCH_CHECK(t.device() == like.device(), "mla_attn: ", name, " must be on ", like.device());
-  TORCH_CHECK(t.size(-1) <= 1 || t.stride(-1) == 1, "mla_attn: ", name, " must be contiguous in its last dim");
+  // A 0-dim tensor has no last dim: the callers' rank checks refuse it.
+  TORCH_CHECK(t.dim() == 0 || t.size(-1) <= 1 || t.stride(-1) == 1, "mla_attn: ", name,
+              " must be contiguous in its last dim");
+}
+
+// The kernels take the block max of unscaled scores (the scale commutes with max only if > 0) and
+// scale by softmax_scale * log2(e) in float32: that must be finite too (1e39 is not, as a float).
+// Compared in double (false for NaN and inf): converting a double past the float range is undefined.
+inline void check_softmax_scale(double softmax_scale) {
+  TORCH_CHECK(softmax_scale > 0 && softmax_scale * M_LOG2E <= double(std::numeric_limits<float>::max()),
+              "mla_attn: softmax_scale must be a finite number > 0 (also as float32 times log2(e)), got ",
+              softmax_scale);
+}
+
+// An output written by the kernels needs a distinct address per element, or threads race on one:
+// each dim's stride must exceed the span of the dims with smaller strides (the wrappers' rule;
+// at::assert_no_internal_overlap finds stride-0 dims only).
+inline void check_no_internal_overlap(const at::Tensor& t, const char* name) {
+  if (t.is_non_overlapping_and_dense()) return;  // the usual output, without the sort
+  std::vector<std::pair<int64_t, int64_t>> dims;  // (stride, size) of the dims that are stepped
+  for (int64_t d = 0; d < t.dim(); ++d) {
+    if (t.size(d) > 1) dims.emplace_back(t.stride(d), t.size(d));
+  }
+  std::sort(dims.begin(), dims.end());
+  int64_t span = 0;
+  for (const auto& [stride, size] : dims) {
+    TORCH_CHECK(stride > span, "mla_attn: ", name, ": elements overlap in memory (sizes ", t.sizes(), ", strides ",
+                t.strides(), "); an output needs a distinct address per element");
+    span += stride * (size - 1);
+  }
 }
 
 inline void check_same_device(std::initializer_list<at::Tensor> tensors, const at::Tensor& like) {

@@ -28,6 +28,11 @@ using namespace mla_bindings;
 // Query tokens per request: MAX_SEQLEN_Q of python/mla_attn/_constants.py, which the wrappers check.
 constexpr int64_t kMaxSeqlenQ = 512;
 
+// Before anything indexes q's dims (the out shape, size(-2)): a 0-dim q crashed the host.
+void check_q_rank(const Tensor& q, bool varlen) {
+  TORCH_CHECK(q.dim() == (varlen ? 3 : 4), "mla_attn: q must be [B, s_q, h_q, D] or, with cu_seqlens_q, [T, h_q, D]");
+}
+
 // The split kernel: the one `name` forces (ValueError if it is unknown or cannot run this case),
 // else the default choice.
 DecodeKernel resolve_decode_kernel(const std::optional<c10::string_view>& name, const DecodeProblem& problem) {
@@ -63,10 +68,8 @@ void mla_decode_cuda_impl(const Tensor& q, const std::optional<Tensor>& q_pe, co
   // DeepSeek-V3.2's cache: uint8 rows of 656 bytes with their own scales (kv_format "ds_mla_fp8").
   const bool ds_kv = kv_cache.scalar_type() == at::kByte;
   const bool varlen = cu_seqlens_q.has_value();
-  // > 0: the kernels take the block max of unscaled scores (the scale commutes with max only then).
-  TORCH_CHECK(softmax_scale > 0 && std::isfinite(softmax_scale), "mla_attn: softmax_scale must be a finite number > 0, got ",
-              softmax_scale);
-  TORCH_CHECK(q.dim() == (varlen ? 3 : 4), "mla_attn: q must be [B, s_q, h_q, D] or, with cu_seqlens_q, [T, h_q, D]");
+  check_q_rank(q, varlen);
+  check_softmax_scale(softmax_scale);
   TORCH_CHECK(q.scalar_type() == at::kBFloat16 || q.scalar_type() == at::kHalf, "mla_attn: q must be bf16 or fp16");
   TORCH_CHECK(fp8_kv || ds_kv || kv_cache.scalar_type() == q.scalar_type(),
               "mla_attn: kv_cache dtype must equal q dtype, or be float8_e4m3fn (with k_scale) or uint8 (ds_mla_fp8)");
@@ -96,6 +99,8 @@ void mla_decode_cuda_impl(const Tensor& q, const std::optional<Tensor>& q_pe, co
               "mla_attn: q_pe must be [.., h_q, 64] of q's dtype with q's leading dims");
   TORCH_CHECK(out.dim() == q.dim() && out.sizes().slice(0, q.dim() - 1).equals(lead) && lse.sizes().equals(lead),
               "mla_attn: out must be [.., h_q, 512] and lse [.., h_q] with q's leading dims");
+  check_no_internal_overlap(out, "out");
+  check_no_internal_overlap(lse, "lse");
   const int64_t row_elements = ds_kv ? mla_common::kDsRowBytes : kHeadDimK;
   TORCH_CHECK(kv_cache.dim() == 3 || (kv_cache.dim() == 4 && kv_cache.size(2) == 1),
               "mla_attn: kv_cache must be [pages, page_size, ", row_elements, "] or [pages, page_size, 1, ", row_elements, "]");
@@ -104,6 +109,8 @@ void mla_decode_cuda_impl(const Tensor& q, const std::optional<Tensor>& q_pe, co
   const int64_t page_size = kv_cache.size(1);
   TORCH_CHECK(page_size >= 1 && page_size <= 256, "mla_attn: page_size must be in [1, 256]");
   TORCH_CHECK(kv_cache.size(0) * page_size < (int64_t(1) << 31), "mla_attn: the cache must hold fewer than 2^31 slots");
+  // Page ids are clamped to [0, num_pages - 1]; a slot list (kv_slots) over no page has no key at all.
+  TORCH_CHECK(kv_slots || kv_cache.size(0) >= 1, "mla_attn: kv_cache must hold at least one page, got 0");
   TORCH_CHECK(q.stride(-1) == 1 && (!q_pe.has_value() || q_pe->stride(-1) == 1), "mla_attn: q and q_pe must be contiguous in the last dim");
   check_aligned(q, "q", 16);
   if (q_pe.has_value()) check_aligned(*q_pe, "q_pe", 16);
@@ -117,6 +124,8 @@ void mla_decode_cuda_impl(const Tensor& q, const std::optional<Tensor>& q_pe, co
   check_i32(cache_seqlens, "cache_seqlens", q);
   check_i32(tile_sched, "tile_sched", q);
   check_i32(req_splits, "req_splits", q);
+  // The kernels read cache_seqlens[b] and cu_seqlens_q[b] flat: a 2-D tensor would be read as one row.
+  TORCH_CHECK(cache_seqlens.dim() == 1, "mla_attn: cache_seqlens must be [B], got ", cache_seqlens.sizes());
   const int64_t batch = cache_seqlens.size(0);
   TORCH_CHECK(block_table.dim() == 2 && block_table.size(0) == batch,
               kv_slots ? "mla_attn: with kv_slots, block_table must be [B, max_keys]" : "mla_attn: block_table must be [B, max_pages]");
@@ -126,7 +135,8 @@ void mla_decode_cuda_impl(const Tensor& q, const std::optional<Tensor>& q_pe, co
   TORCH_CHECK(req_splits.size(0) == batch, "mla_attn: metadata was made for another batch size");
   if (varlen) {
     check_i32(*cu_seqlens_q, "cu_seqlens_q", q);
-    TORCH_CHECK(cu_seqlens_q->numel() == batch + 1, "mla_attn: cu_seqlens_q must have B + 1 entries");
+    TORCH_CHECK(cu_seqlens_q->dim() == 1 && cu_seqlens_q->numel() == batch + 1,
+                "mla_attn: cu_seqlens_q must be [B + 1], got ", cu_seqlens_q->sizes());
   } else {
     TORCH_CHECK(q.size(0) == batch && q.size(1) == max_seqlen_q, "mla_attn: q must be [B, s_q, h_q, D]");
   }
@@ -176,7 +186,10 @@ void mla_decode_cuda_impl(const Tensor& q, const std::optional<Tensor>& q_pe, co
   p.kv_slots = kv_slots;
   p.skip_invalid_slots = skip_invalid_slots;
   p.attn_sink = attn_sink.has_value() ? attn_sink->data_ptr<float>() : nullptr;
-  p.max_keys = int(std::min<int64_t>(block_table.size(1) * (kv_slots ? 1 : page_size), INT32_MAX));
+  // No page (kv_slots only): no slot is in the cache, so every request is empty (slots would clamp to -1).
+  p.max_keys = kv_cache.size(0) == 0
+                   ? 0
+                   : int(std::min<int64_t>(block_table.size(1) * (kv_slots ? 1 : page_size), INT32_MAX));
   p.cache_seqlens = cache_seqlens.data_ptr<int>();
   p.cu_seqlens_q = varlen ? cu_seqlens_q->data_ptr<int>() : nullptr;
   p.num_q_tokens = varlen ? int(std::min<int64_t>(q.size(0), INT32_MAX)) : 0;
@@ -252,6 +265,7 @@ std::tuple<Tensor, Tensor> mla_decode_cuda(const Tensor& q, const std::optional<
                                            const std::optional<Tensor>& q_scale, bool deterministic, bool fp8_mma,
                                            std::optional<c10::string_view> kernel, bool kv_slots,
                                            bool skip_invalid_slots, const std::optional<Tensor>& attn_sink) {
+  check_q_rank(q, cu_seqlens_q.has_value());
   auto out_shape = q.sizes().vec();
   out_shape.back() = mla_decode::kHeadDimV;
   Tensor out = at::empty(out_shape, q.options());
@@ -270,7 +284,7 @@ void mla_decode_out_cuda(const Tensor& q, const std::optional<Tensor>& q_pe, con
                          const std::optional<Tensor>& k_scale, const std::optional<Tensor>& q_scale,
                          bool deterministic, bool fp8_mma, std::optional<c10::string_view> kernel, bool kv_slots,
                          bool skip_invalid_slots, const std::optional<Tensor>& attn_sink) {
-  TORCH_CHECK(out.scalar_type() == q.scalar_type() && out.size(-1) == mla_decode::kHeadDimV &&
+  TORCH_CHECK(out.scalar_type() == q.scalar_type() && out.dim() >= 1 && out.size(-1) == mla_decode::kHeadDimV &&
                   out.stride(-1) == 1,
               "mla_attn: out must be [.., h_q, 512] of q's dtype, contiguous in the last dim");
   TORCH_CHECK(lse.scalar_type() == at::kFloat, "mla_attn: lse must be float32");
@@ -286,6 +300,7 @@ std::tuple<Tensor, Tensor> get_decode_metadata_cuda(const Tensor& cache_seqlens,
                                                     bool deterministic) {
   (void)cu_seqlens_q; (void)max_seqlen_q; (void)num_heads_q; (void)causal;  // enter via num_sm_parts
   check_i32(cache_seqlens, "cache_seqlens", cache_seqlens);
+  TORCH_CHECK(cache_seqlens.dim() == 1, "mla_attn: cache_seqlens must be [B], got ", cache_seqlens.sizes());
   TORCH_CHECK(num_sm_parts >= 1 && num_sm_parts <= num_sms && num_sm_parts <= mla_decode::kMaxSmParts,
               "mla_attn: need 1 <= num_sm_parts <= min(num_sms, ", mla_decode::kMaxSmParts, ")");
   const c10::cuda::CUDAGuard guard(cache_seqlens.device());
