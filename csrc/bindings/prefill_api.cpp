@@ -51,6 +51,9 @@ void mla_prefill_cuda_impl(const Tensor& q, const Tensor& k, const Tensor& v, co
   TORCH_CHECK(out.size(0) == q.size(0) && out.size(1) == heads_q, "mla_attn: out must be [T_q, h_q, 128]");
   TORCH_CHECK(lse.scalar_type() == at::kFloat && lse.dim() == 2 && lse.size(0) == q.size(0) && lse.size(1) == heads_q,
               "mla_attn: lse must be float32 [T_q, h_q]");
+  TORCH_CHECK(lse.device() == q.device(), "mla_attn: lse must be on ", q.device());
+  check_no_internal_overlap(out, "out");
+  check_no_internal_overlap(lse, "lse");
   if (k_pe.has_value()) {
     check_packed(*k_pe, "k_pe", kHeadDimQK - kHeadDimNope, q);
     TORCH_CHECK(k_pe->size(0) == tokens_k && k_pe->size(1) == 1, "mla_attn: k_pe must be [T_k, 1, 64]");
@@ -59,8 +62,11 @@ void mla_prefill_cuda_impl(const Tensor& q, const Tensor& k, const Tensor& v, co
   check_i32(cu_seqlens_k, "cu_seqlens_k", q);
   TORCH_CHECK(cu_seqlens_q.dim() == 1 && cu_seqlens_q.size(0) >= 1 && cu_seqlens_k.sizes() == cu_seqlens_q.sizes(),
               "mla_attn: cu_seqlens_q and cu_seqlens_k must both be [B + 1]");
-  TORCH_CHECK(max_seqlen_q >= 0, "mla_attn: max_seqlen_q must be >= 0");
-  TORCH_CHECK(softmax_scale > 0, "mla_attn: softmax_scale must be positive");
+  // The kernel's first query row of a tile, (num_m_blocks - 1) * kBlockM, and its end are ints.
+  constexpr int64_t kMaxSeqlenQ = int64_t(INT32_MAX) / kBlockM * kBlockM;
+  TORCH_CHECK(max_seqlen_q >= 0 && max_seqlen_q <= kMaxSeqlenQ, "mla_attn: max_seqlen_q must be in [0, ", kMaxSeqlenQ,
+              "], got ", max_seqlen_q);
+  check_softmax_scale(softmax_scale);
   const int64_t batch = cu_seqlens_q.size(0) - 1;
   TORCH_CHECK(batch <= 65535 && heads_q <= 65535, "mla_attn: at most 65535 requests and heads");
   if (batch == 0 || max_seqlen_q == 0 || q.size(0) == 0) return;
