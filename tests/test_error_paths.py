@@ -294,6 +294,16 @@ GPU_CASES = [
      r"merge supports at most 4 leading dims"),
     ("merge_attn_states_out", lambda a: dict(out=a["out"].half()), R, r"out must have dtype BFloat16"),
     ("merge_attn_states_out", lambda a: dict(lse=a["lse"].double()), R, r"lse must be float32"),
+    ("merge_attn_states_out", lambda a: dict(out=a["out"][:1].expand(5, -1, -1)), R, r"out: elements overlap in memory"),
+    ("merge_attn_states_out", lambda a: dict(lse=a["lse"][:1].expand(5, -1)), R, r"lse: elements overlap in memory"),
+    # a view one row on races with the rows it shares (out = out_a itself is allowed: test_merge.py)
+    ("merge_attn_states_out", lambda a: dict(out=one_row_on(a["out_a"])), R, r"out shares part of out_a's memory"),
+    ("merge_attn_states_out", lambda a: dict(lse=one_row_on(a["lse_a"])), R, r"lse shares part of lse_a's memory"),
+    ("merge_attn_states_out", lambda a: dict(  # 4 rows each: out is out_b's rows 1..4
+        out_a=a["out_a"][:4], lse_a=a["lse_a"][:4], out_b=a["out_b"][:4], lse_b=a["lse_b"][:4],
+        out=one_row_on(a["out_b"][:4]), lse=a["lse"][:4]), R, r"out shares part of out_b's memory"),
+    ("merge_attn_states_out", lambda a: dict(lse=a["out"].view(torch.float32).view(-1)[:15].view(5, 3)), R,
+     r"out and lse share memory"),
     ("merge_attn_states_n", lambda a: dict(outs=a["outs"][0, 0, 0], lses=a["lses"][0, 0, 0]), R,
      r"outs must be \[n, ..., d\]"),
     ("merge_attn_states_n", lambda a: dict(lses=a["lses"].double()), R, r"lses must be float32"),

@@ -293,6 +293,27 @@ def test_gpu_shapes(lead, d, dtype):
 
 
 @pytest.mark.gpu
+@pytest.mark.parametrize("dtype", DTYPES)
+def test_gpu_in_place(dtype):
+    """out= and lse= may be the inputs themselves (each thread reads its chunk of a row before writing
+    it): out_a / lse_a, out_b / lse_b, and out_a / lse_a under another stride of a size-1 dim. A view
+    one row on is refused (test_error_paths.py)."""
+    outs, lses = make_parts(2, (37, 1, 16), 512, dtype, device="cuda", seed=3)
+    want_out, want_lse = _ref([o.cpu() for o in outs], [l.cpu() for l in lses], dtype)
+
+    def other_size1_stride(t):
+        stride = list(t.stride())
+        stride[1] = 3
+        return t.as_strided(t.shape, stride)
+
+    for k, view in ((0, lambda t: t), (1, lambda t: t), (0, other_size1_stride)):
+        o, l = [t.clone() for t in outs], [t.clone() for t in lses]
+        OPS.merge_attn_states_out(o[0], l[0], o[1], l[1], view(o[k]), view(l[k]))
+        torch.testing.assert_close(o[k].cpu(), want_out, **TOL[dtype])
+        torch.testing.assert_close(l[k].cpu(), want_lse, **LSE_TOL)
+
+
+@pytest.mark.gpu
 @pytest.mark.parametrize("n", [1, 2, 5])
 def test_gpu_all_empty(n):
     outs = torch.full((n, 9, 4, 64), float("nan"), dtype=torch.bfloat16, device="cuda")
