@@ -6,7 +6,7 @@ RuntimeError). The cases run one after another in one process, and test_gpu_erro
 raises them all again in a row: a build once crashed (SIGSEGV) on the second error raised in a
 process. Not reachable from inputs, so not here: check_sm90 on an sm_90 GPU, the dtype-dispatch and
 "built without" errors behind earlier dtype checks, TMA descriptor failures, compact_sparse_indices' limit
-of 2^31 - 1 rows and columns (gigabytes of indices).
+of 2^31 - 1 rows (gigabytes of indices; its topk limit has a test of its own, on 8 GiB).
 CPU part: the CPU kernels run the wrappers' checks (_validation.py): the same cases raise TypeError
 (kind: dtype, device, Python type) or ValueError (shape, layout, value), with the wrappers' messages;
 then the wrappers' checks that only they make.
@@ -369,6 +369,21 @@ def gpu_inputs():
 def test_gpu_error(gpu_inputs, case):
     with pytest.raises(case[2], match=case[3]):
         raise_case(gpu_inputs, case)
+
+
+@pytest.mark.gpu
+def test_gpu_topk_past_the_tile_limit():
+    """compact_sparse_indices walks a row's int positions in tiles of 2048: a topk past 2^31 - 1 - 2048
+    is refused (8 GiB of indices, never read)."""
+    if torch.cuda.mem_get_info()[0] < 9 * 2**30:
+        pytest.skip("needs 9 GiB of free GPU memory")
+    indices = torch.empty(1, 2**31 - 2048, dtype=torch.int32, device="cuda")
+    try:
+        with pytest.raises(RuntimeError, match=r"topk must be at most 2147481599, got 2147481600"):
+            torch.ops.mla_attn.compact_sparse_indices(indices, None, 16)
+    finally:
+        del indices
+        torch.cuda.empty_cache()
 
 
 @pytest.mark.gpu

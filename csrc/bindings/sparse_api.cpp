@@ -21,9 +21,11 @@ std::tuple<Tensor, Tensor> compact_sparse_indices_cuda(const Tensor& indices, co
   TORCH_CHECK(indices.dim() == 2 && indices.size(1) >= 1, "mla_attn: indices must be [R, topk] with topk >= 1, got ",
               indices.sizes());
   const int64_t rows = indices.size(0);
-  // one CTA per row (grid.x), and positions in a row are int
-  TORCH_CHECK(rows <= std::numeric_limits<int>::max() && indices.size(1) <= std::numeric_limits<int>::max(),
-              "mla_attn: indices has too many rows or columns (at most 2^31 - 1 each)");
+  // one CTA per row (grid.x)
+  TORCH_CHECK(rows <= std::numeric_limits<int>::max(), "mla_attn: indices has too many rows (at most 2^31 - 1)");
+  // positions in a row are int, walked in tiles whose end must fit too
+  constexpr int64_t kMaxTopk = std::numeric_limits<int>::max() - mla_sparse::kCompactTile;
+  TORCH_CHECK(indices.size(1) <= kMaxTopk, "mla_attn: topk must be at most ", kMaxTopk, ", got ", indices.size(1));
   if (topk_length.has_value()) {
     mla_bindings::check_i32(*topk_length, "topk_length", indices);
     TORCH_CHECK(topk_length->dim() == 1 && topk_length->size(0) == rows, "mla_attn: topk_length must be [R] = [",

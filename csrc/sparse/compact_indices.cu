@@ -17,6 +17,7 @@ constexpr int kThreads = 256;
 constexpr int kWarps = kThreads / 32;
 constexpr int kItems = 8;  // positions per thread and tile: a 2048-index row is one tile
 constexpr int kTile = kThreads * kItems;
+static_assert(kTile == kCompactTile, "the bindings bound topk by kCompactTile");
 static_assert(kWarps <= 32, "the warp totals are scanned by one warp");
 
 // Inclusive scan of v over the lanes of a warp.

@@ -6,6 +6,10 @@
 
 namespace mla_sparse {
 
+// Indices a CTA walks per tile. Positions are int and a tile's end is computed: topk may be at most
+// INT_MAX - kCompactTile.
+constexpr int kCompactTile = 2048;
+
 struct CompactParams {
   const int* indices;        // [rows, topk]: cache slots; any value (-1, past the cache) allowed
   int64_t indices_stride;    // elements between rows
