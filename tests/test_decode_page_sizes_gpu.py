@@ -41,6 +41,34 @@ def test_page_size(page_size, cache_dtype, h_q, s_q, kernel):
     check_decode(case, True, out, lse, kernel)
 
 
+@pytest.mark.parametrize("cache_dtype", [torch.bfloat16, FP8, torch.uint8], ids=["bf16", "fp8", "ds_mla_fp8"])
+@pytest.mark.parametrize("page_size", [3, 64])
+def test_one_page_cache_with_any_page_stride(page_size, cache_dtype):
+    """A cache of one page may carry any page stride (torch never steps a dim of extent 1), here one
+    that is not a multiple of 16 bytes, and an odd head stride in the 4-D form: the TMA map took the
+    page stride as given and was refused. Every kernel reads the page."""
+    case = make_decode_case([max(page_size - 1, 1), page_size // 2 + 1], 1, 16, page_size, kv_4d=page_size == 3,
+                            seed=page_size)
+    if cache_dtype == FP8:
+        case = to_fp8_case(case)
+    elif cache_dtype == torch.uint8:
+        case = to_ds_case(case)
+    case = to_device(case)
+    page = int(case["block_table"][0, 0])
+    one = case["kv_cache"][page:page + 1].contiguous()
+    block_table = case["block_table"].clone()
+    block_table[:, 0] = 0  # both requests read request 0's page (request 1 is the shorter)
+    ref_case = dict(case, kv_cache=one, block_table=block_table)
+    stride = list(one.stride())
+    stride[0] += 1
+    if one.dim() == 4:
+        stride[2] = 7
+    odd = dict(ref_case, kv_cache=one.as_strided(one.shape, stride))
+    for kernel in [None] + decode_kernels_for(cache_dtype, 16):
+        out, lse = run_decode(odd, True, _kernel=kernel)
+        check_decode(ref_case, True, out, lse, kernel)
+
+
 @pytest.mark.parametrize("page_size", [1, 24, 64])
 def test_cuda_graph_replay_with_new_tables(page_size):
     """A captured decode (metadata included) replays with the cache's pages moved (a new block table

@@ -75,6 +75,24 @@ def test_out_given_and_two_runs_bit_identical():
     assert torch.equal(out[:t_q], out2[:t_q]) and torch.equal(lse[:t_q], lse2[:t_q])
 
 
+@pytest.mark.parametrize("h_q", [1, 4])
+@pytest.mark.parametrize("split_pe", [False, True])
+def test_one_token_with_any_stride(split_pe, h_q):
+    """A tensor of one token (or one head) may carry any stride there (torch never steps a dim of extent
+    1), here one that is not a multiple of 16 bytes in q, k, v and k_pe: the TMA maps took the token
+    stride as given and were refused."""
+    c = to_device(make_prefill_case([1], [1], h_q, split_pe=split_pe, pad=0))
+    odd = dict(c)
+    for key in ("q", "k", "v", "k_pe"):
+        if c[key] is not None:
+            t = c[key].contiguous()
+            stride = [s + 1 if n == 1 else s for n, s in zip(t.shape[:-1], t.stride()[:-1])] + [1]
+            odd[key] = t.as_strided(t.shape, stride)
+    for causal in (True, False):
+        out, lse = run(odd, causal)
+        check(c, causal, out, lse)
+
+
 def test_zero_keys_and_empty_batch():
     c = to_device(make_prefill_case([5, 3], [0, 0], 4, pad=0))
     c["k"], c["v"] = c["k"][:0], c["v"][:0]

@@ -18,8 +18,8 @@ using namespace mla_prefill;
 // 3-D map (dim, token, head) of a [T, h, d] tensor whose last dim is contiguous, box (64, 128, 1).
 void encode_3d(CUtensorMap* map, const Tensor& t, int64_t dim, bool bf16, const char* name) {
   const uint64_t dims[3] = {uint64_t(dim), uint64_t(t.size(0)), uint64_t(t.size(1))};
-  const int64_t head_stride = t.size(1) == 1 ? t.size(0) * t.stride(0) : t.stride(1);  // unused if 1 head
-  const uint64_t strides[2] = {uint64_t(t.stride(0) * t.element_size()), uint64_t(head_stride * t.element_size())};
+  // A token or head dim of extent 1 may carry any stride: encode_tma packs it.
+  const uint64_t strides[2] = {uint64_t(t.stride(0) * t.element_size()), uint64_t(t.stride(1) * t.element_size())};
   const uint32_t box[3] = {uint32_t(kTmaColumns), uint32_t(kBlockM), 1};
   static_assert(kBlockM == kBlockN, "one box shape serves Q, K and V");
   const char* err = mla_common::encode_tma(map, bf16 ? mla_common::TmaElement::kBf16 : mla_common::TmaElement::kFp16, 3,

@@ -32,15 +32,18 @@ const char* encode_tma(CUtensorMap* map, TmaElement element, int rank, const voi
                        const uint64_t* strides_bytes, const uint32_t* box) {
   EncodeTiledFn encode = encode_tiled();
   if (encode == nullptr) return "cuTensorMapEncodeTiled is not available from the CUDA driver";
+  const bool fp8 = element == TmaElement::kFp8;
   cuuint64_t d[5], s[4];
   cuuint32_t b[5], elem_strides[5];
   for (int i = 0; i < rank; ++i) {
     d[i] = dims[i];
     b[i] = box[i];
     elem_strides[i] = 1;
-    if (i + 1 < rank) s[i] = strides_bytes[i];
+    // Dim i + 1's stride. A dim of extent 1 is never stepped, and torch lets it carry any stride (a
+    // one-page cache, a one-token q), which TMA would refuse unless a multiple of 16 bytes: it gets
+    // the packed one, the span of the dims inside it.
+    if (i + 1 < rank) s[i] = dims[i + 1] != 1 ? strides_bytes[i] : i == 0 ? dims[0] * (fp8 ? 1 : 2) : s[i - 1] * dims[i];
   }
-  const bool fp8 = element == TmaElement::kFp8;
   const CUtensorMapDataType type = fp8 ? CU_TENSOR_MAP_DATA_TYPE_UINT8
                                    : element == TmaElement::kBf16 ? CU_TENSOR_MAP_DATA_TYPE_BFLOAT16
                                                                   : CU_TENSOR_MAP_DATA_TYPE_FLOAT16;
