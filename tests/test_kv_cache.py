@@ -367,6 +367,18 @@ def test_gpu_out_of_range_is_skipped():
 
 
 @pytest.mark.gpu
+def test_gpu_gather_request_start_int_min():
+    """A request start of INT_MIN in cu_seqlens (not checked on the GPU without validate) gives zero rows:
+    a row's position is subtracted in 64 bits (r - INT_MIN overflowed an int)."""
+    cache = make_cache(2, 16, torch.bfloat16, device="cuda", fill=1.0)
+    bt = torch.tensor([[0], [1]], dtype=torch.int32, device="cuda")
+    for start in (-2**31, -2**31 + 1):
+        cu = torch.tensor([start, 2, 4], dtype=torch.int32, device="cuda")
+        out = OPS.gather_kv_cache(cache, bt, cu, 6)
+        assert (out[:2] == 0).all() and (out[2:4] == 1).all() and (out[4:] == 0).all()
+
+
+@pytest.mark.gpu
 def test_gpu_cuda_graph():
     (kv_c, k_pe, cache, slots), (gcache, bt, cu, n) = _op_case("cuda")
     want_cache = cache.clone()

@@ -61,9 +61,13 @@ __device__ __forceinline__ const Tcache* find_row(const GatherParams& p, int64_t
     if (__ldg(p.cu_seqlens + mid) <= r) lo = mid;
     else hi = mid;
   }
-  const int pos = int(r) - __ldg(p.cu_seqlens + lo);
+  // Subtracted in 64 bits: cu[lo] is unchecked (r - INT_MIN overflows an int). A valid position is at
+  // most r, so the rest stays in 32 bits.
+  const int64_t pos64 = r - __ldg(p.cu_seqlens + lo);
+  if (pos64 < 0 || pos64 > INT32_MAX) return nullptr;
+  const int pos = int(pos64);
   const int j = pos / p.page_size;
-  if (pos < 0 || j >= p.max_pages) return nullptr;
+  if (j >= p.max_pages) return nullptr;
   const int page = __ldg(p.block_table + lo * p.block_table_stride + j);
   if (page < 0 || page >= p.num_pages) return nullptr;
   return static_cast<const Tcache*>(p.cache) + page * p.page_stride + (pos - j * p.page_size) * p.token_stride;
