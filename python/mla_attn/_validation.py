@@ -32,6 +32,7 @@ from .metadata import DECODE_KERNELS, DecodeMetadata, SparseDecodeMetadata
 
 _MERGE_DTYPES = HALF_DTYPES + (torch.float32,)
 INT32_MAX = 2**31 - 1
+_PREFILL_TILE_ROWS = 128  # csrc/mla_prefill: kBlockM
 _PREFILL_MAX_GRID = 65535  # requests and heads: the prefill grid's z and y (csrc/bindings/prefill_api.cpp)
 _MAX_SOFTMAX_SCALE = float(torch.finfo(torch.float32).max) / math.log2(math.e)
 # decode kernels that run one cache kind only, and the query rows (max_seqlen_q * h_q) the narrow ones take
@@ -538,7 +539,8 @@ def check_prefill(q: Tensor, k: Tensor, v: Tensor, cu_seqlens_q: Tensor, cu_seql
     if cu_seqlens_q.shape[0] - 1 > _PREFILL_MAX_GRID or h_q > _PREFILL_MAX_GRID:  # grid dims z and y
         raise ValueError(f"mla_prefill takes at most {_PREFILL_MAX_GRID} requests and heads, got "
                          f"{cu_seqlens_q.shape[0] - 1} and {h_q}")
-    check_int("max_seqlen_q", max_seqlen_q, 0)
+    # The kernel's tile rows (128 a tile) are ints: the last tile's end must fit.
+    check_int("max_seqlen_q", max_seqlen_q, 0, INT32_MAX // _PREFILL_TILE_ROWS * _PREFILL_TILE_ROWS)
     check_int("max_seqlen_k", max_seqlen_k, 0)
 
 
