@@ -119,11 +119,11 @@ def make_overlong_decode_case(s_q, h_q, page_size, *, seed=0):
     """Lengths past what the block table holds, as only validation refuses them: (case, reference
     case). The table's width is exactly what the first two requests' keys fill (no tail), their
     lengths are that + 300 and INT32_MAX; the kernels clamp them to the table, so the reference is the
-    same case at the clamped lengths. A third request of ordinary length keeps NaN past its keys."""
+    same case at the clamped lengths. A third request, within the table, keeps NaN past its keys."""
     keys = 12 * page_size
-    case = make_decode_case([keys, keys, 700], s_q, h_q, page_size, seed=seed)
+    case = make_decode_case([keys, keys, keys // 2 + 3], s_q, h_q, page_size, seed=seed)
     case["block_table"] = case["block_table"][:, :12].contiguous()
-    overlong = {**case, "cache_seqlens": torch.tensor([keys + 300, 2**31 - 1, 700], dtype=torch.int32)}
+    overlong = {**case, "cache_seqlens": torch.tensor([keys + 300, 2**31 - 1, keys // 2 + 3], dtype=torch.int32)}
     return overlong, case
 
 

@@ -219,6 +219,11 @@ def test_out_overlapping_an_input():
     mla_attn.merge_attn_states(**one, out=x.view(3, 1, 16).transpose(0, 1))  # out_a with another size-1 stride
     with pytest.raises(ValueError, match="out shares part of out_a's memory"):
         mla_attn.merge_attn_states(**a, **b, out=buf[1:5])
+    # Across kinds too: a float32 out over an input's LSEs (the binding refuses it so).
+    store = torch.randn(4 * 3 * 16)
+    f32 = dict(out_a=torch.randn(4, 3, 16), lse_a=store[:12].view(4, 3), out_b=torch.randn(4, 3, 16), lse_b=torch.randn(4, 3))
+    with pytest.raises(ValueError, match="out shares part of lse_a's memory"):
+        mla_attn.merge_attn_states(**f32, out=store.view(4, 3, 16))
     from torch._subclasses.fake_tensor import FakeTensorMode
     with FakeTensorMode() as mode:
         fake = {k: mode.from_tensor(v) for k, v in {**a, **b}.items()}

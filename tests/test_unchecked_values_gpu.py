@@ -7,6 +7,8 @@ from cases import make_decode_case, make_overlong_decode_case, make_prefill_case
 from conftest import FP8, check_decode, check_unit_scale, decode_kernels_for, run_decode, to_device
 from fp8_cases import to_fp8_case
 
+import mla_attn
+
 
 pytestmark = pytest.mark.gpu
 
@@ -47,17 +49,22 @@ def test_lengths_past_the_block_table(cache_dtype, s_q, h_q, page_size, kernel):
                                              for k in decode_kernels_for(torch.bfloat16, h * s)])
 def test_decode_cu_seqlens_q_out_of_range(h_q, s_q, kernel):
     """Spans past q's tokens, negative, decreasing, longer than max_seqlen_q: the kernels write only
-    inside out (the sentinels around it stay), and the context survives (the same call with the right
+    inside out and lse (the sentinels around them stay), and the context survives (the same call with the right
     offsets is then correct)."""
-    case = to_device(make_decode_case([300, 70, 0, 129, 64, 5], s_q, h_q, 64, varlen=True, seed=3))
-    total = case["q"].shape[0]
-    bad = scramble_cu_seqlens(case["cu_seqlens_q"], total)
-    out_buf, out = guarded((total, h_q, 512), case["q"].dtype, 3.0)
-    run_decode({**case, "cu_seqlens_q": bad}, True, out=out, validate=False, _kernel=kernel)
+    c = to_device(make_decode_case([300, 70, 0, 129, 64, 5], s_q, h_q, 64, varlen=True, seed=3))
+    total = c["q"].shape[0]
+    bad = scramble_cu_seqlens(c["cu_seqlens_q"], total)
+    out_buf, out = guarded((total, h_q, 512), c["q"].dtype, 3.0)
+    lse_buf, lse = guarded((total, h_q), torch.float32, 3.0)
+    md = mla_attn.get_decode_metadata(c["cache_seqlens"], h_q, cu_seqlens_q=bad, max_seqlen_q=s_q)
+    torch.ops.mla_attn.mla_decode_out(c["q"], c["q_pe"], c["kv_cache"], c["block_table"], c["cache_seqlens"], bad,
+                                      s_q, c["softmax_scale"], True, md.tile_sched, md.req_splits, md.num_sm_parts,
+                                      out, lse, split_kernel=kernel)
     torch.cuda.synchronize()
     assert_guards_intact(out_buf, 3.0)
-    out, lse = run_decode(case, True, _kernel=kernel)
-    check_unit_scale(case, True, out, lse)
+    assert_guards_intact(lse_buf, 3.0)
+    out, lse = run_decode(c, True, _kernel=kernel)
+    check_unit_scale(c, True, out, lse)
 
 
 @pytest.mark.parametrize("causal", [True, False])

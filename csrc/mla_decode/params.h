@@ -11,7 +11,8 @@ struct DecodeParams {
   // Queries, split into the latent part and the rope part (views of one tensor or two tensors).
   // Row (request b, token t, head h) of q, out and lse lives at
   //   b * batch_stride + (first_token(b) + t) * token_stride + h * head_stride,
-  // first_token(b) = cu_seqlens_q ? cu_seqlens_q[b] : 0 (varlen tensors have batch_stride 0).
+  // first_token(b) = cu_seqlens_q ? cu_seqlens_q[b] : 0 (varlen tensors have batch_stride 0), clamped
+  // into q's tokens (shared/query_span.cuh).
   const void* q_nope;  // [.., h_q, 512]
   const void* q_pe;    // [.., h_q, 64]
   int64_t q_nope_batch_stride, q_nope_token_stride, q_nope_head_stride;

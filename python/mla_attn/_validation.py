@@ -582,14 +582,15 @@ def check_merge(out_a: Tensor, lse_a: Tensor, out_b: Tensor, lse_b: Tensor, out:
     lead = out_a.shape[:-1]
     check_lse("lse_a", lse_a, lead, "out_a", out_a)
     check_lse("lse_b", lse_b, lead, "out_a", out_a)
+    inputs = {"out_a": out_a, "lse_a": lse_a, "out_b": out_b, "lse_b": lse_b}
     if out is not None:
         _check_like_out_a("out", out, out_a)
         check_no_overlap("out", out)
-        check_no_partial_overlap("out", out, {"out_a": out_a, "out_b": out_b})
+        check_no_partial_overlap("out", out, inputs)
     if lse is not None:
         check_lse("lse", lse, lead, "out_a", out_a)
         check_no_overlap("lse", lse)
-        check_no_partial_overlap("lse", lse, {"lse_a": lse_a, "lse_b": lse_b})
+        check_no_partial_overlap("lse", lse, inputs if out is None else {**inputs, "out": out})
 
 
 def check_merge_n(outs: Tensor, lses: Tensor) -> None:

@@ -13,7 +13,7 @@ struct Segment {
   int b, blk_lo, blk_hi, split;
   int seqlen_k;     // keys of the request, clamped to what the block table can hold
   int seqlen_q;     // new tokens of the request
-  int first_token;  // cu_seqlens_q[b] (varlen) or 0
+  int first_token;  // cu_seqlens_q[b] (varlen, clamped: QuerySpan) or 0
 };
 
 // Query row (t, h) of a segment, t < seqlen_q: its latent part, and its rope part offset by -512 so that
