@@ -20,6 +20,7 @@ from conftest import decode_kernels_for  # noqa: E402
 from fp8_cases import dequantized, to_ds_case, to_fp8_case  # noqa: E402
 from sparse_cases import check_sparse, make_sparse_case, run_sparse, to_device  # noqa: E402
 from mla_attn._ops import prefill_cpu  # noqa: E402
+from mla_attn.metadata import DecodeMetadata, device_num_sms  # noqa: E402
 from mla_attn.reference import mla_decode_ref  # noqa: E402
 
 CASES = [
@@ -112,6 +113,20 @@ def check_decode():
     err = (out.float() - ref).abs().max().item()
     worst[False] = max(worst[False], err)
     print(f"steady loop (lens [2500, 2111], h_q 128, s_q 2, deterministic): max |err| {err:.2e}", flush=True)
+    # rows64_seesaw over 3 parts: the seesaw body on the first and last (275 blocks), the 64-row body on
+    # the middle one (77 by its count), requests 0 and 2 split between the two bodies (the combine).
+    c = cuda(make_decode_case([20000, 12000, 20000], 2, 32, 64))
+    tile_sched, req_splits = torch.ops.mla_attn.get_decode_metadata(c["cache_seqlens"], None, 2, 32, True, 3,
+                                                                    device_num_sms("cuda"))
+    out = mla_attn.mla_decode(c["q"], c["kv_cache"], c["block_table"], c["cache_seqlens"], softmax_scale=c["softmax_scale"],
+                              causal=True, metadata=DecodeMetadata(tile_sched, req_splits, 3, 2, 32, True),
+                              _kernel="rows64_seesaw")
+    ref, _ = mla_decode_ref(c["q"], c["kv_cache"], c["block_table"], c["cache_seqlens"],
+                            softmax_scale=c["softmax_scale"], causal=True)
+    err = (out.float() - ref).abs().max().item()
+    worst[False] = max(worst[False], err)
+    print(f"rows64_seesaw, long and short parts (lens [20000, 12000, 20000], h_q 32, s_q 2): max |err| {err:.2e}",
+          flush=True)
     assert worst[False] < 3e-2 and worst[True] < 0.2, worst  # e4m3 Q and P: tests/test_decode_fp8_mma_gpu.py
 
 

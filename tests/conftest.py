@@ -66,6 +66,7 @@ def decode_kernels_for(cache_dtype, rows):
         "seesaw": not fp8,
         "seesaw_steady": not fp8,
         "fp8mma": fp8,
+        "rows64_seesaw": not fp8,
     }
     return [kernel for kernel, ok in runs.items() if ok]
 

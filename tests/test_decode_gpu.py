@@ -12,7 +12,7 @@ from conftest import (FP8, capture_decode_step, check_unit_scale, decode_case, d
                       decode_kernels_for, decode_reference, run_decode, to_device)
 
 import mla_attn
-from mla_attn.metadata import DECODE_KERNELS, DecodeMetadata, device_num_sms, schedule_cpu
+from mla_attn.metadata import DECODE_KERNELS, DecodeMetadata, ScheduleRow, device_num_sms, schedule_cpu
 
 pytestmark = pytest.mark.gpu
 
@@ -258,6 +258,75 @@ def test_metadata_matches_cpu_schedule_extremes():
             tile_cpu, splits_cpu = schedule_cpu(lens, None, 1, 16, parts, num_sms, det)
             assert torch.equal(tile_sched.cpu(), tile_cpu), (len(lens), parts, det)
             assert torch.equal(req_splits.cpu(), splits_cpu), (len(lens), parts, det)
+
+
+def _part_blocks_at_least(tile_sched, parts):
+    """Each part's KV blocks as rows64_seesaw's CTAs count them (schedule.cuh: blocks_at_least)."""
+    counts = []
+    for p in range(parts):
+        r = ScheduleRow(*tile_sched[p].tolist())
+        if r.last_request < r.first_request:
+            counts.append(0)
+        elif r.last_request == r.first_request:
+            counts.append(r.last_end_block - r.first_block)
+        else:
+            counts.append(-(-r.first_seqlen // 64) - r.first_block + r.last_end_block)
+    return counts
+
+
+@pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float16])
+def test_rows64_seesaw_runs_each_body_by_part(dtype):
+    """rows64_seesaw chooses per CTA: parts of 96 KV blocks or more (config.h: kLongPartBlocks) run the
+    seesaw kernel, shorter ones the 64-row kernel. h_q 32, s_q 2 (one q-tile), causal and not, against
+    the reference: whole requests over 5 parts (both bodies in one launch); three requests over 3 parts,
+    the middle part short by its count (its first and last pieces) so that requests 0 and 2 are each
+    split between a seesaw part and a 64-row part, whose partials the combine merges; 9 short parts."""
+    num_sms = device_num_sms("cuda")
+    for lens, parts, det, kinds in (([13000, 300, 7000, 64, 9000, 1, 2500], 5, True, [True, False, True, False, True]),
+                                    ([20000, 12000, 20000], 3, False, [True, False, True]),
+                                    ([13000, 300, 7000, 64, 9000, 1, 2500], 9, False, [False] * 9)):
+        c = to_device(make_decode_case(lens, 2, 32, 64, dtype=dtype, seed=21))
+        tile_sched, req_splits = torch.ops.mla_attn.get_decode_metadata(c["cache_seqlens"], None, 2, 32, True, parts,
+                                                                        num_sms, deterministic=det)
+        assert [n >= 96 for n in _part_blocks_at_least(tile_sched.cpu(), parts)] == kinds
+        assert det or (req_splits[:, 0] > 1).any()
+        for causal in (True, False):
+            md = DecodeMetadata(tile_sched, req_splits, parts, 2, 32, causal)
+            out, lse = run_decode(c, causal, metadata=md, _kernel="rows64_seesaw")
+            check_unit_scale(c, causal, out, lse)
+
+
+def test_metadata_matches_cpu_schedule_random_batches():
+    """The device scheduler against the CPU twin on random batches: lengths drawn per batch from a
+    mixture (short, uniform, long, one dominant request, many empty), batches up to 1100 requests,
+    random part counts, both modes."""
+    g = torch.Generator().manual_seed(11)
+    num_sms = device_num_sms("cuda")
+
+    def draw(n, kind):
+        if kind == 0:  # short: a walk meets a request start every part
+            return torch.randint(0, 400, (n,), generator=g)
+        if kind == 1:  # wide
+            return torch.randint(1, 20000, (n,), generator=g)
+        if kind == 2:  # near-uniform: catches hardly ever or every few requests
+            base = int(torch.randint(64, 70000, (1,), generator=g))
+            return base + torch.randint(-64, 65, (n,), generator=g)
+        if kind == 3:  # one dominant request
+            lens = torch.randint(0, 3000, (n,), generator=g)
+            lens[int(torch.randint(0, n, (1,), generator=g))] = 2_000_000
+            return lens
+        return torch.randint(0, 2, (n,), generator=g) * torch.randint(0, 9000, (n,), generator=g)  # half empty
+
+    for i in range(240):
+        n = int(torch.randint(1, 1100, (1,), generator=g)) if i % 3 else int(torch.randint(1, 300, (1,), generator=g))
+        lens = draw(n, i % 5).clamp(0, 2**31 - 1).to(torch.int32)
+        parts = int(torch.randint(1, num_sms + 1, (1,), generator=g)) if i % 2 else num_sms
+        det = i % 4 == 3
+        tile_sched, req_splits = torch.ops.mla_attn.get_decode_metadata(lens.cuda(), None, 1, 16, True, parts, num_sms,
+                                                                        deterministic=det)
+        tile_cpu, splits_cpu = schedule_cpu(lens, None, 1, 16, parts, num_sms, det)
+        assert torch.equal(tile_sched.cpu(), tile_cpu), (i, n, parts, det)
+        assert torch.equal(req_splits.cpu(), splits_cpu), (i, n, parts, det)
 
 
 # Run in a fresh process: a launch earlier in the process that raised the kernel's shared-memory limit

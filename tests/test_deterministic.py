@@ -54,7 +54,8 @@ def test_deterministic_flag_plumbing_cpu():
 
 # ------------------------------------------------------------------------------------------------ GPU
 @pytest.mark.gpu
-@pytest.mark.parametrize("kernel", [None, "rows64", "seesaw", "seesaw_steady"])  # those that run any max_seqlen_q
+# those that run any max_seqlen_q (rows64_seesaw runs as rows64 with deterministic=True: dispatch.h)
+@pytest.mark.parametrize("kernel", [None, "rows64", "seesaw", "seesaw_steady", "rows64_seesaw"])
 @pytest.mark.parametrize("h_q,s_q", [(16, 1), (128, 1), (64, 3)])
 def test_batch_invariance_gpu(h_q, s_q, kernel):
     """The same request (same q rows, same cache pages) in batches of different size, composition,

@@ -60,6 +60,15 @@ def one_row_on(t):
     return torch.as_strided(t, t.shape, t.stride(), t.storage_offset() + t.stride(0))
 
 
+def output_over(a, name, output):
+    """Input `name` made contiguous (torch judges overlap between dense tensors only) and output `output`
+    shaped as before over its first bytes (the input must be at least as large)."""
+    t = a[name].contiguous()
+    like = a[output]
+    return {name: t, output: t.reshape(-1).view(torch.uint8)[:like.numel() * like.element_size()]
+            .view(like.dtype).view(like.shape)}
+
+
 def strided_last(t):
     return t.transpose(-1, -2).contiguous().transpose(-1, -2)
 
@@ -213,6 +222,10 @@ GPU_CASES = [
                                       .as_strided((2, 2, 4, 512), (2048, 1024, 256, 1))), R,
      r"out: elements overlap in memory"),
     ("mla_decode_out", lambda a: dict(lse=a["lse"][:, :, :1].expand(-1, -1, 4)), R, r"lse: elements overlap in memory"),
+    # outputs over inputs, which other CTAs still read
+    ("mla_decode_out", lambda a: output_over(a, "kv_cache", "out"), R, r"out shares memory with kv_cache"),
+    ("mla_decode_out", lambda a: output_over(a, "q", "lse"), R, r"lse shares memory with q"),
+    ("mla_decode_out", lambda a: output_over(a, "out", "lse"), R, r"lse shares memory with out"),
     ("mla_decode", lambda a: dict(q=a["q"][..., :512].contiguous(), q_pe=a["q"][..., 512:].half()), R,
      r"q_pe must be \[.., h_q, 64\] of q's dtype with q's leading dims"),
     ("mla_decode", lambda a: dict(q=a["q"][..., :512].contiguous(), q_pe=a["q"][:1, ..., 512:].contiguous()), R,
@@ -326,6 +339,9 @@ GPU_CASES = [
     ("mla_prefill_out", lambda a: dict(lse=a["lse"].cpu()), R, r"lse must be on cuda"),  # was written through
     ("mla_prefill_out", lambda a: dict(out=a["out"][:1].expand(8, -1, -1)), R, r"out: elements overlap in memory"),
     ("mla_prefill_out", lambda a: dict(lse=a["lse"][:, :1].expand(-1, 4)), R, r"lse: elements overlap in memory"),
+    ("mla_prefill_out", lambda a: output_over(a, "q", "out"), R, r"out shares memory with q"),
+    ("mla_prefill_out", lambda a: output_over(a, "v", "lse"), R, r"lse shares memory with v"),
+    ("mla_prefill_out", lambda a: output_over(a, "out", "lse"), R, r"lse shares memory with out"),
     ("mla_prefill", lambda a: dict(k_pe=a["k_pe"][..., :32]), R, r"k_pe must be \[T, h, 64\]"),
     ("mla_prefill", lambda a: dict(k_pe=a["k_pe"].expand(-1, 2, -1)), R, r"k_pe must be \[T_k, 1, 64\]"),
     ("mla_prefill", lambda a: dict(cu_seqlens_q=a["cu_seqlens_q"].long()), R, r"cu_seqlens_q must be int32"),
@@ -462,6 +478,10 @@ CPU_CASES = [
     ("mla_prefill", lambda a: dict(max_seqlen_q=-1), V, r"max_seqlen_q must be in \[0, 2147483520\], got -1"),
     ("mla_prefill", lambda a: dict(max_seqlen_q=2**31 - 1), V, r"max_seqlen_q must be in \[0, 2147483520\]"),
     ("mla_prefill_out", lambda a: dict(out=a["out"][:5]), V, r"out must be \[8, 4, 128\]"),
+    ("mla_prefill_out", lambda a: output_over(a, "q", "out"), V, r"out shares memory with q"),
+    ("mla_prefill_out", lambda a: output_over(a, "out", "lse"), V, r"lse shares memory with out"),
+    ("mla_decode_out", lambda a: output_over(a, "kv_cache", "out"), V, r"out shares memory with kv_cache"),
+    ("mla_decode_out", lambda a: output_over(a, "q", "lse"), V, r"lse shares memory with q"),
     ("compact_sparse_indices", lambda a: dict(indices=a["indices"].long()), T, r"indices must be int32"),
     ("compact_sparse_indices", lambda a: dict(indices=a["indices"][0]), V, r"indices must be 2-D"),
     ("compact_sparse_indices", lambda a: dict(indices=a["indices"][:, :0]), V,

@@ -78,6 +78,7 @@ def test_compile_fullgraph_decode_op_step():
 # (cache format, h_q, kernel): every decode kernel and cache format
 WRITE_THEN_DECODE_CASES = [
     ("bf16", 16, "narrow16"), ("bf16", 64, "rows64"), ("bf16", 128, "seesaw"), ("bf16", 128, "seesaw_steady"),
+    ("bf16", 64, "rows64_seesaw"),
     ("fp8", 16, "narrow16"), ("fp8", 16, "narrow16_3wg"), ("fp8", 32, "narrow32"), ("fp8", 128, "rows64"),
     ("fp8", 128, "fp8mma"), ("ds", 16, "narrow16"), ("ds", 32, "narrow32"), ("ds", 128, "rows64")]
 

@@ -2,13 +2,16 @@
 // None of these syncs with the device: they read tensor metadata only.
 #pragma once
 #include <ATen/ATen.h>
+#include <ATen/MemoryOverlap.h>
 #include <ATen/cuda/CUDAContext.h>
 #include <c10/util/Exception.h>
 
 #include <algorithm>
 #include <cmath>
 #include <cstdint>
+#include <initializer_list>
 #include <limits>
+#include <optional>
 #include <utility>
 #include <vector>
 
@@ -78,6 +81,25 @@ inline void check_no_internal_overlap(const at::Tensor& t, const char* name) {
     span += stride * (size - 1);
   }
 }
+
+// Whether a and b share memory as torch judges it: dense tensors only (as the wrappers do).
+inline bool shares_memory(const at::Tensor& a, const at::Tensor& b) {
+  const at::MemOverlapStatus status = at::get_overlap_status(a, b);
+  return status == at::MemOverlapStatus::Partial || status == at::MemOverlapStatus::Full;
+}
+
+// An output that the kernels write while other CTAs (or the combine) still read the inputs: none of its
+// memory may be an input's, or a CTA reads what another has written (a q row, a page, a table entry).
+inline void check_apart(const at::Tensor& out, const char* name,
+                        std::initializer_list<std::pair<const at::Tensor*, const char*>> inputs) {
+  for (const auto& [in, in_name] : inputs) {
+    TORCH_CHECK(in == nullptr || !shares_memory(out, *in), "mla_attn: ", name, " shares memory with ", in_name,
+                "; the kernels still read it while they write ", name);
+  }
+}
+
+// The address of an optional tensor, or nullptr (for check_apart).
+inline const at::Tensor* maybe(const std::optional<at::Tensor>& t) { return t.has_value() ? &*t : nullptr; }
 
 inline void check_same_device(std::initializer_list<at::Tensor> tensors, const at::Tensor& like) {
   for (const at::Tensor& t : tensors) {

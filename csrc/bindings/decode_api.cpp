@@ -51,7 +51,7 @@ DecodeKernel resolve_decode_kernel(const std::optional<c10::string_view>& name, 
                     "' cannot run this case: it needs ", decode_kernel_requirement(*kernel), "; got ",
                     problem.rows(), " query rows per request and a ",
                     problem.fp8_cache ? "float8_e4m3fn" : "16-bit", " cache");
-  return *kernel;
+  return decode_kernel_that_runs(*kernel, problem);
 }
 
 void mla_decode_cuda_impl(const Tensor& q, const std::optional<Tensor>& q_pe, const Tensor& kv_cache,
@@ -101,6 +101,13 @@ void mla_decode_cuda_impl(const Tensor& q, const std::optional<Tensor>& q_pe, co
               "mla_attn: out must be [.., h_q, 512] and lse [.., h_q] with q's leading dims");
   check_no_internal_overlap(out, "out");
   check_no_internal_overlap(lse, "lse");
+  for (const auto& [t, name] : {std::pair{&out, "out"}, std::pair{&lse, "lse"}}) {
+    check_apart(*t, name, {{&q, "q"}, {maybe(q_pe), "q_pe"}, {&kv_cache, "kv_cache"}, {&block_table, "block_table"},
+                           {&cache_seqlens, "cache_seqlens"}, {maybe(cu_seqlens_q), "cu_seqlens_q"},
+                           {&tile_sched, "tile_sched"}, {&req_splits, "req_splits"}, {maybe(k_scale), "k_scale"},
+                           {maybe(q_scale), "q_scale"}, {maybe(attn_sink), "attn_sink"}});
+  }
+  check_apart(lse, "lse", {{&out, "out"}});
   const int64_t row_elements = ds_kv ? mla_common::kDsRowBytes : kHeadDimK;
   TORCH_CHECK(kv_cache.dim() == 3 || (kv_cache.dim() == 4 && kv_cache.size(2) == 1),
               "mla_attn: kv_cache must be [pages, page_size, ", row_elements, "] or [pages, page_size, 1, ", row_elements, "]");
@@ -249,6 +256,7 @@ void mla_decode_cuda_impl(const Tensor& q, const std::optional<Tensor>& q_pe, co
           case DecodeKernel::kSeesaw: return run_mla_decode_seesaw<Element, false>(p, tma, stream);
           case DecodeKernel::kSeesawSteady: return run_mla_decode_seesaw<Element, true>(p, tma, stream);
           case DecodeKernel::kFp8Mma: return run_mla_decode_fp8mma<Element>(p, tma, stream);
+          case DecodeKernel::kRows64Seesaw: return run_mla_decode_rows64_seesaw<Element>(p, tma, stream);
         }
         return cudaErrorInvalidValue;  // not reached: every kernel has its case
       });

@@ -2,7 +2,6 @@
 // (python/mla_attn/merge.py) check first with readable messages; these checks are the last line for
 // callers of torch.ops.mla_attn.* directly. None of them syncs with the host.
 #include <ATen/ATen.h>
-#include <ATen/MemoryOverlap.h>
 #include <ATen/cuda/CUDAContext.h>
 #include <c10/cuda/CUDAGuard.h>
 #include <torch/library.h>
@@ -34,19 +33,13 @@ void check_lse(const Tensor& t, const char* name, IntArrayRef shape) {
   TORCH_CHECK(t.sizes() == shape, "mla_attn: ", name, " must have shape ", shape, ", got ", t.sizes());
 }
 
-// Whether a and b share memory as torch judges it: dense tensors only (as the wrappers do).
-bool overlaps(const Tensor& a, const Tensor& b) {
-  const at::MemOverlapStatus status = at::get_overlap_status(a, b);
-  return status == at::MemOverlapStatus::Partial || status == at::MemOverlapStatus::Full;
-}
-
 // An output may be an input itself (same start, sizes and strides; a size-1 dim's stride is never
 // stepped): each thread reads its chunk of the inputs before writing it. Any other overlap races: a
 // view one row on reads rows another thread has written.
 void check_output_overlap(const Tensor& out, const char* name, const Tensor& in, const char* in_name) {
   bool same = out.data_ptr() == in.data_ptr() && out.sizes() == in.sizes();
   for (int64_t d = 0; same && d < out.dim(); ++d) same = out.size(d) == 1 || out.stride(d) == in.stride(d);
-  TORCH_CHECK(same || !overlaps(out, in), "mla_attn: ", name, " shares part of ", in_name,
+  TORCH_CHECK(same || !mla_bindings::shares_memory(out, in), "mla_attn: ", name, " shares part of ", in_name,
               "'s memory; an output may be an input, or apart from it");
 }
 
@@ -128,7 +121,7 @@ void merge_pair(const Tensor& out_a, const Tensor& lse_a, const Tensor& out_b, c
       check_output_overlap(o, o_name, i, i_name);
     }
   }
-  TORCH_CHECK(!overlaps(out, lse), "mla_attn: out and lse share memory");
+  TORCH_CHECK(!mla_bindings::shares_memory(out, lse), "mla_attn: out and lse share memory");
   const RowLayout rows = row_layout(
       lead, {lead_of(out_a), lead_of(out_b), lse_a.strides(), lse_b.strides(), lead_of(out), lse.strides()});
   MergeParams p = {};

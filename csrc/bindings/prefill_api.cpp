@@ -54,6 +54,11 @@ void mla_prefill_cuda_impl(const Tensor& q, const Tensor& k, const Tensor& v, co
   TORCH_CHECK(lse.device() == q.device(), "mla_attn: lse must be on ", q.device());
   check_no_internal_overlap(out, "out");
   check_no_internal_overlap(lse, "lse");
+  for (const auto& [t, name] : {std::pair{&out, "out"}, std::pair{&lse, "lse"}}) {
+    check_apart(*t, name, {{&q, "q"}, {&k, "k"}, {&v, "v"}, {maybe(k_pe), "k_pe"}, {&cu_seqlens_q, "cu_seqlens_q"},
+                           {&cu_seqlens_k, "cu_seqlens_k"}});
+  }
+  check_apart(lse, "lse", {{&out, "out"}});
   if (k_pe.has_value()) {
     check_packed(*k_pe, "k_pe", kHeadDimQK - kHeadDimNope, q);
     TORCH_CHECK(k_pe->size(0) == tokens_k && k_pe->size(1) == 1, "mla_attn: k_pe must be [T_k, 1, 64]");

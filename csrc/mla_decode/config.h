@@ -17,6 +17,10 @@ constexpr int kProducerRegisters = 40;
 // (32) and P (16): 232 / 40 compiles without spills (240 / 24 spilled, in the math warpgroups).
 constexpr int kSeesawMathRegisters = 232;
 constexpr int kSeesawProducerRegisters = 40;
+// 16-bit cache, one q-tile per request (rows64_seesaw): a CTA whose part holds this many KV blocks or
+// more runs the seesaw kernel, a shorter one the 64-row kernel. Forced on whole calls, the seesaw
+// kernel's time over the 64-row kernel's was 1.06-1.08 at 62 blocks per part, 0.95-0.99 at 124.
+constexpr int kLongPartBlocks = 96;
 // Narrow kernel (<= 32 query rows per request with an fp8 cache, <= 16 with a 16-bit one;
 // narrow/kernel.cuh): Q (<= 36 KB) and P^T leave room for 5 fp8 stages (16-bit: two 72 KB stages);
 // its producer only issues TMA. Its math warpgroups and their registers depend on the rows (narrow/traits.h).

@@ -42,6 +42,12 @@ cudaError_t run_mla_decode_fp8mma(const DecodeParams& params, const DecodeTma& t
 template <typename Element, bool kSteadyLoop>
 cudaError_t run_mla_decode_seesaw(const DecodeParams& params, const DecodeTma& tma, cudaStream_t stream);
 
+// The same for a 16-bit cache with one q-tile per request: each CTA runs the seesaw kernel (steady loop)
+// where its part of the schedule holds kLongPartBlocks or more KV blocks, else the 64-row kernel
+// (rows64_seesaw/kernel.cuh). TMA boxes only (not DecodeTma::gather).
+template <typename Element>
+cudaError_t run_mla_decode_rows64_seesaw(const DecodeParams& params, const DecodeTma& tma, cudaStream_t stream);
+
 // The same for at most kRows (16 or 32) query rows per request (max_seqlen_q x heads): the narrow
 // kernel, whose MMAs have N = kRows, with kMathWarpgroups (2, or 3 at 16 rows with an fp8 cache)
 // consuming tiles (narrow/kernel.cuh, narrow/traits.h). kFp8Kv as above; at 16 rows gathered rows

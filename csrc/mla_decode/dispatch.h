@@ -19,6 +19,7 @@ enum class DecodeKernel {
   kSeesaw,        // 64-row q-tiles, two warpgroups on a pair of KV blocks (seesaw/)
   kSeesawSteady,  // the same with the steady loop for long segments
   kFp8Mma,        // 64-row q-tiles, e4m3 MMAs (fp8mma/)
+  kRows64Seesaw,  // per CTA: the seesaw kernel (steady loop) on a long part, else the 64-row kernel (rows64_seesaw/)
 };
 
 // The names of the `kernel=` option (python/mla_attn/metadata.py: DECODE_KERNELS mirrors them).
@@ -26,7 +27,7 @@ struct DecodeKernelName {
   DecodeKernel kernel;
   std::string_view name;
 };
-inline constexpr std::array<DecodeKernelName, 7> kDecodeKernelNames = {{
+inline constexpr std::array<DecodeKernelName, 8> kDecodeKernelNames = {{
     {DecodeKernel::kNarrow16, "narrow16"},
     {DecodeKernel::kNarrow16x3, "narrow16_3wg"},
     {DecodeKernel::kNarrow32, "narrow32"},
@@ -34,6 +35,7 @@ inline constexpr std::array<DecodeKernelName, 7> kDecodeKernelNames = {{
     {DecodeKernel::kSeesaw, "seesaw"},
     {DecodeKernel::kSeesawSteady, "seesaw_steady"},
     {DecodeKernel::kFp8Mma, "fp8mma"},
+    {DecodeKernel::kRows64Seesaw, "rows64_seesaw"},
 }};
 
 // nullopt for a name that is not a kernel's.
@@ -74,7 +76,8 @@ constexpr int64_t kNarrow32DsMinBatch = 128;
 // where the MMAs bound the time: where a request's rows fill two or more q-tiles, which share each
 // KV tile (at one q-tile it pays only with long contexts, which the host does not see), and
 // from 5 q-tiles of work (with less, its larger code costs more than the overlap gains when the code
-// is not in L2). Its steady loop pays in segments of 32+ blocks but its code costs every call when
+// is not in L2). At one q-tile, rows64_seesaw: each CTA chooses by the length of its part
+// (kLongPartBlocks), unless `deterministic` (a request's path would depend on the parts around it). Its steady loop pays in segments of 32+ blocks but its code costs every call when
 // not in L2; lengths are on the device, so it is taken from 128 q-tiles of work, where such segments
 // are likely.
 constexpr int64_t kSeesawMinQTilesPerRequest = 2;
@@ -107,7 +110,9 @@ constexpr DecodeKernel choose_decode_kernel(const DecodeProblem& p) {
     const bool seesaw = p.deterministic
                             ? head_tiles >= kSeesawMinQTilesPerRequest
                             : p.q_tiles() >= kSeesawMinQTilesPerRequest && p.q_tiles_of_work() >= kSeesawMinQTiles;
-    if (!seesaw) return DecodeKernel::kRows64;
+    if (!seesaw) {
+      return p.q_tiles() == 1 && !p.deterministic ? DecodeKernel::kRows64Seesaw : DecodeKernel::kRows64;
+    }
     return p.deterministic || p.q_tiles_of_work() >= kSteadyMinQTiles ? DecodeKernel::kSeesawSteady
                                                                        : DecodeKernel::kSeesaw;
   }
@@ -117,6 +122,13 @@ constexpr DecodeKernel choose_decode_kernel(const DecodeProblem& p) {
   if (p.fp8_mma) return DecodeKernel::kFp8Mma;
   const bool narrow32 = !p.deterministic && rows <= kNarrow32Rows;
   return narrow32 && p.batch >= kNarrow32MinBatch ? DecodeKernel::kNarrow32 : DecodeKernel::kRows64;
+}
+
+// The kernel a forced one runs as: rows64_seesaw takes TMA boxes only, and with it a request's path
+// depends on the parts around it, so gathered rows and `deterministic` run its 64-row kernel alone.
+constexpr DecodeKernel decode_kernel_that_runs(DecodeKernel kernel, const DecodeProblem& p) {
+  const bool rows64_only = p.gathered_rows || p.deterministic;
+  return kernel == DecodeKernel::kRows64Seesaw && rows64_only ? DecodeKernel::kRows64 : kernel;
 }
 
 // Split partials in fp32 instead of q's dtype. A 16-bit partial rounds its split's normalised output
@@ -140,7 +152,8 @@ constexpr std::string_view decode_kernel_requirement(DecodeKernel kernel) {
     case DecodeKernel::kNarrow32: return "a float8_e4m3fn cache and at most 32 query rows per request (max_seqlen_q x h_q)";
     case DecodeKernel::kRows64: return "nothing";
     case DecodeKernel::kSeesaw:
-    case DecodeKernel::kSeesawSteady: return "a 16-bit (bf16/fp16) cache";
+    case DecodeKernel::kSeesawSteady:
+    case DecodeKernel::kRows64Seesaw: return "a 16-bit (bf16/fp16) cache";
     case DecodeKernel::kFp8Mma: return "a float8_e4m3fn cache";
   }
   return "?";
@@ -157,7 +170,8 @@ constexpr bool decode_kernel_supports(DecodeKernel kernel, const DecodeProblem& 
     case DecodeKernel::kNarrow32: return p.fp8_cache && p.rows() <= kNarrow32Rows;
     case DecodeKernel::kRows64: return true;
     case DecodeKernel::kSeesaw:
-    case DecodeKernel::kSeesawSteady: return !p.fp8_cache;
+    case DecodeKernel::kSeesawSteady:
+    case DecodeKernel::kRows64Seesaw: return !p.fp8_cache;
     case DecodeKernel::kFp8Mma: return p.fp8_cache;
   }
   return false;

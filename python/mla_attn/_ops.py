@@ -56,7 +56,7 @@ def _decode_out_fake(q, q_pe, kv_cache, block_table, cache_seqlens, cu_seqlens_q
 
 def _decode(q: Tensor, q_pe: Optional[Tensor], kv_cache: Tensor, block_table: Tensor, cache_seqlens: Tensor,
            cu_seqlens_q: Optional[Tensor], max_seqlen_q: int, softmax_scale: float, causal: bool,
-           tile_sched: Tensor, req_splits: Tensor, num_sm_parts: int, out: Optional[Tensor],
+           tile_sched: Tensor, req_splits: Tensor, num_sm_parts: int, out: Optional[Tensor], lse: Optional[Tensor],
            k_scale: Optional[Tensor], q_scale: Optional[Tensor], fp8_mma: bool, kernel: Optional[str],
            kv_slots: bool, skip_invalid_slots: bool, attn_sink: Optional[Tensor]) -> tuple[Tensor, Tensor]:
     """The decode op on CPU tensors: checks, then the float32 reference (out, lse). With kv_slots the
@@ -70,6 +70,10 @@ def _decode(q: Tensor, q_pe: Optional[Tensor], kv_cache: Tensor, block_table: Te
     check.check_schedule(tile_sched, req_splits, num_sm_parts, batch, q)
     check.check_skip_invalid_slots(skip_invalid_slots, kv_slots, kv_cache)
     check.check_attn_sink(attn_sink, q.shape[-2], q)
+    if lse is not None:
+        check.check_lse("lse", lse, q.shape[:-1], "q", q)
+    check.check_decode_outputs(out, lse, q, q_pe, kv_cache, block_table, cache_seqlens, cu_seqlens_q, tile_sched,
+                               req_splits, k_scale, q_scale, attn_sink)
     if skip_invalid_slots:
         block_table, cache_seqlens = torch.ops.mla_attn.compact_sparse_indices(
             block_table, cache_seqlens, kv_cache.shape[0] * kv_cache.shape[1])
@@ -94,7 +98,7 @@ def _decode_cpu(q, q_pe, kv_cache, block_table, cache_seqlens, cu_seqlens_q, max
                 tile_sched, req_splits, num_sm_parts, *, k_scale=None, q_scale=None, deterministic=False,
                 fp8_mma=False, split_kernel=None, kv_slots=False, skip_invalid_slots=False, attn_sink=None):
     out, lse = _decode(q, q_pe, kv_cache, block_table, cache_seqlens, cu_seqlens_q, max_seqlen_q, softmax_scale,
-                       causal, tile_sched, req_splits, num_sm_parts, None, k_scale, q_scale, fp8_mma, split_kernel,
+                       causal, tile_sched, req_splits, num_sm_parts, None, None, k_scale, q_scale, fp8_mma, split_kernel,
                        kv_slots, skip_invalid_slots, attn_sink)
     return out.to(q.dtype), lse
 
@@ -104,9 +108,8 @@ def _decode_out_cpu(q, q_pe, kv_cache, block_table, cache_seqlens, cu_seqlens_q,
                     deterministic=False, fp8_mma=False, split_kernel=None, kv_slots=False,
                     skip_invalid_slots=False, attn_sink=None):
     o, l = _decode(q, q_pe, kv_cache, block_table, cache_seqlens, cu_seqlens_q, max_seqlen_q, softmax_scale,
-                   causal, tile_sched, req_splits, num_sm_parts, out, k_scale, q_scale, fp8_mma, split_kernel,
+                   causal, tile_sched, req_splits, num_sm_parts, out, lse, k_scale, q_scale, fp8_mma, split_kernel,
                    kv_slots, skip_invalid_slots, attn_sink)
-    check.check_lse("lse", lse, q.shape[:-1], "q", q)
     out.copy_(o)
     lse.copy_(l)
 
@@ -152,6 +155,8 @@ def _prefill_out_cpu(q, k, v, cu_seqlens_q, cu_seqlens_k, max_seqlen_q, max_seql
     check.check_softmax_scale(softmax_scale)
     check.check_prefill(q, k, v, cu_seqlens_q, cu_seqlens_k, max_seqlen_q, max_seqlen_k, k_pe, out)
     check.check_lse("lse", lse, q.shape[:-1], "q", q)
+    check.check_apart("lse", lse, {"q": q, "k": k, "v": v, "k_pe": k_pe, "cu_seqlens_q": cu_seqlens_q,
+                                   "cu_seqlens_k": cu_seqlens_k, "out": out})
     o, l = prefill_cpu(q, k, v, cu_seqlens_q, cu_seqlens_k, softmax_scale, causal, k_pe)
     out.copy_(o)
     lse.copy_(l)

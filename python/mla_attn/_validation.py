@@ -37,7 +37,7 @@ _PREFILL_MAX_GRID = 65535  # requests and heads: the prefill grid's z and y (csr
 _MAX_SOFTMAX_SCALE = float(torch.finfo(torch.float32).max) / math.log2(math.e)
 # decode kernels that run one cache kind only, and the query rows (max_seqlen_q * h_q) the narrow ones take
 _FP8_ONLY_KERNELS = ("narrow16_3wg", "narrow32", "fp8mma")
-_HALF_ONLY_KERNELS = ("seesaw", "seesaw_steady")
+_HALF_ONLY_KERNELS = ("seesaw", "seesaw_steady", "rows64_seesaw")
 _KERNEL_MAX_ROWS = {"narrow16": 16, "narrow16_3wg": 16, "narrow32": 32}
 _DS_MLA_FP8_KERNELS = ("narrow16", "narrow32", "rows64")  # those that read ds_mla_fp8 rows (csrc/mla_decode/dispatch.h)
 # the MLAConfig dims the kernels are built for
@@ -117,26 +117,40 @@ def _dense(t: Tensor) -> bool:
     return True
 
 
-def check_no_partial_overlap(name: str, out: Tensor, inputs: dict[str, Tensor]) -> None:
-    """An output that shares part of an input's memory (as torch judges it: dense tensors only). All of
-    it is fine where each thread reads its part of the input before writing it (the merge). Not while
-    torch.compile traces, nor for fake, functional or meta tensors (no memory)."""
+def _overlapping(out: Tensor, inputs: dict[str, Optional[Tensor]]):
+    """(name, input) of each input sharing memory with out, as torch judges it: dense tensors only. None
+    while torch.compile traces, nor for fake, functional or meta tensors (no memory)."""
     if torch.compiler.is_compiling() or type(out) is not Tensor or out.device.type == "meta" or not out.numel():
         return
     out_first, out_end = _byte_range(out)
     for input_name, inp in inputs.items():
-        if type(inp) is not Tensor or not inp.numel():
+        if type(inp) is not Tensor or not inp.numel() or inp.device != out.device:
             continue
         in_first, in_end = _byte_range(inp)
         if out_end <= in_first or in_end <= out_first:  # apart: the usual case
             continue
+        if _dense(out) and _dense(inp):
+            yield input_name, inp
+
+
+def check_no_partial_overlap(name: str, out: Tensor, inputs: dict[str, Tensor]) -> None:
+    """An output that shares part of an input's memory. All of it is fine where each thread reads its
+    part of the input before writing it (the merge)."""
+    for input_name, inp in _overlapping(out, inputs):
         same_layout = out.shape == inp.shape and all(
             out.stride(d) == inp.stride(d) for d in range(out.dim()) if out.shape[d] > 1)
-        if out_first == in_first and same_layout:  # the input itself
-            continue
-        if _dense(out) and _dense(inp):
+        if not (out.data_ptr() == inp.data_ptr() and same_layout):  # the input itself is fine
             raise ValueError(f"{name} shares part of {input_name}'s memory; an output may be an input, or apart "
                              "from it")
+
+
+def check_apart(name: str, out: Optional[Tensor], inputs: dict[str, Optional[Tensor]]) -> None:
+    """An output that the kernels write while other CTAs still read the inputs (decode, prefill): no
+    memory in common with any of them."""
+    if out is None:
+        return
+    for input_name, _ in _overlapping(out, inputs):
+        raise ValueError(f"{name} shares memory with {input_name}; the kernels still read it while they write {name}")
 
 
 def check_int32(name: str, t: Tensor, dim: int) -> None:
@@ -375,6 +389,18 @@ def check_decode(q: Tensor, q_pe: Optional[Tensor], kv_cache: Tensor, block_tabl
     return batch, max_seqlen_q
 
 
+def check_decode_outputs(out: Optional[Tensor], lse: Optional[Tensor], q: Tensor, q_pe: Optional[Tensor],
+                         kv_cache: Tensor, block_table: Tensor, cache_seqlens: Tensor, cu_seqlens_q: Optional[Tensor],
+                         tile_sched: Tensor, req_splits: Tensor, k_scale: Optional[Tensor], q_scale: Optional[Tensor],
+                         attn_sink: Optional[Tensor]) -> None:
+    """A decode's out and lse, when given: apart from every input, and lse from out."""
+    inputs = {"q": q, "q_pe": q_pe, "kv_cache": kv_cache, "block_table": block_table, "cache_seqlens": cache_seqlens,
+              "cu_seqlens_q": cu_seqlens_q, "tile_sched": tile_sched, "req_splits": req_splits, "k_scale": k_scale,
+              "q_scale": q_scale, "attn_sink": attn_sink}
+    check_apart("out", out, inputs)
+    check_apart("lse", lse, {**inputs, "out": out})
+
+
 def check_decode_kernel(kernel: Optional[str], cache_dtype: torch.dtype, rows: int) -> None:
     """A forced decode kernel (None: the dispatch chooses) must exist and run this call: rows =
     max_seqlen_q * h_q."""
@@ -528,6 +554,8 @@ def check_prefill(q: Tensor, k: Tensor, v: Tensor, cu_seqlens_q: Tensor, cu_seql
         if tuple(out.shape) != (q.shape[0], h_q, PREFILL_D_V):
             raise ValueError(f"out must be [{q.shape[0]}, {h_q}, {PREFILL_D_V}], got {tuple(out.shape)}")
         check_no_overlap("out", out)
+        check_apart("out", out, {"q": q, "k": k, "v": v, "k_pe": k_pe, "cu_seqlens_q": cu_seqlens_q,
+                                 "cu_seqlens_k": cu_seqlens_k})
     for name, cu in (("cu_seqlens_q", cu_seqlens_q), ("cu_seqlens_k", cu_seqlens_k)):
         check_int32(name, cu, 1)
         if cu.shape[0] < 1:
@@ -1004,6 +1032,8 @@ def check_sparse_decode(q: Tensor, q_pe: Optional[Tensor], kv_cache: Tensor, ind
         check_device("out", out, "q", q)
         check_layout("out", out)
         check_no_overlap("out", out)
+        check_apart("out", out, {"q": q, "q_pe": q_pe, "kv_cache": kv_cache, "indices": indices,
+                                 "topk_length": topk_length, "attn_sink": attn_sink})
         if q.dim() == 4 and out.shape[0] > 1 and out.shape[1] > 1 and out.stride(0) != out.shape[1] * out.stride(1):
             raise ValueError(f"out: the kernel writes it as [B * s_q, h_q, 512] rows, so stride(0) must be "
                              f"s_q * stride(1); got strides {out.stride()}")

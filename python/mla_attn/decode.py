@@ -78,6 +78,8 @@ def mla_decode(q: Tensor, kv_cache: Tensor, block_table: Tensor, cache_seqlens: 
                                        max_seqlen_q=max_seqlen_q, causal=causal, deterministic=deterministic)
     else:
         check.check_metadata(metadata, batch, max_seqlen_q, causal, deterministic, q)
+    check.check_decode_outputs(out, None, q, q_pe, kv_cache, block_table, cache_seqlens, cu_seqlens_q,
+                               metadata.tile_sched, metadata.req_splits, k_scale, q_scale, attn_sink)
     if check.want_value_checks(validate, q.device):
         check.check_decode_values(kv_cache, block_table, cache_seqlens, cu_seqlens_q, max_seqlen_q, q.shape[0],
                                   k_scale, q_scale)

@@ -22,7 +22,8 @@ MIN_SEARCHED_PIECE = 2
 CPU_NUM_SMS = 132  # H200: CPU schedules mirror what the GPU would do
 # The split kernels the private `split_kernel=` option of the decode ops can force; mirrors
 # kDecodeKernelNames in csrc/mla_decode/dispatch.h.
-DECODE_KERNELS = ("narrow16", "narrow16_3wg", "narrow32", "rows64", "seesaw", "seesaw_steady", "fp8mma")
+DECODE_KERNELS = ("narrow16", "narrow16_3wg", "narrow32", "rows64", "seesaw", "seesaw_steady", "fp8mma",
+                  "rows64_seesaw")
 
 
 class ScheduleRow(NamedTuple):

@@ -5,6 +5,7 @@
 #include <cuda_runtime.h>
 
 #include <algorithm>
+#include <type_traits>
 
 #include "mla_decode/combine/combine_kernel.cuh"
 #include "mla_decode/decode.h"
@@ -21,14 +22,34 @@ inline constexpr bool kGathersOnly = requires { requires Traits::kGatherOnly; };
 template <typename Traits>
 inline constexpr bool kNeverGathers = requires { requires Traits::kTmaOnly; };
 
+// The policy of a kernel whose CTAs each run Short or Long by the length of their part
+// (mla_decode_split_kernel_by_part). TMA boxes only: the caller sends gathered rows to another kernel.
+template <typename Short, typename Long>
+struct ByPartKernel {
+  using ShortKernel = Short;
+  using LongKernel = Long;
+  struct Traits {
+    using Element = typename Short::Traits::Element;
+    static_assert(std::is_same_v<Element, typename Long::Traits::Element>);
+    static constexpr int kSmemBytes = std::max(Short::Traits::kSmemBytes, Long::Traits::kSmemBytes);
+  };
+  static constexpr int kThreads = Short::kThreads;
+};
+template <typename Kernel>
+inline constexpr bool kIsByPart = requires { typename Kernel::LongKernel; };
+
 // Launches the split kernel (grid: q-tiles x parts; its gathering variant where DecodeTma::gather)
 // and, when any request is split, the combine kernel chained with PDL. kMayStoreFp32Partials: the
 // kernel writes fp32 partials where DecodeParams::partials_fp32 (the combine is instantiated for them).
 template <typename Kernel, bool kMayStoreFp32Partials = false>
 cudaError_t launch_split_and_combine(const DecodeParams& params, const DecodeTma& tma, cudaStream_t stream) {
   using Element = typename Kernel::Traits::Element;
+  if constexpr (kIsByPart<Kernel>) {
+    if (tma.gather) return cudaErrorInvalidValue;  // dispatch.h: decode_kernel_that_runs sends those to rows64
+  }
   const auto kernel = [&] {
-    if constexpr (kGathersOnly<typename Kernel::Traits>) return mla_decode_split_kernel<Kernel, true>;
+    if constexpr (kIsByPart<Kernel>) return mla_decode_split_kernel_by_part<typename Kernel::ShortKernel, typename Kernel::LongKernel>;
+    else if constexpr (kGathersOnly<typename Kernel::Traits>) return mla_decode_split_kernel<Kernel, true>;
     else if constexpr (kNeverGathers<typename Kernel::Traits>) return mla_decode_split_kernel<Kernel, false>;
     else return tma.gather ? mla_decode_split_kernel<Kernel, true> : mla_decode_split_kernel<Kernel, false>;
   }();

@@ -41,6 +41,14 @@ struct PartRange {
     return {row.first_request, row.first_block, row.last_request, row.last_end_block, row.first_split, row.first_seqlen};
   }
 
+  // KV blocks of the part, without those of the requests strictly between its first and last (a lower
+  // bound: long parts hold one or two requests).
+  __device__ int blocks_at_least() const {
+    if (last_b < begin_b) return 0;
+    if (last_b == begin_b) return last_hi - begin_blk;
+    return mla_common::ceil_div(max(begin_seqlen, 0), kBlockN) - begin_blk + last_hi;
+  }
+
   // Fills `seg` for request b; returns false when this CTA's q-tile has no rows in request b.
   __device__ bool segment(const DecodeParams& p, int b, int m_block, Segment& seg) const {
     seg.b = b;
