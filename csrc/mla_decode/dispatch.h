@@ -76,10 +76,10 @@ constexpr int64_t kNarrow32DsMinBatch = 128;
 // where the MMAs bound the time: where a request's rows fill two or more q-tiles, which share each
 // KV tile (at one q-tile it pays only with long contexts, which the host does not see), and
 // from 5 q-tiles of work (with less, its larger code costs more than the overlap gains when the code
-// is not in L2). At one q-tile, rows64_seesaw: each CTA chooses by the length of its part
-// (kLongPartBlocks), unless `deterministic` (a request's path would depend on the parts around it). Its steady loop pays in segments of 32+ blocks but its code costs every call when
+// is not in L2). Its steady loop pays in segments of 32+ blocks but its code costs every call when
 // not in L2; lengths are on the device, so it is taken from 128 q-tiles of work, where such segments
-// are likely.
+// are likely. At one q-tile, rows64_seesaw: each CTA chooses by the length of its part
+// (kLongPartBlocks), unless `deterministic` (a request's path would depend on the parts around it).
 constexpr int64_t kSeesawMinQTilesPerRequest = 2;
 constexpr int64_t kSeesawMinQTiles = 5;
 constexpr int64_t kSteadyMinQTiles = 128;

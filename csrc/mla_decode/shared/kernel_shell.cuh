@@ -24,7 +24,8 @@ namespace mla_decode {
 
 // One CTA of a split kernel: the barriers, then the producer warpgroup and the math warpgroups.
 template <typename Kernel, bool kGather>
-__device__ __forceinline__ void run_split_cta(const DecodeParams& params, const DecodeTma& tma, const PartRange& range) {
+__device__ __forceinline__ void run_split_cta(const DecodeParams& params, const DecodeTma& tma,
+                                              const PartRange& range) {
   auto& ss = mla_common::shared_storage_1024<typename Kernel::Traits::SharedStorage>();
   const int warpgroup = mla_common::warp_uniform(threadIdx.x / 128);
   Kernel::template init_barriers<kGather>(ss);
@@ -60,8 +61,10 @@ __global__ void __launch_bounds__(Kernel::kThreads, 1)
 // instruction fetch shows in (docs/design-decisions.md).
 template <typename ShortKernel, typename LongKernel>
 __global__ void __launch_bounds__(ShortKernel::kThreads, 1)
-    mla_decode_split_kernel_by_part(__grid_constant__ const DecodeParams params, __grid_constant__ const DecodeTma tma) {
-  static_assert(ShortKernel::kThreads == LongKernel::kThreads && ShortKernel::kMathWarpgroups == LongKernel::kMathWarpgroups &&
+    mla_decode_split_kernel_by_part(__grid_constant__ const DecodeParams params,
+                                    __grid_constant__ const DecodeTma tma) {
+  static_assert(ShortKernel::kThreads == LongKernel::kThreads &&
+                    ShortKernel::kMathWarpgroups == LongKernel::kMathWarpgroups &&
                     ShortKernel::kMathRegisters == LongKernel::kMathRegisters &&
                     ShortKernel::kProducerRegisters == LongKernel::kProducerRegisters,
                 "one launch configuration for both kernels");

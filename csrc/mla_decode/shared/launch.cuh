@@ -48,10 +48,16 @@ cudaError_t launch_split_and_combine(const DecodeParams& params, const DecodeTma
     if (tma.gather) return cudaErrorInvalidValue;  // dispatch.h: decode_kernel_that_runs sends those to rows64
   }
   const auto kernel = [&] {
-    if constexpr (kIsByPart<Kernel>) return mla_decode_split_kernel_by_part<typename Kernel::ShortKernel, typename Kernel::LongKernel>;
-    else if constexpr (kGathersOnly<typename Kernel::Traits>) return mla_decode_split_kernel<Kernel, true>;
-    else if constexpr (kNeverGathers<typename Kernel::Traits>) return mla_decode_split_kernel<Kernel, false>;
-    else return tma.gather ? mla_decode_split_kernel<Kernel, true> : mla_decode_split_kernel<Kernel, false>;
+    using Traits = typename Kernel::Traits;
+    if constexpr (kIsByPart<Kernel>) {
+      return mla_decode_split_kernel_by_part<typename Kernel::ShortKernel, typename Kernel::LongKernel>;
+    } else if constexpr (kGathersOnly<Traits>) {
+      return mla_decode_split_kernel<Kernel, true>;
+    } else if constexpr (kNeverGathers<Traits>) {
+      return mla_decode_split_kernel<Kernel, false>;
+    } else {
+      return tma.gather ? mla_decode_split_kernel<Kernel, true> : mla_decode_split_kernel<Kernel, false>;
+    }
   }();
   constexpr int smem = Kernel::Traits::kSmemBytes + 1024;  // + slack to align the map to 1024 bytes
   const cudaError_t attr =
