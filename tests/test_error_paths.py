@@ -140,6 +140,7 @@ GPU_CASES = [
     ("mla_decode", lambda a: dict(softmax_scale=0.0), R, r"softmax_scale must be a finite number > 0"),
     ("mla_decode", lambda a: dict(softmax_scale=1e39), R,  # finite, but not as a float32
      r"softmax_scale must be a finite number > 0 \(also as float32 times log2\(e\)\), got 1e\+39"),
+    ("mla_decode", lambda a: dict(softmax_scale=5e-324), R, r"softmax_scale must be a finite number > 0 \(also as"),
     ("mla_decode_varlen", lambda a: dict(q=a["q"][None]), R, r"q must be \[B, s_q, h_q, D\] or, with cu_seqlens_q"),
     ("mla_decode", lambda a: dict(q=a["q"][0]), R, r"q must be \[B, s_q, h_q, D\] or, with cu_seqlens_q"),
     # a 0-dim q crashed the host (the out shape was taken from q's last dim)
@@ -270,6 +271,8 @@ GPU_CASES = [
     ("write_kv_cache", lambda a: dict(kv_c=a["kv_c"][:, :256]), R, r"kv_c must be \[T, 512\], contiguous"),
     ("write_kv_cache", lambda a: dict(k_pe=a["k_pe"].half()), R, r"k_pe must have kv_c's dtype"),
     ("write_kv_cache", lambda a: dict(k_pe=a["k_pe"][:5]), R, r"k_pe must be \[T, 64\] or \[T, 1, 64\]"),
+    ("write_kv_cache", lambda a: dict(kv_cache=a["kv_cache"][:1].expand(a["kv_cache"].shape)), R,
+     r"kv_cache: elements overlap in memory"),
     ("write_kv_cache", lambda a: dict(slot_mapping=a["slot_mapping"].int()), R, r"slot_mapping must be int64 \[T\]"),
     ("write_kv_cache", lambda a: dict(kv_cache=a["kv_cache"].half()), R,
      r"kv_cache must have kv_c's dtype or be float8_e4m3fn or uint8 \(ds_mla_fp8\)"),
@@ -420,7 +423,7 @@ def test_gpu_errors_back_to_back(gpu_inputs):
 # The CPU kernels: the wrappers' checks, so kind -> TypeError, shape / layout / value -> ValueError.
 # (Tensors on two devices need two devices: the wrappers' tests cover them with the meta device.)
 CPU_CASES = [
-    ("mla_decode", lambda a: dict(softmax_scale=math.inf), V, r"softmax_scale must be a finite number > 0, got inf"),
+    ("mla_decode", lambda a: dict(softmax_scale=math.inf), V, r"softmax_scale must be a finite number > 0 .*got inf"),
     ("mla_decode", lambda a: dict(q=a["q"].float()), T, r"q must be bfloat16 or float16"),
     ("mla_decode", lambda a: dict(kv_cache=a["kv_cache"].half()), T, r"kv_cache dtype torch.float16 must match q"),
     ("mla_decode", lambda a: dict(block_table=a["block_table"].long()), T, r"block_table must be int32"),
@@ -471,7 +474,7 @@ CPU_CASES = [
     ("merge_attn_states_out", lambda a: dict(out=one_row_on(a["out_a"])), V, r"out shares part of out_a's memory"),
     ("merge_attn_states_out", lambda a: dict(lse=one_row_on(a["lse_a"])), V, r"lse shares part of lse_a's memory"),
     ("merge_attn_states_n", lambda a: dict(lses=a["lses"].double()), T, r"lses must be float32"),
-    ("mla_prefill", lambda a: dict(softmax_scale=math.inf), V, r"softmax_scale must be a finite number > 0, got inf"),
+    ("mla_prefill", lambda a: dict(softmax_scale=math.inf), V, r"softmax_scale must be a finite number > 0 .*got inf"),
     ("mla_prefill", lambda a: dict(v=a["v"].half()), T, r"v dtype torch.float16 must match q dtype"),
     ("mla_prefill", lambda a: dict(cu_seqlens_k=a["cu_seqlens_k"].long()), T, r"cu_seqlens_k must be int32"),
     ("mla_prefill", lambda a: dict(k=a["k"][:, :3], v=a["v"][:, :3]), V, r"h_q = 4 must be a multiple of h_k = 3"),
@@ -490,6 +493,23 @@ CPU_CASES = [
     ("compact_sparse_indices", lambda a: dict(topk_length=a["topk_length"][:1]), V,
      r"topk_length must be \[R\] = \[3\]"),
     ("compact_sparse_indices", lambda a: dict(num_slots=-1), V, r"num_slots must be in \[0, 2147483647\], got -1"),
+    # a scale that float32 rounds to 0 (the kernels' scale * log2(e)): scores all 0
+    ("mla_decode", lambda a: dict(softmax_scale=5e-324), V, r"softmax_scale must be a finite number > 0 \(also as float32"),
+    ("get_decode_metadata", lambda a: dict(num_heads_q=0), V, r"num_heads_q must be in \[1, 128\], got 0"),
+    ("get_decode_metadata", lambda a: dict(max_seqlen_q=0), V, r"max_seqlen_q must be in \[1, .*\], got 0"),
+    # outputs of the in-place ops: a tensor each, no two elements at one address, on the inputs' device
+    # (one on the meta device sent the call to the fake kernel, which returned with nothing written)
+    ("mla_decode_out", lambda a: dict(out=None), T, r"out must be a tensor, got NoneType"),
+    ("mla_decode_out", lambda a: dict(lse=a["lse"][:1].expand(a["lse"].shape)), V, r"lse: elements overlap in memory"),
+    ("mla_decode_out", lambda a: dict(lse=a["lse"].to("meta")), T, r"lse is on meta but q is on cpu"),
+    ("mla_prefill_out", lambda a: dict(lse=None), T, r"lse must be a tensor, got NoneType"),
+    ("mla_prefill_out", lambda a: dict(lse=a["lse"][:1].expand(a["lse"].shape)), V, r"lse: elements overlap in memory"),
+    ("mla_prefill_out", lambda a: dict(out=a["out"].to("meta")), T, r"out is on meta but q is on cpu"),
+    ("merge_attn_states_out", lambda a: dict(out=None), T, r"out must be a tensor, got NoneType"),
+    ("merge_attn_states_out", lambda a: dict(lse=a["lse"].to("meta")), T, r"lse is on meta but out_a is on cpu"),
+    ("write_kv_cache", lambda a: dict(kv_cache=a["kv_cache"].to("meta")), T, r"kv_cache is on meta but kv_c is on cpu"),
+    ("write_kv_cache", lambda a: dict(kv_cache=a["kv_cache"][:1].expand(a["kv_cache"].shape)), V,
+     r"kv_cache: elements overlap in memory"),
 ]
 
 
@@ -591,6 +611,18 @@ WRAPPER_CASES = [
      r"device must be a torch.device, str or int"),
     ("batch meta lens", lambda: mla_attn.MLABatch.build(torch.ones(1, dtype=torch.int32, device="meta"), [0], [[0]],
                                                         16, "cpu"), T, r"query_lens is a meta tensor"),
+    ("metadata s_q varlen", lambda: mla_attn.get_decode_metadata(
+        torch.zeros(2, dtype=torch.int32), 16, s_q=7, cu_seqlens_q=torch.tensor([0, 1, 2], dtype=torch.int32),
+        max_seqlen_q=1), V, r"s_q is for a uniform batch"),
+    ("max_seqlen_q bool", _decode_call(max_seqlen_q=True), T, r"max_seqlen_q must be an int, got bool"),
+    ("sparse prefill q dtype", lambda: mla_attn.mla_sparse_prefill(
+        torch.zeros(3, 4, 576), torch.zeros(8, 576, dtype=torch.bfloat16), torch.zeros(3, 4, dtype=torch.int32),
+        softmax_scale=0.1), T, r"q must be bfloat16 or float16, got torch.float32"),
+    ("sparse prefill kv layout", lambda: mla_attn.mla_sparse_prefill(
+        torch.zeros(3, 4, 576, dtype=torch.bfloat16), torch.zeros(8, 577, dtype=torch.bfloat16)[:, :576],
+        torch.zeros(3, 4, dtype=torch.int32), softmax_scale=0.1), V, r"kv: stride\(0\) = 577 elements"),
+    ("batch copy_", lambda: mla_attn.MLABatch.build([1], [0], [[0]], 16, "cpu").copy_(None), T,
+     r"copy_ takes an MLABatch, got NoneType"),
     ("layer batch", lambda: _layer_call(batch=None), T, r"batch must be an MLABatch"),
     ("layer tokens", lambda: _layer_call(rows=3), V, r"hidden_states must be \[T, hidden_size\] = \[4, 128\]"),
     ("layer dtype", lambda: _layer_call(dtype=torch.float32), T, r"hidden_states dtype torch.float32 must be"),

@@ -120,6 +120,15 @@ def test_batch_build():
         MLABatch.build([1], [0], [[1]], 16, "cpu", decode_threshold=513)
 
 
+@pytest.mark.parametrize("lens", [([0], [5], [[0]]), ([], [], [])])
+def test_forward_of_a_step_without_tokens(lens):
+    """A step with no new token (an empty or idle rank) writes nothing and returns [0, hidden]."""
+    layer = MLAAttention(MLAConfig(hidden_size=64, num_heads=2, q_lora_rank=32), dtype=torch.bfloat16)
+    kv = torch.full((2, 16, 576), float("nan"), dtype=torch.bfloat16)
+    out = layer(torch.zeros(0, 64, dtype=torch.bfloat16), kv, MLABatch.build(*lens, 16, "cpu"))
+    assert out.shape == (0, 64) and kv.isnan().all()
+
+
 def test_forward_refuses_a_batch_that_does_not_fit():
     """A batch built for another page size than the cache's (its slots would land in other requests'
     pages), or reaching past the layer's RoPE table (an index out of range on the device), raises before

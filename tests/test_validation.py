@@ -232,6 +232,22 @@ def test_value_errors_on_cpu(case, match):
         call(case)
 
 
+@pytest.mark.parametrize("case,match", VALUE_ERRORS)
+def test_unchecked_values_on_cpu(case, match):
+    """validate=False: the CPU op reads bad values as the CUDA kernels do (clamped): wrong numbers (the
+    case's cache holds NaN past the lengths), never an error."""
+    out = call(case, validate=False)
+    assert out.shape == case["q"].shape[:-1] + (D_V,)
+
+
+@pytest.mark.parametrize("page", [-1, KV.shape[0], 2**31 - 1])
+def test_unchecked_page_ids_clamp_on_cpu(page):
+    """A page id outside the cache reads the nearest page, as the CUDA kernels clamp it."""
+    got = call(_with(C, block_table=_bt_with(C, 1, 0, page)), validate=False)
+    want = call(_with(C, block_table=_bt_with(C, 1, 0, min(max(page, 0), KV.shape[0] - 1))))
+    torch.testing.assert_close(got, want, rtol=0, atol=0, equal_nan=True)
+
+
 def test_value_checks_policy(monkeypatch):
     # garbage past the used pages is legal (make_decode_case puts huge and negative ids there)
     assert (C["block_table"][:, -1] < 0).all()

@@ -59,7 +59,8 @@ inline void check_i32(const at::Tensor& t, const char* name, const at::Tensor& l
 // scale by softmax_scale * log2(e) in float32: that must be finite too (1e39 is not, as a float).
 // Compared in double (false for NaN and inf): converting a double past the float range is undefined.
 inline void check_softmax_scale(double softmax_scale) {
-  TORCH_CHECK(softmax_scale > 0 && softmax_scale * M_LOG2E <= double(std::numeric_limits<float>::max()),
+  TORCH_CHECK(softmax_scale > 0 && softmax_scale * M_LOG2E <= double(std::numeric_limits<float>::max()) &&
+                  float(softmax_scale * M_LOG2E) > 0.f,
               "mla_attn: softmax_scale must be a finite number > 0 (also as float32 times log2(e)), got ",
               softmax_scale);
 }

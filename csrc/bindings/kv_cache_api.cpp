@@ -84,6 +84,7 @@ void write_kv_cache_cuda(const Tensor& kv_c, const Tensor& k_pe, Tensor kv_cache
               "mla_attn: kv_cache must have kv_c's dtype or be float8_e4m3fn or uint8 (ds_mla_fp8)");
   const CacheFormat format = cache_format(kv_cache, kv_format);
   const float* scale = check_cache(kv_cache, k_scale, kv_c, format);
+  mla_bindings::check_no_internal_overlap(kv_cache, "kv_cache");  // tokens on one address would race
   mla_bindings::check_same_device({k_pe, slot_mapping}, kv_c);
   mla_bindings::check_aligned(kv_c, "kv_c", 16);
   mla_bindings::check_aligned(k_pe, "k_pe", 16);

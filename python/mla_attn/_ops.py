@@ -4,7 +4,8 @@ The schemas are in csrc/bindings/ops*.cpp, the CUDA kernels in csrc/bindings/*_a
 Fakes let torch.compile / export trace the ops without running them; output shapes depend on input
 shapes only. The CPU kernels run the pure-PyTorch reference (reference.py), so the ops work (slowly)
 without a GPU; they run the same static checks (_validation.py) as the public wrappers, so a direct
-torch.ops.mla_attn.* call on CPU tensors fails with the wrappers' exceptions and messages.
+torch.ops.mla_attn.* call on CPU tensors fails with the wrappers' exceptions and messages. Values that
+only validation checks (lengths, page ids, slots) are read as the CUDA kernels read them: clamped.
 """
 import math
 from typing import Optional
@@ -25,6 +26,14 @@ def _register(op: str, *, fake, cpu) -> None:
     torch.library.register_kernel(f"mla_attn::{op}", "cpu")(cpu)
 
 
+def _check_out_devices(like: Tensor, like_name: str, *outs: Tensor) -> None:
+    """The fake of an op that writes in place runs for a real call too when one tensor is on the meta
+    device: that call must fail, not return with nothing written."""
+    for name, t in zip(("out", "lse"), outs):
+        check.check_tensor(name, t)
+        check.check_device(name, t, like_name, like)
+
+
 # -------------------------------------------------------------------------------------------- decode
 def _metadata_fake(cache_seqlens, cu_seqlens_q, max_seqlen_q, num_heads_q, causal, num_sm_parts, num_sms, *,
                    deterministic=False):
@@ -35,7 +44,7 @@ def _metadata_fake(cache_seqlens, cu_seqlens_q, max_seqlen_q, num_heads_q, causa
 
 def _metadata_cpu(cache_seqlens, cu_seqlens_q, max_seqlen_q, num_heads_q, causal, num_sm_parts, num_sms, *,
                   deterministic=False):
-    check.check_int32("cache_seqlens", cache_seqlens, 1)
+    check.check_decode_metadata_args(cache_seqlens, num_heads_q, None, cu_seqlens_q, max_seqlen_q)
     check.check_num_sm_parts(num_sm_parts, num_sms)
     return schedule_cpu(cache_seqlens, cu_seqlens_q, max_seqlen_q, num_heads_q, num_sm_parts, num_sms,
                         deterministic)
@@ -51,6 +60,7 @@ def _decode_out_fake(q, q_pe, kv_cache, block_table, cache_seqlens, cu_seqlens_q
                      causal, tile_sched, req_splits, num_sm_parts, out, lse, *, k_scale=None, q_scale=None,
                      deterministic=False, fp8_mma=False, split_kernel=None, kv_slots=False,
                      skip_invalid_slots=False, attn_sink=None):
+    _check_out_devices(q, "q", out, lse)
     return None
 
 
@@ -72,6 +82,7 @@ def _decode(q: Tensor, q_pe: Optional[Tensor], kv_cache: Tensor, block_table: Te
     check.check_attn_sink(attn_sink, q.shape[-2], q)
     if lse is not None:
         check.check_lse("lse", lse, q.shape[:-1], "q", q)
+        check.check_no_overlap("lse", lse)
     check.check_decode_outputs(out, lse, q, q_pe, kv_cache, block_table, cache_seqlens, cu_seqlens_q, tile_sched,
                                req_splits, k_scale, q_scale, attn_sink)
     if skip_invalid_slots:
@@ -83,6 +94,12 @@ def _decode(q: Tensor, q_pe: Optional[Tensor], kv_cache: Tensor, block_table: Te
         kv_cache = dequantize_ds_mla_fp8(kv_cache)
     if kv_slots:
         kv_cache = _rows(kv_cache).reshape(-1, 1, D_QK)
+    # Values only validation checks (validate=False skips it), read as the CUDA kernels read them
+    # (shared/schedule.cuh, kv_producer.cuh): lengths clamped to what the block table holds, page ids
+    # (slots) into the cache. Bad values give wrong numbers, never an error; valid ones are unchanged.
+    num_pages, page_size = kv_cache.shape[0], kv_cache.shape[1]
+    cache_seqlens = cache_seqlens.clamp(0, block_table.shape[1] * page_size if num_pages else 0)
+    block_table = block_table.clamp(0, max(num_pages - 1, 0))
     # The reference needs no schedule: the split-KV partition only changes the summation order. It
     # computes in float32 whatever fp8_mma, q_scale and kernel say (they trade the GPU kernels' accuracy for speed).
     out, lse = mla_decode_ref(q, kv_cache, block_table, cache_seqlens, cu_seqlens_q=cu_seqlens_q, q_pe=q_pe,
@@ -107,6 +124,8 @@ def _decode_out_cpu(q, q_pe, kv_cache, block_table, cache_seqlens, cu_seqlens_q,
                     tile_sched, req_splits, num_sm_parts, out, lse, *, k_scale=None, q_scale=None,
                     deterministic=False, fp8_mma=False, split_kernel=None, kv_slots=False,
                     skip_invalid_slots=False, attn_sink=None):
+    check.check_tensor("out", out)
+    check.check_tensor("lse", lse)
     o, l = _decode(q, q_pe, kv_cache, block_table, cache_seqlens, cu_seqlens_q, max_seqlen_q, softmax_scale,
                    causal, tile_sched, req_splits, num_sm_parts, out, lse, k_scale, q_scale, fp8_mma, split_kernel,
                    kv_slots, skip_invalid_slots, attn_sink)
@@ -127,6 +146,7 @@ def _prefill_fake(q, k, v, cu_seqlens_q, cu_seqlens_k, max_seqlen_q, max_seqlen_
 
 def _prefill_out_fake(q, k, v, cu_seqlens_q, cu_seqlens_k, max_seqlen_q, max_seqlen_k, softmax_scale, causal, out,
                       lse, *, k_pe=None):
+    _check_out_devices(q, "q", out, lse)
     return None
 
 
@@ -152,9 +172,11 @@ def _prefill_cpu(q, k, v, cu_seqlens_q, cu_seqlens_k, max_seqlen_q, max_seqlen_k
 
 def _prefill_out_cpu(q, k, v, cu_seqlens_q, cu_seqlens_k, max_seqlen_q, max_seqlen_k, softmax_scale, causal, out,
                      lse, *, k_pe=None):
+    check.check_tensor("out", out)
     check.check_softmax_scale(softmax_scale)
     check.check_prefill(q, k, v, cu_seqlens_q, cu_seqlens_k, max_seqlen_q, max_seqlen_k, k_pe, out)
     check.check_lse("lse", lse, q.shape[:-1], "q", q)
+    check.check_no_overlap("lse", lse)
     check.check_apart("lse", lse, {"q": q, "k": k, "v": v, "k_pe": k_pe, "cu_seqlens_q": cu_seqlens_q,
                                    "cu_seqlens_k": cu_seqlens_k, "out": out})
     o, l = prefill_cpu(q, k, v, cu_seqlens_q, cu_seqlens_k, softmax_scale, causal, k_pe)
@@ -177,6 +199,7 @@ def _merge_fake(out_a, lse_a, out_b, lse_b):
 
 
 def _merge_out_fake(out_a, lse_a, out_b, lse_b, out, lse):
+    _check_out_devices(out_a, "out_a", out, lse)
     return None
 
 
@@ -190,6 +213,8 @@ def _merge_cpu(out_a, lse_a, out_b, lse_b):
 
 
 def _merge_out_cpu(out_a, lse_a, out_b, lse_b, out, lse):
+    check.check_tensor("out", out)
+    check.check_tensor("lse", lse)
     check.check_merge(out_a, lse_a, out_b, lse_b, out, lse)
     o, l = _merge_ref(torch.stack([out_a, out_b]), torch.stack([lse_a, lse_b]), out.dtype)
     out.copy_(o)
@@ -219,6 +244,7 @@ def _gather_dtype(cache_dtype: torch.dtype, out_dtype: Optional[torch.dtype]) ->
 
 
 def _write_fake(kv_c, k_pe, kv_cache, slot_mapping, *, k_scale=None, kv_format=None):
+    check.check_device("kv_cache", kv_cache, "kv_c", kv_c)  # as _check_out_devices
     return None
 
 
@@ -228,7 +254,7 @@ def _gather_fake(kv_cache, block_table, cu_seqlens, num_tokens, *, k_scale=None,
 
 def _write_cpu(kv_c, k_pe, kv_cache, slot_mapping, *, k_scale=None, kv_format=None):
     fmt = check.check_write_kv_cache(kv_c, k_pe, kv_cache, slot_mapping, k_scale, kv_format)
-    keep = slot_mapping >= 0
+    keep = (slot_mapping >= 0) & (slot_mapping < kv_cache.shape[0] * kv_cache.shape[1])  # as the CUDA kernel
     slots = slot_mapping[keep]
     page_size = kv_cache.shape[1]
     if fmt == "ds_mla_fp8":

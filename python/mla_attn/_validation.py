@@ -35,6 +35,7 @@ INT32_MAX = 2**31 - 1
 _PREFILL_TILE_ROWS = 128  # csrc/mla_prefill: kBlockM
 _PREFILL_MAX_GRID = 65535  # requests and heads: the prefill grid's z and y (csrc/bindings/prefill_api.cpp)
 _MAX_SOFTMAX_SCALE = float(torch.finfo(torch.float32).max) / math.log2(math.e)
+_MIN_SOFTMAX_SCALE = 2.0 ** -150 / math.log2(math.e)  # scale * log2(e) rounds to float32 0 at or below 2^-150
 # decode kernels that run one cache kind only, and the query rows (max_seqlen_q * h_q) the narrow ones take
 _FP8_ONLY_KERNELS = ("narrow16_3wg", "narrow32", "fp8mma")
 _HALF_ONLY_KERNELS = ("seesaw", "seesaw_steady", "rows64_seesaw")
@@ -193,8 +194,9 @@ def check_softmax_scale(softmax_scale: object) -> None:
                          "not 1/sqrt of the head dim the kernel sees)")
     if not isinstance(softmax_scale, numbers.Real) or isinstance(softmax_scale, bool):
         raise TypeError(f"softmax_scale must be a number, got {type(softmax_scale).__name__}")
-    if not (0 < softmax_scale <= _MAX_SOFTMAX_SCALE):  # also False for NaN
-        raise ValueError(f"softmax_scale must be a finite number > 0, got {softmax_scale}")
+    if not (_MIN_SOFTMAX_SCALE < softmax_scale <= _MAX_SOFTMAX_SCALE):  # also False for NaN
+        raise ValueError(f"softmax_scale must be a finite number > 0 (also as float32 times log2(e)), got "
+                         f"{softmax_scale}")
 
 
 def check_lse(name: str, t: Tensor, shape: Sequence[int], like_name: str, like: Tensor) -> None:
@@ -364,8 +366,10 @@ def check_decode(q: Tensor, q_pe: Optional[Tensor], kv_cache: Tensor, block_tabl
             raise ValueError("cu_seqlens_q is only valid with 3-D (varlen) q; 4-D q has s_q tokens per request")
         if q.shape[0] != batch:
             raise ValueError(f"q has batch {q.shape[0]} but cache_seqlens has {batch} requests")
-        if max_seqlen_q is not None and max_seqlen_q != q.shape[1]:
-            raise ValueError(f"max_seqlen_q={max_seqlen_q} does not match q.shape[1]={q.shape[1]}")
+        if max_seqlen_q is not None:
+            check_int_type("max_seqlen_q", max_seqlen_q)
+            if max_seqlen_q != q.shape[1]:
+                raise ValueError(f"max_seqlen_q={max_seqlen_q} does not match q.shape[1]={q.shape[1]}")
         max_seqlen_q = q.shape[1]
     h_q = q.shape[-2]
     if not 1 <= h_q <= MAX_HEADS_Q:
@@ -511,6 +515,8 @@ def check_decode_metadata_args(cache_seqlens: Tensor, num_heads_q: int, s_q: Opt
         if max_seqlen_q is None:
             raise ValueError("get_decode_metadata needs s_q (uniform batch) or cu_seqlens_q + max_seqlen_q")
     else:
+        if s_q is not None:
+            raise ValueError("s_q is for a uniform batch; with cu_seqlens_q pass max_seqlen_q only")
         check_int32("cu_seqlens_q", cu_seqlens_q, 1)
         check_device("cu_seqlens_q", cu_seqlens_q, "cache_seqlens", cache_seqlens)
         if cu_seqlens_q.shape[0] != cache_seqlens.shape[0] + 1:
@@ -683,6 +689,7 @@ def check_write_kv_cache(kv_c: Tensor, k_pe: Tensor, kv_cache: Tensor, slot_mapp
         raise ValueError(f"slot_mapping must have shape [T] = [{T}], got {tuple(slot_mapping.shape)}")
     check_device("slot_mapping", slot_mapping, "kv_c", kv_c)
     fmt = _check_cache(kv_cache, k_scale, kv_format, "kv_c", kv_c)
+    check_no_overlap("kv_cache", kv_cache)  # written: tokens on one address would overwrite each other
     if fmt == "model" and kv_cache.dtype != kv_c.dtype:
         raise TypeError(f"kv_cache dtype {kv_cache.dtype} must be kv_c's dtype {kv_c.dtype}, float8_e4m3fn or "
                         "uint8 (ds_mla_fp8)")
@@ -1046,12 +1053,16 @@ def check_sparse_prefill(q: Tensor, kv: Tensor) -> None:
     check_tensor("kv", kv)
     if q.dim() != 3 or q.shape[-1] != D_QK:
         raise ValueError(f"q must be [T, h_q, {D_QK}], got shape {tuple(q.shape)}")
+    if q.dtype not in HALF_DTYPES:
+        raise TypeError(f"q must be bfloat16 or float16, got {q.dtype}")
     if kv.dtype not in HALF_DTYPES:
         raise TypeError(f"kv must be bfloat16 or float16 (the gathered latent rows), got {kv.dtype}")
     if kv.dtype != q.dtype:
         raise TypeError(f"kv dtype {kv.dtype} must match q dtype {q.dtype}")
     if not (kv.dim() == 2 or (kv.dim() == 3 and kv.shape[1] == 1)) or kv.shape[-1] != D_QK:
         raise ValueError(f"kv must be [S, {D_QK}] or [S, 1, {D_QK}], got shape {tuple(kv.shape)}")
+    check_device("kv", kv, "q", q)  # here, not as the kv_cache view mla_sparse_decode sees
+    check_layout("kv", kv)
 
 
 def check_sparse_metadata(md: object, indices: Tensor, like: Tensor) -> None:

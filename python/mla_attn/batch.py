@@ -122,6 +122,8 @@ class MLABatch:
     def copy_(self, other: "MLABatch") -> "MLABatch":
         """Copy other's device tensors into this batch's (in place), e.g. into the static batch a CUDA
         graph was captured with. Host fields (sizes, routing) must be equal: they shape the graph."""
+        if not isinstance(other, MLABatch):
+            raise TypeError(f"copy_ takes an MLABatch, got {type(other).__name__}")
         for f in fields(self):
             if f.metadata.get("per_step"):  # the step's own value, whatever the graph was captured with
                 object.__setattr__(self, f.name, getattr(other, f.name))

@@ -126,7 +126,8 @@ class MLAAttention(nn.Module):
             q = self.q_proj(hidden_states)
         else:
             q = self.q_b_proj(self.q_a_layernorm(self.q_a_proj(hidden_states)))
-        q_nope, q_pe = q.view(T, h, -1).split([c.qk_nope_head_dim, c.qk_rope_head_dim], dim=-1)
+        q_nope, q_pe = q.view(T, h, c.qk_nope_head_dim + c.qk_rope_head_dim).split(  # T may be 0
+            [c.qk_nope_head_dim, c.qk_rope_head_dim], dim=-1)
         latent, k_pe = self.kv_a_proj_with_mqa(hidden_states).split([c.kv_lora_rank, c.qk_rope_head_dim], dim=-1)
         latent = self.kv_a_layernorm(latent)
         q_pe = self.rotary_emb(batch.positions, q_pe)                 # [T, h, 64]
