@@ -344,7 +344,8 @@ class FlashMLA:
     def __init__(self, spec):
         import importlib.util
         so_path, pkg_root = spec.split(":")
-        mod_spec = importlib.util.spec_from_file_location("flash_mla_dense", so_path)
+        # named as FlashMLA's setup.py names it (an extension's init symbol follows its name)
+        mod_spec = importlib.util.spec_from_file_location("flash_mla.cuda", so_path)
         mod = importlib.util.module_from_spec(mod_spec)
         mod_spec.loader.exec_module(mod)
         sys.modules["flash_mla.cuda"] = mod
