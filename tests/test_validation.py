@@ -248,6 +248,15 @@ def test_unchecked_page_ids_clamp_on_cpu(page):
     torch.testing.assert_close(got, want, rtol=0, atol=0, equal_nan=True)
 
 
+def test_table_capacity_past_int32_on_cpu():
+    """A block table whose capacity (columns x page_size) passes 2^31 keys: valid, and clamped in int32."""
+    c = make_decode_case([10], 1, 4, 256)
+    table = torch.zeros(1, 2**23, dtype=torch.int32)
+    table[:, :c["block_table"].shape[1]] = c["block_table"]
+    want = call(c)
+    torch.testing.assert_close(call(_with(c, block_table=table)), want, rtol=0, atol=0, equal_nan=True)
+
+
 def test_value_checks_policy(monkeypatch):
     # garbage past the used pages is legal (make_decode_case puts huge and negative ids there)
     assert (C["block_table"][:, -1] < 0).all()

@@ -56,11 +56,13 @@ inline void check_i32(const at::Tensor& t, const char* name, const at::Tensor& l
 }
 
 // The kernels take the block max of unscaled scores (the scale commutes with max only if > 0) and
-// scale by softmax_scale * log2(e) in float32: that must be finite too (1e39 is not, as a float).
-// Compared in double (false for NaN and inf): converting a double past the float range is undefined.
+// scale by softmax_scale * log2(e) in float32: that must be finite too (1e39 is not, as a float), and
+// normal (their fast math flushes a denormal to 0). Compared in double (false for NaN and inf):
+// converting a double past the float range is undefined.
 inline void check_softmax_scale(double softmax_scale) {
-  TORCH_CHECK(softmax_scale > 0 && softmax_scale * M_LOG2E <= double(std::numeric_limits<float>::max()) &&
-                  float(softmax_scale * M_LOG2E) > 0.f,
+  const double scale_log2 = softmax_scale * M_LOG2E;
+  TORCH_CHECK(scale_log2 >= double(std::numeric_limits<float>::min()) &&
+                  scale_log2 <= double(std::numeric_limits<float>::max()),
               "mla_attn: softmax_scale must be a finite number > 0 (also as float32 times log2(e)), got ",
               softmax_scale);
 }

@@ -306,11 +306,12 @@ std::tuple<Tensor, Tensor> get_decode_metadata_cuda(const Tensor& cache_seqlens,
                                                     int64_t max_seqlen_q, int64_t num_heads_q,
                                                     bool causal, int64_t num_sm_parts, int64_t num_sms,
                                                     bool deterministic) {
-  (void)cu_seqlens_q; (void)max_seqlen_q; (void)num_heads_q; (void)causal;  // enter via num_sm_parts
+  (void)max_seqlen_q; (void)num_heads_q; (void)causal;  // enter via num_sm_parts
   check_i32(cache_seqlens, "cache_seqlens", cache_seqlens);
   TORCH_CHECK(cache_seqlens.dim() == 1, "mla_attn: cache_seqlens must be [B], got ", cache_seqlens.sizes());
-  TORCH_CHECK(num_sm_parts >= 1 && num_sm_parts <= num_sms && num_sm_parts <= mla_decode::kMaxSmParts,
-              "mla_attn: need 1 <= num_sm_parts <= min(num_sms, ", mla_decode::kMaxSmParts, ")");
+  TORCH_CHECK(num_sm_parts >= 1 && num_sm_parts <= num_sms && num_sms <= mla_decode::kMaxSmParts,
+              "mla_attn: need 1 <= num_sm_parts <= num_sms <= ", mla_decode::kMaxSmParts);
+  if (cu_seqlens_q.has_value()) check_i32(*cu_seqlens_q, "cu_seqlens_q", cache_seqlens);
   const c10::cuda::CUDAGuard guard(cache_seqlens.device());
   const int64_t batch = cache_seqlens.size(0);
   TORCH_CHECK(batch <= 50000, "mla_attn: get_decode_metadata supports at most 50000 requests");

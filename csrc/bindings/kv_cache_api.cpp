@@ -130,6 +130,9 @@ Tensor gather_kv_cache_cuda(const Tensor& kv_cache, const Tensor& block_table, c
   // The kernel takes both as ints (an expanded cache may claim more; page_size 2^32 became 0, a divisor).
   TORCH_CHECK(kv_cache.size(0) <= INT32_MAX && kv_cache.size(1) <= INT32_MAX,
               "mla_attn: kv_cache must have at most 2^31 - 1 pages of at most 2^31 - 1 rows, got ", kv_cache.sizes());
+  TORCH_CHECK(batch < INT32_MAX && block_table.size(1) <= INT32_MAX,  // an expanded table may claim more
+              "mla_attn: block_table must have fewer than 2^31 - 1 rows of at most 2^31 - 1 pages, got ",
+              block_table.sizes());
   const at::ScalarType dtype =
       out_dtype.value_or(format == CacheFormat::kModel ? kv_cache.scalar_type() : at::kBFloat16);
   TORCH_CHECK(is_half(dtype) || dtype == at::kFloat, "mla_attn: out_dtype must be bfloat16, float16 or float32");

@@ -154,6 +154,8 @@ void merge_attn_states_out_cuda(const Tensor& out_a, const Tensor& lse_a, const 
 std::tuple<Tensor, Tensor> merge_attn_states_n_cuda(const Tensor& outs, const Tensor& lses) {
   check_outs(outs, "outs", outs);
   TORCH_CHECK(outs.dim() >= 2, "mla_attn: outs must be [n, ..., d], got ", outs.sizes());
+  // The kernel counts inputs in an int (an expanded outs may claim more).
+  TORCH_CHECK(outs.size(0) <= INT32_MAX, "mla_attn: outs must hold at most 2^31 - 1 inputs, got ", outs.size(0));
   check_lse(lses, "lses", outs.sizes().slice(0, outs.dim() - 1));
   mla_bindings::check_same_device({lses}, outs);
   const IntArrayRef lead = outs.sizes().slice(1, outs.dim() - 2);

@@ -11,6 +11,7 @@ PAGE_SIZE_MIN, PAGE_SIZE_MAX = 1, 256  # below 16, or not a multiple of 16, the 
 # Requests one device schedule takes (get_decode_metadata; sparse attention: query tokens): the range the
 # scheduler's tests cover (csrc/bindings/decode_api.cpp refuses more).
 MAX_SCHEDULED_REQUESTS = 50000
+MAX_SM_PARTS = 1024  # parts of a schedule, and rows of tile_sched (csrc/mla_decode/config.h: kMaxSmParts)
 
 # prefill: un-absorbed MLA over up-projected K/V
 PREFILL_D_QK = 192  # nope (128) + rope (64)

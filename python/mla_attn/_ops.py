@@ -7,6 +7,8 @@ without a GPU; they run the same static checks (_validation.py) as the public wr
 torch.ops.mla_attn.* call on CPU tensors fails with the wrappers' exceptions and messages. Values that
 only validation checks (lengths, page ids, slots) are read as the CUDA kernels read them: clamped.
 """
+import functools
+import inspect
 import math
 from typing import Optional
 
@@ -22,16 +24,24 @@ from .reference import merge_attn_states_ref, mla_decode_ref, mla_prefill_ref
 
 
 def _register(op: str, *, fake, cpu) -> None:
-    torch.library.register_fake(f"mla_attn::{op}")(fake)
+    torch.library.register_fake(f"mla_attn::{op}")(_on_one_device(fake))
     torch.library.register_kernel(f"mla_attn::{op}", "cpu")(cpu)
 
 
-def _check_out_devices(like: Tensor, like_name: str, *outs: Tensor) -> None:
-    """The fake of an op that writes in place runs for a real call too when one tensor is on the meta
-    device: that call must fail, not return with nothing written."""
-    for name, t in zip(("out", "lse"), outs):
-        check.check_tensor(name, t)
-        check.check_device(name, t, like_name, like)
+def _on_one_device(fake):
+    """A fake kernel also runs for a real call with one of its tensors on the meta device (the others
+    on the CPU): that call must fail as with two real devices, not return outputs never computed or
+    leave out= and the cache unwritten."""
+    signature = inspect.signature(fake)
+
+    @functools.wraps(fake)
+    def checked(*args, **kwargs):
+        tensors = [(name, value) for name, value in signature.bind(*args, **kwargs).arguments.items()
+                   if isinstance(value, Tensor)]
+        for name, t in tensors[1:]:
+            check.check_device(name, t, *tensors[0])
+        return fake(*args, **kwargs)
+    return checked
 
 
 # -------------------------------------------------------------------------------------------- decode
@@ -60,7 +70,6 @@ def _decode_out_fake(q, q_pe, kv_cache, block_table, cache_seqlens, cu_seqlens_q
                      causal, tile_sched, req_splits, num_sm_parts, out, lse, *, k_scale=None, q_scale=None,
                      deterministic=False, fp8_mma=False, split_kernel=None, kv_slots=False,
                      skip_invalid_slots=False, attn_sink=None):
-    _check_out_devices(q, "q", out, lse)
     return None
 
 
@@ -81,8 +90,7 @@ def _decode(q: Tensor, q_pe: Optional[Tensor], kv_cache: Tensor, block_table: Te
     check.check_skip_invalid_slots(skip_invalid_slots, kv_slots, kv_cache)
     check.check_attn_sink(attn_sink, q.shape[-2], q)
     if lse is not None:
-        check.check_lse("lse", lse, q.shape[:-1], "q", q)
-        check.check_no_overlap("lse", lse)
+        check.check_lse_out("lse", lse, q.shape[:-1], "q", q)
     check.check_decode_outputs(out, lse, q, q_pe, kv_cache, block_table, cache_seqlens, cu_seqlens_q, tile_sched,
                                req_splits, k_scale, q_scale, attn_sink)
     if skip_invalid_slots:
@@ -98,7 +106,8 @@ def _decode(q: Tensor, q_pe: Optional[Tensor], kv_cache: Tensor, block_table: Te
     # (shared/schedule.cuh, kv_producer.cuh): lengths clamped to what the block table holds, page ids
     # (slots) into the cache. Bad values give wrong numbers, never an error; valid ones are unchanged.
     num_pages, page_size = kv_cache.shape[0], kv_cache.shape[1]
-    cache_seqlens = cache_seqlens.clamp(0, block_table.shape[1] * page_size if num_pages else 0)
+    max_keys = min(block_table.shape[1] * page_size, check.INT32_MAX) if num_pages else 0
+    cache_seqlens = cache_seqlens.clamp(0, max_keys)
     block_table = block_table.clamp(0, max(num_pages - 1, 0))
     # The reference needs no schedule: the split-KV partition only changes the summation order. It
     # computes in float32 whatever fp8_mma, q_scale and kernel say (they trade the GPU kernels' accuracy for speed).
@@ -146,7 +155,6 @@ def _prefill_fake(q, k, v, cu_seqlens_q, cu_seqlens_k, max_seqlen_q, max_seqlen_
 
 def _prefill_out_fake(q, k, v, cu_seqlens_q, cu_seqlens_k, max_seqlen_q, max_seqlen_k, softmax_scale, causal, out,
                       lse, *, k_pe=None):
-    _check_out_devices(q, "q", out, lse)
     return None
 
 
@@ -175,8 +183,7 @@ def _prefill_out_cpu(q, k, v, cu_seqlens_q, cu_seqlens_k, max_seqlen_q, max_seql
     check.check_tensor("out", out)
     check.check_softmax_scale(softmax_scale)
     check.check_prefill(q, k, v, cu_seqlens_q, cu_seqlens_k, max_seqlen_q, max_seqlen_k, k_pe, out)
-    check.check_lse("lse", lse, q.shape[:-1], "q", q)
-    check.check_no_overlap("lse", lse)
+    check.check_lse_out("lse", lse, q.shape[:-1], "q", q)
     check.check_apart("lse", lse, {"q": q, "k": k, "v": v, "k_pe": k_pe, "cu_seqlens_q": cu_seqlens_q,
                                    "cu_seqlens_k": cu_seqlens_k, "out": out})
     o, l = prefill_cpu(q, k, v, cu_seqlens_q, cu_seqlens_k, softmax_scale, causal, k_pe)
@@ -199,7 +206,6 @@ def _merge_fake(out_a, lse_a, out_b, lse_b):
 
 
 def _merge_out_fake(out_a, lse_a, out_b, lse_b, out, lse):
-    _check_out_devices(out_a, "out_a", out, lse)
     return None
 
 
@@ -244,7 +250,6 @@ def _gather_dtype(cache_dtype: torch.dtype, out_dtype: Optional[torch.dtype]) ->
 
 
 def _write_fake(kv_c, k_pe, kv_cache, slot_mapping, *, k_scale=None, kv_format=None):
-    check.check_device("kv_cache", kv_cache, "kv_c", kv_c)  # as _check_out_devices
     return None
 
 

@@ -26,16 +26,19 @@ import torch
 from torch import Tensor
 
 from ._constants import (ALIGN_BYTES, D_PE, D_QK, D_V, DS_ROW_BYTES, FP8, HALF_DTYPES, KV_FORMATS, MAX_HEADS_Q,
-                         MAX_SCHEDULED_REQUESTS, MAX_SEQLEN_Q, MERGE_D_ALIGN, PAGE_SIZE_MAX, PAGE_SIZE_MIN,
-                         PREFILL_D_NOPE, PREFILL_D_PE, PREFILL_D_QK, PREFILL_D_V)
+                         MAX_SCHEDULED_REQUESTS, MAX_SEQLEN_Q, MAX_SM_PARTS, MERGE_D_ALIGN, PAGE_SIZE_MAX,
+                         PAGE_SIZE_MIN, PREFILL_D_NOPE, PREFILL_D_PE, PREFILL_D_QK, PREFILL_D_V)
 from .metadata import DECODE_KERNELS, DecodeMetadata, SparseDecodeMetadata
 
 _MERGE_DTYPES = HALF_DTYPES + (torch.float32,)
 INT32_MAX = 2**31 - 1
 _PREFILL_TILE_ROWS = 128  # csrc/mla_prefill: kBlockM
 _PREFILL_MAX_GRID = 65535  # requests and heads: the prefill grid's z and y (csrc/bindings/prefill_api.cpp)
-_MAX_SOFTMAX_SCALE = float(torch.finfo(torch.float32).max) / math.log2(math.e)
-_MIN_SOFTMAX_SCALE = 2.0 ** -150 / math.log2(math.e)  # scale * log2(e) rounds to float32 0 at or below 2^-150
+# softmax_scale * log2(e), the form the kernels take: a finite, normal float32 (their fast math
+# flushes denormals to 0)
+_LOG2E = math.log2(math.e)
+_MAX_SOFTMAX_SCALE = float(torch.finfo(torch.float32).max) / _LOG2E
+_MIN_SCALE_LOG2 = float(torch.finfo(torch.float32).tiny)
 # decode kernels that run one cache kind only, and the query rows (max_seqlen_q * h_q) the narrow ones take
 _FP8_ONLY_KERNELS = ("narrow16_3wg", "narrow32", "fp8mma")
 _HALF_ONLY_KERNELS = ("seesaw", "seesaw_steady", "rows64_seesaw")
@@ -194,7 +197,8 @@ def check_softmax_scale(softmax_scale: object) -> None:
                          "not 1/sqrt of the head dim the kernel sees)")
     if not isinstance(softmax_scale, numbers.Real) or isinstance(softmax_scale, bool):
         raise TypeError(f"softmax_scale must be a number, got {type(softmax_scale).__name__}")
-    if not (_MIN_SOFTMAX_SCALE < softmax_scale <= _MAX_SOFTMAX_SCALE):  # also False for NaN
+    # the maximum first: a huge int does not convert to float for the product (False for NaN)
+    if not (softmax_scale <= _MAX_SOFTMAX_SCALE and softmax_scale * _LOG2E >= _MIN_SCALE_LOG2):
         raise ValueError(f"softmax_scale must be a finite number > 0 (also as float32 times log2(e)), got "
                          f"{softmax_scale}")
 
@@ -206,6 +210,12 @@ def check_lse(name: str, t: Tensor, shape: Sequence[int], like_name: str, like: 
     if tuple(t.shape) != tuple(shape):
         raise ValueError(f"{name} must have shape {tuple(shape)}, got {tuple(t.shape)}")
     check_device(name, t, like_name, like)
+
+
+def check_lse_out(name: str, t: Tensor, shape: Sequence[int], like_name: str, like: Tensor) -> None:
+    """An lse the op writes: check_lse, and a distinct address per element."""
+    check_lse(name, t, shape, like_name, like)
+    check_no_overlap(name, t)
 
 
 def check_kv_cache_shape(kv_cache: Tensor, row: int = D_QK) -> None:
@@ -438,6 +448,7 @@ def check_decode_options(q: Tensor, kv_cache: Tensor, k_scale: Optional[Tensor],
 
 
 def check_num_sm_parts(num_sm_parts: int, num_sms: int) -> None:
+    check_int("num_sms", num_sms, 1, MAX_SM_PARTS)
     check_int_type("num_sm_parts", num_sm_parts)
     if not 1 <= num_sm_parts <= num_sms:
         raise ValueError(f"num_sm_parts={num_sm_parts} must be in [1, num_sms={num_sms}]")
@@ -622,8 +633,7 @@ def check_merge(out_a: Tensor, lse_a: Tensor, out_b: Tensor, lse_b: Tensor, out:
         check_no_overlap("out", out)
         check_no_partial_overlap("out", out, inputs)
     if lse is not None:
-        check_lse("lse", lse, lead, "out_a", out_a)
-        check_no_overlap("lse", lse)
+        check_lse_out("lse", lse, lead, "out_a", out_a)
         check_no_partial_overlap("lse", lse, inputs if out is None else {**inputs, "out": out})
 
 
