@@ -575,6 +575,8 @@ WRAPPER_CASES = [
      T, r"block_table tensor must be int32"),
     # found by fuzzing the wrappers on CPU: each raised another exception type (or nothing) before
     ("softmax_scale huge int", _decode_call(softmax_scale=10**400), V, r"softmax_scale must be a finite number > 0"),
+    ("softmax_scale huge negative int", _decode_call(softmax_scale=-10**400), V,
+     r"softmax_scale must be a finite number > 0"),
     ("softmax_scale past float32", _decode_call(softmax_scale=1e300), V, r"softmax_scale must be a finite number > 0"),
     ("causal str", _decode_call(causal="yes"), T, r"causal must be a bool, got str"),
     ("validate str", _decode_call(validate=""), T, r"validate must be a bool or None, got str"),

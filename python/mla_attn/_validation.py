@@ -197,8 +197,8 @@ def check_softmax_scale(softmax_scale: object) -> None:
                          "not 1/sqrt of the head dim the kernel sees)")
     if not isinstance(softmax_scale, numbers.Real) or isinstance(softmax_scale, bool):
         raise TypeError(f"softmax_scale must be a number, got {type(softmax_scale).__name__}")
-    # the maximum first: a huge int does not convert to float for the product (False for NaN)
-    if not (softmax_scale <= _MAX_SOFTMAX_SCALE and softmax_scale * _LOG2E >= _MIN_SCALE_LOG2):
+    # the range first: a huge int does not convert to float for the product (False for NaN)
+    if not (0 < softmax_scale <= _MAX_SOFTMAX_SCALE and softmax_scale * _LOG2E >= _MIN_SCALE_LOG2):
         raise ValueError(f"softmax_scale must be a finite number > 0 (also as float32 times log2(e)), got "
                          f"{softmax_scale}")
 
