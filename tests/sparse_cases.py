@@ -84,6 +84,31 @@ def make_sparse_case(lead, h_q, topk, page_size, *, num_pages=None, dtype=torch.
     return case
 
 
+def valid_first(case):
+    """The case token-major with each row's valid indices moved to its front (in order) and counted by
+    topk_length, as an indexer's output with its -1 tail cut off: what mla_sparse_decode(indices_valid=
+    True) takes. Every position past a row's count holds garbage: -1, the first slot past the cache,
+    INT32_MAX or a NaN slot of the cache."""
+    lead, topk = case["indices"].shape[:-1], case["indices"].shape[-1]
+    rows, kv, device = math.prod(lead), case["kv_cache"], case["indices"].device
+    num_slots = kv.shape[0] * kv.shape[1]
+    idx = case["indices"].cpu().reshape(rows, topk)
+    row_len = torch.full((rows,), topk) if case["topk_length"] is None else \
+        case["topk_length"].cpu().repeat_interleave(rows // case["topk_length"].shape[0])
+    valid = valid_mask(idx, row_len, num_slots)
+    named = torch.zeros(num_slots, dtype=torch.bool)
+    named[idx[valid].long()] = True
+    nan_slot = int((~named).nonzero()[0]) if not named.all() else -1
+    garbage = torch.tensor([-1, num_slots, 2**31 - 1, nan_slot], dtype=torch.int32).repeat(topk // 4 + 1)[:topk]
+    out = garbage.repeat(rows, 1)
+    counts = valid.sum(1)
+    for r in range(rows):
+        out[r, :counts[r]] = idx[r][valid[r]]
+    token_major = lambda t: None if t is None else t.reshape((rows,) + t.shape[len(lead):])
+    return dict(case, q=token_major(case["q"]), q_pe=token_major(case["q_pe"]), indices=out.to(device),
+                topk_length=counts.to(device, torch.int32))
+
+
 def to_device(case, device):
     return {k: (v.to(device) if isinstance(v, torch.Tensor) else v) for k, v in case.items()}
 

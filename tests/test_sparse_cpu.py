@@ -6,7 +6,7 @@ import math
 import pytest
 import torch
 from cases import make_decode_case
-from sparse_cases import FP8, check_sparse, make_sparse_case, run_sparse
+from sparse_cases import FP8, check_sparse, make_sparse_case, run_sparse, valid_first
 
 import mla_attn
 from mla_attn.reference import mla_decode_ref, mla_sparse_ref
@@ -139,6 +139,35 @@ def test_sparse_decode_ds_mla_fp8_cache(lead, topk, page_size, kv_4d):
             run_sparse({**case, "kv_cache": every_other_page})
 
 
+@pytest.mark.parametrize("lead,h_q,topk,page_size,dtype,lengths,sink,split_pe,kv_4d,fp8", CPU_CASES)
+def test_indices_valid_skips_the_compaction(lead, h_q, topk, page_size, dtype, lengths, sink, split_pe, kv_4d, fp8):
+    """indices_valid=True on rows whose valid indices come first, counted by topk_length: the positions
+    past the count (garbage, NaN slots among it) are never read; the same result as the compacting call."""
+    case = valid_first(make_sparse_case(lead, h_q, topk, page_size, dtype=dtype, lengths=lengths, sink=sink,
+                                        split_pe=split_pe, kv_4d=kv_4d, fp8=fp8, seed=topk))
+    got = run_sparse(case, indices_valid=True)
+    check_sparse(case, *got)
+    want = run_sparse(case)
+    assert torch.equal(got[0], want[0]) and torch.equal(got[1], want[1])
+
+
+def test_indices_valid_is_checked():
+    """The promise is verified where value checks run (always on CPU): an index the row counts outside the
+    cache is a ValueError naming it; the same index past the row's topk_length is not counted."""
+    case = valid_first(make_sparse_case((3, 2), 4, 20, 16, lengths=True, seed=2))
+    bad = case["indices"].clone()
+    r = int(case["topk_length"].argmax())
+    bad[r, 0] = -1
+    with pytest.raises(ValueError, match=rf"indices_valid=True, but index \[{r}, 0\] \(of the \[tokens, topk\] "
+                                         r"rows\) = -1 is not a cache slot in \[0, \d+\); pass topk_length"):
+        run_sparse({**case, "indices": bad}, indices_valid=True)
+    with pytest.raises(ValueError, match="indices_valid=True, but index"):  # no topk_length: every index counts
+        run_sparse({**case, "topk_length": None}, indices_valid=True)
+    with pytest.raises(TypeError, match="indices_valid must be a bool, got int"):
+        run_sparse(case, indices_valid=1)
+    check_sparse(case, *run_sparse(case, indices_valid=True, validate=True))
+
+
 def test_sparse_prefill_matches_reference():
     case = make_sparse_case((6,), 4, 24, 1, lengths=True, sink="finite", seed=9)
     kv = case["kv_cache"][:, 0]  # [S, 576]
@@ -149,6 +178,11 @@ def test_sparse_prefill_matches_reference():
     out3 = mla_attn.mla_sparse_prefill(case["q"], kv[:, None], case["indices"], softmax_scale=case["softmax_scale"],
                                        topk_length=case["topk_length"], attn_sink=case["attn_sink"])
     assert torch.equal(out3, out)
+    counted = valid_first(case)
+    got = mla_attn.mla_sparse_prefill(counted["q"], kv, counted["indices"], softmax_scale=case["softmax_scale"],
+                                      topk_length=counted["topk_length"], attn_sink=case["attn_sink"],
+                                      return_lse=True, indices_valid=True)
+    check_sparse(counted, *got)
 
 
 def test_metadata_reuse():

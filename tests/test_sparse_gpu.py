@@ -7,7 +7,7 @@ import functools
 import pytest
 import torch
 from conftest import FP8MMA_LSE_ABS, FP8MMA_REL_L2, FP8MMA_ROW_REL, decode_kernels_for
-from sparse_cases import FP8, check_sparse, make_sparse_case, run_sparse, sparse_reference, to_device
+from sparse_cases import FP8, check_sparse, make_sparse_case, run_sparse, sparse_reference, to_device, valid_first
 
 import mla_attn
 
@@ -94,6 +94,19 @@ def test_sparse_decode_matches_reference(lead, h_q, topk, page_size, dtype, leng
     got, lse = run_sparse(case, out=out, _kernel=kernel)
     assert got.data_ptr() == out.data_ptr()
     check_sparse(case, out, lse)
+
+
+@pytest.mark.parametrize("lead,h_q,topk,page_size,dtype,lengths,sink,split_pe,kv_4d,kernel", PARAMS)
+def test_indices_valid_skips_the_compaction(lead, h_q, topk, page_size, dtype, lengths, sink, split_pe, kv_4d, kernel):
+    """indices_valid=True on rows whose valid indices come first, counted by topk_length: the garbage
+    past each count (NaN slots among it) is never read; bit-identical to the compacting call, which hands
+    the kernel the same slots and counts."""
+    case = valid_first(sparse_case(lead, h_q, topk, page_size, dtype, lengths, sink, split_pe, kv_4d, False))
+    out = poisoned_out(case)
+    _, lse = run_sparse(case, out=out, indices_valid=True, _kernel=kernel)
+    check_sparse(case, out, lse)
+    want, want_lse = run_sparse(case, _kernel=kernel)
+    assert torch.equal(out, want) and torch.equal(lse, want_lse)
 
 
 FP8_CASES = [((4, 2), 16, 2048, 64, True, "finite"), ((7,), 64, 1500, 1, True, None),
@@ -195,6 +208,12 @@ def test_value_checks_on_request():
     with pytest.raises(ValueError, match=r"topk_length\[0\] = 2049 is not in \[0, topk=2048\]"):
         run_sparse({**case, "topk_length": bad}, validate=True)
     run_sparse({**case, "topk_length": bad})  # unchecked by default on the GPU (no host sync): clamped
+    counted = valid_first(case)
+    with pytest.raises(ValueError, match=r"indices_valid=True, but index \[0, 0\]"):
+        run_sparse({**counted, "topk_length": None}, indices_valid=True, validate=True)
+    # unchecked: the kernels clamp a slot outside the cache into it (a wrong key, no fault)
+    out, lse = run_sparse({**counted, "topk_length": None}, indices_valid=True)
+    torch.cuda.synchronize()
 
 
 def _replacement_indices(case, seed):

@@ -8,7 +8,8 @@ Each query token has its own list of top-k cache slots (from the caller's indexe
      the schedule of an earlier call of the same shapes (_ScheduleCache);
   2. compact_sparse_indices writes each row's valid indices (position < topk_length, 0 <= index <
      num_slots) in order to the front of a [R, topk] slot list, and their count, on every call; not for
-     a ds_mla_fp8 cache, whose kernel takes the index rows as they are and skips invalid slots itself;
+     a ds_mla_fp8 cache, whose kernel takes the index rows as they are and skips invalid slots itself,
+     nor when the caller promises (indices_valid=True) that every index a row counts is a cache slot;
   3. torch.ops.mla_attn.mla_decode(kv_slots=True) gathers the listed cache rows (DeepSeek-V3.2's
      ds_mla_fp8 rows too: the kernels dequantise them to fp16), each row's blocks ending at its count;
   4. an attention sink, if given, enters the denominators where the kernels normalise (epilogue, combine).
@@ -131,7 +132,7 @@ def mla_sparse_decode(q: Tensor, kv_cache: Tensor, indices: Tensor, *, softmax_s
                       q_pe: Optional[Tensor] = None, topk_length: Optional[Tensor] = None,
                       attn_sink: Optional[Tensor] = None, k_scale: Optional[Tensor] = None, return_lse: bool = False,
                       out: Optional[Tensor] = None, metadata: Optional[SparseDecodeMetadata] = None,
-                      validate: Optional[bool] = None,
+                      validate: Optional[bool] = None, indices_valid: bool = False,
                       _kernel: Optional[str] = None) -> Union[Tensor, tuple[Tensor, Tensor]]:
     """Sparse (top-k) absorbed MLA attention over a paged latent cache (DeepSeek-V3.2).
 
@@ -147,6 +148,11 @@ def mla_sparse_decode(q: Tensor, kv_cache: Tensor, indices: Tensor, *, softmax_s
     repeated index counts once per occurrence. topk_length int32 [B] (one per request, for each of its
     tokens) or [T] (token-major: one per token): only the first topk_length indices of a row count
     (values in [0, topk]).
+    indices_valid: the caller's promise that every index a row counts (its first topk_length, all topk
+    without topk_length) is a slot in the cache, as an indexer's output is after its -1 tail is cut off
+    by topk_length. The call then reads the rows as they are instead of compacting them first (one
+    kernel less per call; a ds_mla_fp8 cache is never compacted). Value checks verify the promise; an
+    unchecked index outside the cache reads a clamped slot (a wrong key, no fault).
     attn_sink float32 [h_q] (optional): out is scaled by exp(lse) / (exp(lse) + exp(sink)) (+inf: out 0,
     -inf: no effect); the returned lse is the attention's own.
     Returns out [.., h_q, 512] in q's dtype, plus lse float32 [.., h_q] (natural log) if return_lse.
@@ -159,25 +165,28 @@ def mla_sparse_decode(q: Tensor, kv_cache: Tensor, indices: Tensor, *, softmax_s
     (metadata.DECODE_KERNELS); the call is a decode of max_seqlen_q 1, so rows = h_q.
     """
     check.check_softmax_scale(softmax_scale)
-    check.check_flags(return_lse=return_lse, validate=validate)
+    check.check_flags(return_lse=return_lse, validate=validate, indices_valid=indices_valid)
     rows = check.check_sparse_decode(q, q_pe, kv_cache, indices, topk_length, attn_sink, out)
     check.check_decode_options(q, kv_cache, k_scale, False, _kernel, 1)
     h_q, topk = q.shape[-2], indices.shape[-1]
     if metadata is not None:
         check.check_sparse_metadata(metadata, indices, q)
+    num_slots = kv_cache.shape[0] * kv_cache.shape[1]
+    row_lengths = _row_lengths(topk_length, indices)
     if check.want_value_checks(validate, q.device):
         check.check_topk_length_values(topk_length, topk)
         check.check_scale_value("k_scale", k_scale)
-    row_lengths = _row_lengths(topk_length, indices)
+        if indices_valid:
+            check.check_counted_indices_in_cache(indices.reshape(rows, topk), row_lengths, num_slots)
     # A ds_mla_fp8 cache is read by kernels that copy each key row by themselves (rows64, narrow) and skip
     # the invalid slots (score -inf, zero row): the index rows go as they are. The other kernels need
-    # every listed slot valid: the valid indices are compacted to the front of each row first.
+    # every listed slot valid: the valid indices are compacted to the front of each row first, unless
+    # the caller vouches for them.
     skip_invalid = kv_cache.dtype == torch.uint8
-    if skip_invalid:
+    if skip_invalid or indices_valid:
         slots, counts = indices.reshape(rows, topk).contiguous(), row_lengths  # None: each schedule's lengths
     else:
-        slots, counts = torch.ops.mla_attn.compact_sparse_indices(indices.reshape(rows, topk), row_lengths,
-                                                                  kv_cache.shape[0] * kv_cache.shape[1])
+        slots, counts = torch.ops.mla_attn.compact_sparse_indices(indices.reshape(rows, topk), row_lengths, num_slots)
 
     # Each query token is a request of one token: [R, 1, h_q, D] views (reshape copies a batched q only
     # when its batch and token strides do not merge).
@@ -220,16 +229,18 @@ def mla_sparse_decode(q: Tensor, kv_cache: Tensor, indices: Tensor, *, softmax_s
 def mla_sparse_prefill(q: Tensor, kv: Tensor, indices: Tensor, *, softmax_scale: float,
                        topk_length: Optional[Tensor] = None, attn_sink: Optional[Tensor] = None,
                        return_lse: bool = False, out: Optional[Tensor] = None, validate: Optional[bool] = None,
+                       indices_valid: bool = False,
                        _kernel: Optional[str] = None) -> Union[Tensor, tuple[Tensor, Tensor]]:
     """Sparse (top-k) absorbed MLA attention over gathered latent rows (DeepSeek-V3.2 prefill).
 
     q [T, h_q, 576] bf16/fp16; kv [S, 576] or [S, 1, 576] in q's dtype: the latent rows an engine
     gathers from its cache (e.g. with gather_kv_cache); indices int32 [T, topk]: rows of kv, -1 or
-    >= S skipped; topk_length int32 [T] (optional); attn_sink float32 [h_q] (optional), as in
-    mla_sparse_decode. Returns out [T, h_q, 512], plus lse float32 [T, h_q] if return_lse.
+    >= S skipped; topk_length int32 [T] (optional); attn_sink float32 [h_q] (optional) and indices_valid,
+    as in mla_sparse_decode. Returns out [T, h_q, 512], plus lse float32 [T, h_q] if return_lse.
     Runs mla_sparse_decode with kv as a cache of S pages of one row.
     """
     check.check_sparse_prefill(q, kv)
     kv_cache = kv[:, None] if kv.dim() == 2 else kv  # [S, 1, 576]: slot = row of kv
     return mla_sparse_decode(q, kv_cache, indices, softmax_scale=softmax_scale, topk_length=topk_length,
-                             attn_sink=attn_sink, return_lse=return_lse, out=out, validate=validate, _kernel=_kernel)
+                             attn_sink=attn_sink, return_lse=return_lse, out=out, validate=validate,
+                             indices_valid=indices_valid, _kernel=_kernel)
