@@ -330,10 +330,11 @@ def test_meta_device_mismatch():
 
 
 # --------------------------------------------------------------------------------------------- layer
-def with_all_keys_indexer(layer, shuffle_seed=0):
+def with_all_keys_indexer(layer, shuffle_seed=0, valid_first=False):
     """layer, its forward given indices= that name every key each token sees causally (its request's
     slots of positions 0..pos, shuffled, then -1 and a slot past the cache): the sparse path must then
-    give the dense attention (shared by the GPU test)."""
+    give the dense attention (shared by the GPU test). valid_first: the rows' lengths as topk_length
+    and indices_valid=True (the slots past them are still -1 and past the cache)."""
     forward = layer.forward
     g = torch.Generator().manual_seed(shuffle_seed)
 
@@ -354,18 +355,23 @@ def with_all_keys_indexer(layer, shuffle_seed=0):
         for i, r in enumerate(rows):
             idx[i, :len(r)] = torch.tensor(r, dtype=torch.int32)
             idx[i, len(r)] = num_slots
-        return forward(x, kv, batch, k_scale=k_scale, indices=idx.to(x.device))
+        if not valid_first:
+            return forward(x, kv, batch, k_scale=k_scale, indices=idx.to(x.device))
+        lengths = torch.tensor([len(r) for r in rows], dtype=torch.int32, device=x.device)
+        return forward(x, kv, batch, k_scale=k_scale, indices=idx.to(x.device), topk_length=lengths,
+                       indices_valid=True)
 
     layer.forward = sparse_forward
     return layer
 
 
-def test_layer_sparse_with_every_key_is_dense_attention():
+@pytest.mark.parametrize("valid_first", [False, True])
+def test_layer_sparse_with_every_key_is_dense_attention(valid_first):
     from layer_oracle import init_weights, run_scenario
     from test_layer import CONFIGS, STEPS_CPU, check_close
     layer = mla_attn.MLAAttention(CONFIGS["q_lora"], dtype=torch.bfloat16)
     init_weights(layer, seed=1)
-    with_all_keys_indexer(layer)
+    with_all_keys_indexer(layer, valid_first=valid_first)
 
     def check(i, batch, got, want, lowp):  # as the dense layer test (absorbed prefill: one rounding more)
         check_close(i, batch, got, want, lowp, factor=1.5)

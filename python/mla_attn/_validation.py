@@ -754,7 +754,7 @@ def check_gather_values(kv_cache: Tensor, block_table: Tensor, cu_seqlens: Tenso
 # ------------------------------------------------------------------------------- layer, batch, CP
 def check_layer_call(hidden_states: object, kv_cache: object, batch: object, hidden_size: int, weight: object,
                      max_position: int, fp8_mma: object, indices: Optional[Tensor], topk_length: Optional[Tensor],
-                     sparse_metadata: object) -> None:
+                     indices_valid: object, sparse_metadata: object) -> None:
     """MLAAttention.forward's own arguments (the ops it calls check the rest): an MLABatch, hidden_states
     [T, hidden_size] on the cache's device with T the batch's tokens, of the first projection's weight
     dtype where that is a float type (a quantised Linear keeps another dtype, or no weight), and the
@@ -778,9 +778,10 @@ def check_layer_call(hidden_states: object, kv_cache: object, batch: object, hid
     if hidden_states.dim() != 2 or hidden_states.shape[0] != T or hidden_states.shape[1] != hidden_size:
         raise ValueError(f"hidden_states must be [T, hidden_size] = [{T}, {hidden_size}] (T: the batch's tokens), "
                          f"got shape {tuple(hidden_states.shape)}")
-    check_flags(fp8_mma=fp8_mma)
-    if indices is None and (topk_length is not None or sparse_metadata is not None):
-        raise ValueError("topk_length and sparse_metadata are options of sparse attention: they need indices")
+    check_flags(fp8_mma=fp8_mma, indices_valid=indices_valid)
+    if indices is None and (topk_length is not None or indices_valid or sparse_metadata is not None):
+        raise ValueError("topk_length, indices_valid and sparse_metadata are options of sparse attention: they need "
+                         "indices")
     if kv_cache.dim() < 2 or kv_cache.shape[1] != batch.page_size:
         got = kv_cache.shape[1] if kv_cache.dim() >= 2 else None
         raise ValueError(f"kv_cache has page_size {got} but the batch was built for page_size {batch.page_size}")

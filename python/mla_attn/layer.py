@@ -101,7 +101,7 @@ class MLAAttention(nn.Module):
 
     def forward(self, hidden_states: Tensor, kv_cache: Tensor, batch: MLABatch, *,
                 k_scale: Optional[Tensor] = None, indices: Optional[Tensor] = None,
-                topk_length: Optional[Tensor] = None,
+                topk_length: Optional[Tensor] = None, indices_valid: bool = False,
                 sparse_metadata: Optional[ops.SparseDecodeMetadata] = None, fp8_mma: bool = False) -> Tensor:
         """hidden_states [T, hidden] in batch order (decode tokens first); kv_cache [num_pages,
         page_size, 576] in the layer's dtype, or float8_e4m3fn with k_scale (fp32 [1]), or (with
@@ -110,7 +110,8 @@ class MLAAttention(nn.Module):
         indices int32 [T, topk] (sparse attention): the cache slots (page * page_size + row) each token
         attends to, this step's own tokens included (they are written to the cache first); -1 and
         slots outside the cache are skipped; topk_length int32 [T] (optional) counts the first ones of
-        each row; sparse_metadata: get_sparse_decode_metadata(indices, num_heads), made once per step
+        each row; indices_valid=True: every counted index is a cache slot (mla_sparse_decode's option:
+        no compaction); sparse_metadata: get_sparse_decode_metadata(indices, num_heads), made once per step
         for all layers (it depends on shapes only; when omitted, the one an earlier call of the same
         shapes made is reused).
         fp8_mma=True (float8_e4m3fn cache only): passed to mla_decode for the decode requests, whose
@@ -120,7 +121,7 @@ class MLAAttention(nn.Module):
         c = self.config
         weight = getattr(self.kv_a_proj_with_mqa, "weight", None)
         check.check_layer_call(hidden_states, kv_cache, batch, c.hidden_size, weight, self.rotary_emb.cos_sin.shape[0],
-                               fp8_mma, indices, topk_length, sparse_metadata)
+                               fp8_mma, indices, topk_length, indices_valid, sparse_metadata)
         T, h = hidden_states.shape[0], c.num_heads
         if c.q_lora_rank is None:
             q = self.q_proj(hidden_states)
@@ -135,7 +136,7 @@ class MLAAttention(nn.Module):
         ops.write_kv_cache(latent, k_pe.squeeze(1), kv_cache, batch.slot_mapping, k_scale=k_scale)
 
         if indices is not None:
-            attn = self._sparse(q_nope, q_pe, kv_cache, indices, topk_length, sparse_metadata, k_scale)
+            attn = self._sparse(q_nope, q_pe, kv_cache, indices, topk_length, indices_valid, sparse_metadata, k_scale)
             return self.o_proj(attn.reshape(T, h * c.v_head_dim))
         n_d = batch.num_decode_tokens
         parts = []
@@ -160,12 +161,13 @@ class MLAAttention(nn.Module):
         return torch.einsum("thc,hcv->thv", out, self.w_uv)
 
     def _sparse(self, q_nope: Tensor, q_pe: Tensor, kv_cache: Tensor, indices: Tensor, topk_length: Optional[Tensor],
-                metadata: Optional[ops.SparseDecodeMetadata], k_scale: Optional[Tensor]) -> Tensor:
+                indices_valid: bool, metadata: Optional[ops.SparseDecodeMetadata], k_scale: Optional[Tensor]) -> Tensor:
         """Absorbed like _decode, for every token: with top-k keys per token, attending in the latent
         space reads at most topk cache rows, where up-projecting them per token would cost more."""
         q_latent = torch.einsum("thd,hdc->thc", q_nope, self.w_uk)
         out = ops.mla_sparse_decode(q_latent, kv_cache, indices, q_pe=q_pe, softmax_scale=self.softmax_scale,
-                                    topk_length=topk_length, k_scale=k_scale, metadata=metadata)
+                                    topk_length=topk_length, indices_valid=indices_valid, k_scale=k_scale,
+                                    metadata=metadata)
         return torch.einsum("thc,hcv->thv", out, self.w_uv)
 
     def _prefill(self, q_nope: Tensor, q_pe: Tensor, latent: Tensor, k_pe: Tensor, kv_cache: Tensor, batch: MLABatch,
