@@ -15,6 +15,8 @@ For every config (h_q, s_q, batch; top-k 2048, bf16 cache [pages, 64, 576]):
                as FlashMLA's metadata): index compaction + attention, what each layer of a step pays,
        layer_sink = the layer with an attention sink per head (attn_sink from 0 to 12 over the heads,
                around the rows' lse of ~9), checked against the reference with the same sink,
+       layer_valid = the layer with indices_valid=True (every index here is a cache slot): no
+               compaction kernel,
        attn  = the attention kernel alone (the compaction made once outside the graph too);
      cold = median over replays each preceded by a 512 MB read (L2 evicted), warm = each preceded by a
      ~20 us spin kernel.
@@ -177,6 +179,14 @@ def run_config(c, timer, rep_ms, flashmla, kv_format, kernels=(), dense=False):
     _, lse_sink = layer_sink()
     res["check_sink"] = check(p, out_sink, lse_sink, sink)
     g_sink, _ = capture(layer_sink)
+    out_valid = torch.full_like(out, float("nan"))
+
+    def layer_valid():
+        return mla_attn.mla_sparse_decode(q, kv, idx, softmax_scale=SCALE, out=out_valid, metadata=md,
+                                          indices_valid=True, return_lse=True)
+    _, lse_valid = layer_valid()
+    res["check_valid"] = check(p, out_valid, lse_valid)
+    g_valid, _ = capture(layer_valid)
     # The attention alone: the decode op over slots compacted once (what mla_sparse_decode runs last).
     rows = c["b"] * c["s_q"]
     slots, counts = torch.ops.mla_attn.compact_sparse_indices(idx.reshape(rows, TOPK), None, kv.shape[0] * kv.shape[1])
@@ -190,7 +200,7 @@ def run_config(c, timer, rep_ms, flashmla, kv_format, kernels=(), dense=False):
     o_a, l_a = attention()
     res["check_attn"] = check(p, o_a, l_a)
     g_attn, _ = capture(attention)
-    graphs, names = [g_op, g_layer, g_sink, g_attn], ["op", "layer", "layer_sink", "attn"]
+    graphs, names = [g_op, g_layer, g_sink, g_valid, g_attn], ["op", "layer", "layer_sink", "layer_valid", "attn"]
     for kernel in kernels:  # the attention alone with this kernel forced, checked like the op
         def forced(kernel=kernel):
             return attention(kernel)
@@ -243,8 +253,8 @@ def run_config(c, timer, rep_ms, flashmla, kv_format, kernels=(), dense=False):
 
 
 def table(results, with_fm, kernels=(), with_dense=False):
-    head = ["config", "ok", "op cold us", "op warm us", "layer cold us", "layer+sink cold us", "attn cold us",
-            "TFLOP/s", "GB/s"]
+    head = ["config", "ok", "op cold us", "op warm us", "layer cold us", "layer+sink cold us",
+            "layer indices_valid cold us", "attn cold us", "TFLOP/s", "GB/s"]
     head += [f"attn {k} cold us" for k in kernels]
     if with_dense:
         head += ["dense cold us", "attn rate / dense"]
@@ -255,10 +265,11 @@ def table(results, with_fm, kernels=(), with_dense=False):
         if "error" in r:
             lines.append(f"| {r['name']} | error: {r['error'][:60]} |" + " |" * (len(head) - 2))
             continue
-        ok = all(r[k]["ok"] for k in ("check_eager", "check_graph", "check_attn", "check_sink"))
+        ok = all(r[k]["ok"] for k in ("check_eager", "check_graph", "check_attn", "check_sink", "check_valid"))
         row = [r["name"], "ok" if ok else "FAIL", f"{r['op']['cold_us']:.1f}", f"{r['op']['warm_us']:.1f}",
-               f"{r['layer']['cold_us']:.1f}", f"{r['layer_sink']['cold_us']:.1f}", f"{r['attn']['cold_us']:.1f}",
-               f"{r['tflops']:.1f}", f"{r['gbps']:.0f}"]
+               f"{r['layer']['cold_us']:.1f}", f"{r['layer_sink']['cold_us']:.1f}",
+               f"{r['layer_valid']['cold_us']:.1f}", f"{r['attn']['cold_us']:.1f}", f"{r['tflops']:.1f}",
+               f"{r['gbps']:.0f}"]
         for k in kernels:
             t = r.get(f"attn_{k}")
             row.append("-" if t is None else f"{t['cold_us']:.1f}" + ("" if r[f"check_{k}"]["ok"] else " (FAIL)"))
