@@ -18,7 +18,7 @@ import mla_attn  # noqa: E402
 from cases import make_decode_case, make_overlong_decode_case, make_prefill_case, scramble_cu_seqlens  # noqa: E402
 from conftest import decode_kernels_for  # noqa: E402
 from fp8_cases import dequantized, to_ds_case, to_fp8_case  # noqa: E402
-from sparse_cases import check_sparse, make_sparse_case, run_sparse, to_device  # noqa: E402
+from sparse_cases import check_sparse, make_sparse_case, run_sparse, to_device, valid_first  # noqa: E402
 from mla_attn._ops import prefill_cpu  # noqa: E402
 from mla_attn.metadata import DecodeMetadata, device_num_sms  # noqa: E402
 from mla_attn.reference import mla_decode_ref  # noqa: E402
@@ -169,8 +169,14 @@ def check_unchecked_values():
     mla_attn.mla_prefill(p["q"], p["k"], p["v"], scramble_cu_seqlens(p["cu_seqlens_q"], p["q"].shape[0]),
                          scramble_cu_seqlens(p["cu_seqlens_k"], p["k"].shape[0]), p["max_seqlen_q"], p["max_seqlen_k"],
                          softmax_scale=p["softmax_scale"], causal=True, validate=False)
+    # indices_valid=True with every index counted, the garbage tails (-1, past the cache) included: clamped
+    for fmt in ("bf16", "fp8"):
+        case = make_sparse_case((4,), 128, 300, 1, lengths=True, fp8=fmt == "fp8", seed=3)
+        case = to_device(dict(valid_first(case), topk_length=None), "cuda")
+        for kernel in decode_kernels_for(case["kv_cache"].dtype, 128):
+            run_sparse(case, indices_valid=True, validate=False, _kernel=kernel)
     torch.cuda.synchronize()
-    print("lengths past the block table, out-of-range cu_seqlens: ran", flush=True)
+    print("lengths past the block table, out-of-range cu_seqlens, unchecked sparse slots: ran", flush=True)
 
 
 def main():

@@ -84,11 +84,12 @@ def make_sparse_case(lead, h_q, topk, page_size, *, num_pages=None, dtype=torch.
     return case
 
 
-def valid_first(case):
-    """The case token-major with each row's valid indices moved to its front (in order) and counted by
-    topk_length, as an indexer's output with its -1 tail cut off: what mla_sparse_decode(indices_valid=
-    True) takes. Every position past a row's count holds garbage: -1, the first slot past the cache,
-    INT32_MAX or a NaN slot of the cache."""
+def valid_first(case, batched=False):
+    """The case with each row's valid indices moved to its front (in order) and counted by topk_length,
+    as an indexer's output with its -1 tail cut off: what mla_sparse_decode(indices_valid=True) takes.
+    Token-major with a count per token; batched=True keeps a batched case's [B, s_q, topk] form with one
+    count per request (each of its tokens keeps that many of its valid indices). Every position past a
+    row's count holds garbage: -1, the first slot past the cache, INT32_MAX or a NaN slot of the cache."""
     lead, topk = case["indices"].shape[:-1], case["indices"].shape[-1]
     rows, kv, device = math.prod(lead), case["kv_cache"], case["indices"].device
     num_slots = kv.shape[0] * kv.shape[1]
@@ -102,8 +103,14 @@ def valid_first(case):
     garbage = torch.tensor([-1, num_slots, 2**31 - 1, nan_slot], dtype=torch.int32).repeat(topk // 4 + 1)[:topk]
     out = garbage.repeat(rows, 1)
     counts = valid.sum(1)
+    batched = batched and len(lead) == 2
+    if batched:  # the fewest of each request's tokens
+        counts = counts.view(lead).min(1).values.repeat_interleave(lead[1])
     for r in range(rows):
-        out[r, :counts[r]] = idx[r][valid[r]]
+        out[r, :counts[r]] = idx[r][valid[r]][:counts[r]]
+    if batched:
+        return dict(case, indices=out.view(case["indices"].shape).to(device),
+                    topk_length=counts.view(lead)[:, 0].to(device, torch.int32))
     token_major = lambda t: None if t is None else t.reshape((rows,) + t.shape[len(lead):])
     return dict(case, q=token_major(case["q"]), q_pe=token_major(case["q_pe"]), indices=out.to(device),
                 topk_length=counts.to(device, torch.int32))

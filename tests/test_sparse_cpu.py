@@ -5,6 +5,7 @@ import math
 
 import pytest
 import torch
+from torch.utils._python_dispatch import TorchDispatchMode
 from cases import make_decode_case
 from sparse_cases import FP8, check_sparse, make_sparse_case, run_sparse, valid_first
 
@@ -139,33 +140,82 @@ def test_sparse_decode_ds_mla_fp8_cache(lead, topk, page_size, kv_4d):
             run_sparse({**case, "kv_cache": every_other_page})
 
 
+class _OpLog(TorchDispatchMode):
+    """The names of the ops a call dispatches."""
+    def __init__(self):
+        super().__init__()
+        self.ops = []
+
+    def __torch_dispatch__(self, func, types, args=(), kwargs=None):
+        self.ops.append(str(func))
+        return func(*args, **(kwargs or {}))
+
+
+def _ops_of(fn):
+    with _OpLog() as log:
+        result = fn()
+    return result, log.ops
+
+
 @pytest.mark.parametrize("lead,h_q,topk,page_size,dtype,lengths,sink,split_pe,kv_4d,fp8", CPU_CASES)
-def test_indices_valid_skips_the_compaction(lead, h_q, topk, page_size, dtype, lengths, sink, split_pe, kv_4d, fp8):
-    """indices_valid=True on rows whose valid indices come first, counted by topk_length: the positions
-    past the count (garbage, NaN slots among it) are never read; the same result as the compacting call."""
+@pytest.mark.parametrize("batched", [False, True])
+def test_indices_valid_skips_the_compaction(lead, h_q, topk, page_size, dtype, lengths, sink, split_pe, kv_4d, fp8,
+                                            batched):
+    """indices_valid=True on rows whose valid indices come first, counted by topk_length (per token, or
+    per request of a batched call): no compaction runs, the positions past the count (garbage, NaN slots
+    among it) are never read, and the result is the compacting call's."""
     case = valid_first(make_sparse_case(lead, h_q, topk, page_size, dtype=dtype, lengths=lengths, sink=sink,
-                                        split_pe=split_pe, kv_4d=kv_4d, fp8=fp8, seed=topk))
-    got = run_sparse(case, indices_valid=True)
+                                        split_pe=split_pe, kv_4d=kv_4d, fp8=fp8, seed=topk), batched=batched)
+    got, ops = _ops_of(lambda: run_sparse(case, indices_valid=True))
+    assert not any("compact_sparse_indices" in op for op in ops)
     check_sparse(case, *got)
-    want = run_sparse(case)
+    want, ops = _ops_of(lambda: run_sparse(case))
+    assert any("compact_sparse_indices" in op for op in ops)
     assert torch.equal(got[0], want[0]) and torch.equal(got[1], want[1])
 
 
+@pytest.mark.parametrize("kind", ["bf16", "ds_fp8"])
+def test_indices_valid_with_out_metadata_and_pieces(monkeypatch, kind):
+    """indices_valid=True into out=, with a step's metadata, and in pieces of more query tokens than one
+    schedule takes (limit lowered to 2): the compacting call's result each time (a ds_mla_fp8 cache skips
+    invalid slots itself: the flag changes nothing there)."""
+    case = valid_first(make_sparse_case((3, 2), 4, 24, 16, lengths=True, sink="finite", ds_fp8=kind == "ds_fp8",
+                                        seed=12), batched=True)
+    want = run_sparse(case)
+    check_sparse(case, *want)
+    out = torch.full(want[0].shape, float("nan"), dtype=want[0].dtype)
+    md = mla_attn.get_sparse_decode_metadata(case["indices"], 4)
+    got = run_sparse(case, indices_valid=True, out=out, metadata=md)
+    assert got[0].data_ptr() == out.data_ptr() and torch.equal(out, want[0]) and torch.equal(got[1], want[1])
+    monkeypatch.setattr(mla_attn.sparse, "MAX_SCHEDULED_REQUESTS", 2)
+    for out in (None, torch.full(want[0].shape, float("nan"), dtype=want[0].dtype)):
+        got = run_sparse(case, indices_valid=True, out=out)
+        assert torch.equal(got[0], want[0]) and torch.equal(got[1], want[1])
+
+
 def test_indices_valid_is_checked():
-    """The promise is verified where value checks run (always on CPU): an index the row counts outside the
-    cache is a ValueError naming it; the same index past the row's topk_length is not counted."""
+    """The promise is verified where value checks run (always on CPU): a counted index outside the cache
+    is a ValueError naming it (batched or token-major), the same index past the row's count is not."""
     case = valid_first(make_sparse_case((3, 2), 4, 20, 16, lengths=True, seed=2))
     bad = case["indices"].clone()
     r = int(case["topk_length"].argmax())
     bad[r, 0] = -1
-    with pytest.raises(ValueError, match=rf"indices_valid=True, but index \[{r}, 0\] \(of the \[tokens, topk\] "
-                                         r"rows\) = -1 is not a cache slot in \[0, \d+\); pass topk_length"):
+    with pytest.raises(ValueError, match=rf"indices_valid=True, but indices\[{r}, 0\] = -1 is not a cache slot in "
+                                         rf"\[0, \d+\) and it is within topk_length = \d+ of its row"):
         run_sparse({**case, "indices": bad}, indices_valid=True)
-    with pytest.raises(ValueError, match="indices_valid=True, but index"):  # no topk_length: every index counts
+    with pytest.raises(ValueError, match=r"indices_valid=True, but indices\[0, 0\] = -1 is not a cache slot in "
+                                         r"\[0, \d+\) and without topk_length every index of a row counts"):
         run_sparse({**case, "topk_length": None}, indices_valid=True)
+    batched = valid_first(make_sparse_case((3, 2), 4, 20, 16, lengths=True, seed=2), batched=True)
+    bad = batched["indices"].clone()
+    b = int(batched["topk_length"].argmax())
+    bad[b, 1, 0] = 2**31 - 1
+    with pytest.raises(ValueError, match=rf"indices_valid=True, but indices\[{b}, 1, 0\] = 2147483647 is not a"):
+        run_sparse({**batched, "indices": bad}, indices_valid=True)
     with pytest.raises(TypeError, match="indices_valid must be a bool, got int"):
         run_sparse(case, indices_valid=1)
     check_sparse(case, *run_sparse(case, indices_valid=True, validate=True))
+    check_sparse(batched, *run_sparse(batched, indices_valid=True, validate=True))
 
 
 def test_sparse_prefill_matches_reference():

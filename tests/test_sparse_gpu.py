@@ -98,10 +98,11 @@ def test_sparse_decode_matches_reference(lead, h_q, topk, page_size, dtype, leng
 
 @pytest.mark.parametrize("lead,h_q,topk,page_size,dtype,lengths,sink,split_pe,kv_4d,kernel", PARAMS)
 def test_indices_valid_skips_the_compaction(lead, h_q, topk, page_size, dtype, lengths, sink, split_pe, kv_4d, kernel):
-    """indices_valid=True on rows whose valid indices come first, counted by topk_length: the garbage
-    past each count (NaN slots among it) is never read; bit-identical to the compacting call, which hands
-    the kernel the same slots and counts."""
-    case = valid_first(sparse_case(lead, h_q, topk, page_size, dtype, lengths, sink, split_pe, kv_4d, False))
+    """indices_valid=True on rows whose valid indices come first, counted by topk_length (per request of a
+    batched case, per token of a token-major one): the garbage past each count (NaN slots among it) is
+    never read; bit-identical to the compacting call, which hands the kernel the same slots and counts."""
+    case = valid_first(sparse_case(lead, h_q, topk, page_size, dtype, lengths, sink, split_pe, kv_4d, False),
+                       batched=True)
     out = poisoned_out(case)
     _, lse = run_sparse(case, out=out, indices_valid=True, _kernel=kernel)
     check_sparse(case, out, lse)
@@ -123,6 +124,18 @@ def test_sparse_decode_fp8_cache(lead, h_q, topk, page_size, lengths, sink, kern
     _, lse = run_sparse(case, out=out, _kernel=kernel)
     # the e4m3-MMA kernel has its own bounds; the dispatch keeps 16-bit MMAs (fp8_mma is not offered here)
     (check_fp8_mma if kernel == "fp8mma" else check_sparse)(case, out, lse)
+
+
+@pytest.mark.parametrize("lead,h_q,topk,page_size,lengths,sink,kernel", FP8_PARAMS)
+def test_indices_valid_fp8_cache(lead, h_q, topk, page_size, lengths, sink, kernel):
+    """indices_valid=True over a float8_e4m3fn cache (its own row copies in the 64-row kernel): token-major
+    valid-first rows, bit-identical to the compacting call."""
+    case = valid_first(sparse_case(lead, h_q, topk, page_size, torch.bfloat16, lengths, sink, False, False, True))
+    out = poisoned_out(case)
+    _, lse = run_sparse(case, out=out, indices_valid=True, _kernel=kernel)
+    (check_fp8_mma if kernel == "fp8mma" else check_sparse)(case, out, lse)
+    want, want_lse = run_sparse(case, _kernel=kernel)
+    assert torch.equal(out, want) and torch.equal(lse, want_lse)
 
 
 DS_CASES = [((4, 2), 16, 2048, 64, True, "finite"), ((7,), 128, 1500, 1, True, None), ((3,), 64, 70, 24, False, "mixed"),
@@ -209,10 +222,11 @@ def test_value_checks_on_request():
         run_sparse({**case, "topk_length": bad}, validate=True)
     run_sparse({**case, "topk_length": bad})  # unchecked by default on the GPU (no host sync): clamped
     counted = valid_first(case)
-    with pytest.raises(ValueError, match=r"indices_valid=True, but index \[0, 0\]"):
+    with pytest.raises(ValueError, match=r"indices_valid=True, but indices\[0, 0\] = -1 is not a cache slot"):
         run_sparse({**counted, "topk_length": None}, indices_valid=True, validate=True)
-    # unchecked: the kernels clamp a slot outside the cache into it (a wrong key, no fault)
-    out, lse = run_sparse({**counted, "topk_length": None}, indices_valid=True)
+    # unchecked: the kernels clamp a slot outside the cache into it (a wrong key, no fault); the
+    # synchronize raises if a kernel faulted
+    run_sparse({**counted, "topk_length": None}, indices_valid=True)
     torch.cuda.synchronize()
 
 

@@ -1088,16 +1088,20 @@ def check_sparse_metadata(md: object, indices: Tensor, like: Tensor) -> None:
     check_metadata(md.decode, rows, 1, False, False, like)  # num_heads_q and the device among the rest
 
 
-def check_counted_indices_in_cache(indices: Tensor, row_lengths: Optional[Tensor], num_slots: int) -> None:
+def check_counted_indices_in_cache(indices: Tensor, topk_length: Optional[Tensor], num_slots: int) -> None:
     """Value check (host sync on GPU) of indices_valid=True: every index a row counts (position <
-    row_lengths[r], every position without lengths) is a slot in the cache [0, num_slots)."""
-    counted = torch.arange(indices.shape[1], device=indices.device)[None, :] < \
-        (indices.shape[1] if row_lengths is None else row_lengths[:, None])
+    topk_length of its request or token, every position without topk_length) is a slot in the cache
+    [0, num_slots). indices [B, s_q, topk] or [T, topk]; topk_length [B] or [T] (in range: checked before)."""
+    topk = indices.shape[-1]
+    limit = topk if topk_length is None else topk_length.view((-1,) + (1,) * (indices.dim() - 1))
+    counted = torch.arange(topk, device=indices.device) < limit
     bad = counted & ((indices < 0) | (indices >= num_slots))
     if bool(bad.any()):
-        r, k = (int(i) for i in bad.nonzero()[0])
-        raise ValueError(f"indices_valid=True, but index [{r}, {k}] (of the [tokens, topk] rows) = {int(indices[r, k])} "
-                         f"is not a cache slot in [0, {num_slots}); pass topk_length to count fewer per row")
+        where = tuple(int(i) for i in bad.nonzero()[0])
+        why = ("without topk_length every index of a row counts" if topk_length is None else
+               f"it is within topk_length = {int(topk_length[where[0]])} of its row")
+        raise ValueError(f"indices_valid=True, but indices[{', '.join(map(str, where))}] = {int(indices[where])} is "
+                         f"not a cache slot in [0, {num_slots}) and {why}")
 
 
 def check_topk_length_values(topk_length: Optional[Tensor], topk: int) -> None:

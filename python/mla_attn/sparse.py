@@ -148,11 +148,12 @@ def mla_sparse_decode(q: Tensor, kv_cache: Tensor, indices: Tensor, *, softmax_s
     repeated index counts once per occurrence. topk_length int32 [B] (one per request, for each of its
     tokens) or [T] (token-major: one per token): only the first topk_length indices of a row count
     (values in [0, topk]).
-    indices_valid: the caller's promise that every index a row counts (its first topk_length, all topk
-    without topk_length) is a slot in the cache, as an indexer's output is after its -1 tail is cut off
-    by topk_length. The call then reads the rows as they are instead of compacting them first (one
-    kernel less per call; a ds_mla_fp8 cache is never compacted). Value checks verify the promise; an
-    unchecked index outside the cache reads a clamped slot (a wrong key, no fault).
+    indices_valid: the caller's promise that every index a row counts (its first topk_length; all topk
+    without topk_length, so an indexer's -1 tail needs topk_length) is a slot in the cache. The call then
+    reads the rows as they are instead of compacting them first (one kernel less per call; a ds_mla_fp8
+    cache is never compacted, and skips invalid slots either way). Value checks verify the promise.
+    Unchecked, a counted index outside a 16-bit or e4m3 cache reads the slot it clamps to (-1: slot 0,
+    past the end: the last slot), whatever that slot holds (NaN if never written), without a fault.
     attn_sink float32 [h_q] (optional): out is scaled by exp(lse) / (exp(lse) + exp(sink)) (+inf: out 0,
     -inf: no effect); the returned lse is the attention's own.
     Returns out [.., h_q, 512] in q's dtype, plus lse float32 [.., h_q] (natural log) if return_lse.
@@ -177,14 +178,14 @@ def mla_sparse_decode(q: Tensor, kv_cache: Tensor, indices: Tensor, *, softmax_s
         check.check_topk_length_values(topk_length, topk)
         check.check_scale_value("k_scale", k_scale)
         if indices_valid:
-            check.check_counted_indices_in_cache(indices.reshape(rows, topk), row_lengths, num_slots)
+            check.check_counted_indices_in_cache(indices, topk_length, num_slots)
     # A ds_mla_fp8 cache is read by kernels that copy each key row by themselves (rows64, narrow) and skip
     # the invalid slots (score -inf, zero row): the index rows go as they are. The other kernels need
     # every listed slot valid: the valid indices are compacted to the front of each row first, unless
     # the caller vouches for them.
     skip_invalid = kv_cache.dtype == torch.uint8
-    if skip_invalid or indices_valid:
-        slots, counts = indices.reshape(rows, topk).contiguous(), row_lengths  # None: each schedule's lengths
+    if skip_invalid or indices_valid:  # the op takes index rows at any row stride
+        slots, counts = indices.reshape(rows, topk), row_lengths  # None: each schedule's lengths
     else:
         slots, counts = torch.ops.mla_attn.compact_sparse_indices(indices.reshape(rows, topk), row_lengths, num_slots)
 
