@@ -187,6 +187,10 @@ def test_indices_valid_with_out_metadata_and_pieces(monkeypatch, kind):
     md = mla_attn.get_sparse_decode_metadata(case["indices"], 4)
     got = run_sparse(case, indices_valid=True, out=out, metadata=md)
     assert got[0].data_ptr() == out.data_ptr() and torch.equal(out, want[0]) and torch.equal(got[1], want[1])
+    wide = torch.full(case["indices"].shape[:-1] + (30,), -1, dtype=torch.int32)
+    wide[..., :24] = case["indices"]
+    got = run_sparse({**case, "indices": wide[..., :24]}, indices_valid=True)  # rows 30 apart, read in place
+    assert torch.equal(got[0], want[0]) and torch.equal(got[1], want[1])
     monkeypatch.setattr(mla_attn.sparse, "MAX_SCHEDULED_REQUESTS", 2)
     for out in (None, torch.full(want[0].shape, float("nan"), dtype=want[0].dtype)):
         got = run_sparse(case, indices_valid=True, out=out)
