@@ -284,13 +284,16 @@ def test_scheduler_request_limit():
         mla_attn.get_decode_metadata(torch.ones(50001, dtype=torch.int32), 16, s_q=1)
 
 
-def test_torch_compile_fullgraph_traces():
+@pytest.mark.parametrize("indices_valid", [False, True])
+def test_torch_compile_fullgraph_traces(indices_valid):
     """fullgraph tracing of the whole call (fakes of every op it runs); aot_eager keeps CPU compile time small."""
     case = make_sparse_case((3,), 4, 16, 16, lengths=True, sink="finite", seed=5)
+    if indices_valid:
+        case = valid_first(case)
 
     def f(q, kv, idx, lengths, sink):
         return mla_attn.mla_sparse_decode(q, kv, idx, softmax_scale=0.04, topk_length=lengths, attn_sink=sink,
-                                          return_lse=True)
+                                          return_lse=True, indices_valid=indices_valid)
 
     args = (case["q"], case["kv_cache"], case["indices"], case["topk_length"], case["attn_sink"])
     torch._dynamo.reset()

@@ -242,15 +242,19 @@ def _replacement_indices(case, seed):
     return idx.cuda(), lengths.cuda()
 
 
-def test_cuda_graph_replay_with_new_indices():
+@pytest.mark.parametrize("indices_valid", [False, True])
+def test_cuda_graph_replay_with_new_indices(indices_valid):
+    """Replays with new indices and lengths; indices_valid: each index set valid-first (valid_first)."""
     case = sparse_case((4, 2), 16, 2048, 64, torch.bfloat16, True, "finite", False, False, False)
+    if indices_valid:
+        case = valid_first(case, batched=True)
     static = dict(case, indices=case["indices"].clone(), topk_length=case["topk_length"].clone())
     out = poisoned_out(case)
 
     md = mla_attn.get_sparse_decode_metadata(static["indices"], 16)  # once: it depends on shapes only
 
     def step():
-        return run_sparse(static, out=out, metadata=md)
+        return run_sparse(static, out=out, metadata=md, indices_valid=indices_valid)
 
     step()
     torch.cuda.synchronize()
@@ -259,6 +263,9 @@ def test_cuda_graph_replay_with_new_indices():
         _, lse = step()
     for seed in (1, 2, None):  # two new index sets, then the original again
         idx, lengths = (case["indices"], case["topk_length"]) if seed is None else _replacement_indices(case, seed)
+        if indices_valid and seed is not None:
+            counted = valid_first({**case, "indices": idx, "topk_length": lengths}, batched=True)
+            idx, lengths = counted["indices"], counted["topk_length"]
         static["indices"].copy_(idx)
         static["topk_length"].copy_(lengths)
         out.fill_(float("nan"))
