@@ -88,7 +88,8 @@ def valid_first(case, batched=False):
     """The case with each row's valid indices moved to its front (in order) and counted by topk_length,
     as an indexer's output with its -1 tail cut off: what mla_sparse_decode(indices_valid=True) takes.
     Token-major with a count per token; batched=True keeps a batched case's [B, s_q, topk] form with one
-    count per request (each of its tokens keeps that many of its valid indices). Every position past a
+    count per request, its tokens' most valid indices: a token with fewer repeats one of them (or a
+    valid slot of another row) up to it; request 0 keeps 0, so row 0 stays empty. Every position past a
     row's count holds garbage: -1, the first slot past the cache, INT32_MAX or a NaN slot of the cache."""
     lead, topk = case["indices"].shape[:-1], case["indices"].shape[-1]
     rows, kv, device = math.prod(lead), case["kv_cache"], case["indices"].device
@@ -104,10 +105,15 @@ def valid_first(case, batched=False):
     out = garbage.repeat(rows, 1)
     counts = valid.sum(1)
     batched = batched and len(lead) == 2
-    if batched:  # the fewest of each request's tokens
-        counts = counts.view(lead).min(1).values.repeat_interleave(lead[1])
+    if batched:
+        per_request = counts.view(lead).max(1).values
+        per_request[0] = 0
+        counts = per_request.repeat_interleave(lead[1])
+    any_valid = idx[valid][:1]
     for r in range(rows):
-        out[r, :counts[r]] = idx[r][valid[r]][:counts[r]]
+        own = idx[r][valid[r]]
+        fill = (own if own.numel() else any_valid)[:1]
+        out[r, :counts[r]] = torch.cat([own, fill.expand(max(0, int(counts[r]) - own.numel()))])[:counts[r]]
     if batched:
         return dict(case, indices=out.view(case["indices"].shape).to(device),
                     topk_length=counts.view(lead)[:, 0].to(device, torch.int32))

@@ -371,10 +371,10 @@ def test_schedule_cache_and_cuda_graphs(schedule_cache):
         check_sparse(c, o, lse)
 
 
-@pytest.mark.parametrize("heads,page_size,valid_first", [(16, 64, False), (128, 16, False), (128, 16, True)])
-def test_layer_sparse_with_every_key_is_dense_attention(heads, page_size, valid_first):
+@pytest.mark.parametrize("heads,page_size,vouch", [(16, 64, False), (128, 16, False), (128, 16, True)])
+def test_layer_sparse_with_every_key_is_dense_attention(heads, page_size, vouch):
     """MLAAttention(indices=) naming every causal key: the un-absorbed oracle's result (test_layer's
-    GPU scenario and bound); valid_first: with topk_length and indices_valid=True."""
+    GPU scenario and bound); vouch: with topk_length and indices_valid=True."""
     import dataclasses
 
     from layer_oracle import init_weights, run_scenario
@@ -384,7 +384,7 @@ def test_layer_sparse_with_every_key_is_dense_attention(heads, page_size, valid_
     layer = mla_attn.MLAAttention(cfg, dtype=torch.bfloat16)
     init_weights(layer, seed=2)
     layer.cuda()
-    with_all_keys_indexer(layer, valid_first=valid_first)
+    with_all_keys_indexer(layer, vouch=vouch)
 
     def check(i, batch, got, want, lowp):
         check_close(i, batch, got, want, lowp, factor=2)

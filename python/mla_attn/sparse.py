@@ -149,7 +149,8 @@ def mla_sparse_decode(q: Tensor, kv_cache: Tensor, indices: Tensor, *, softmax_s
     tokens) or [T] (token-major: one per token): only the first topk_length indices of a row count
     (values in [0, topk]).
     indices_valid: the caller's promise that every index a row counts (its first topk_length; all topk
-    without topk_length, so an indexer's -1 tail needs topk_length) is a slot in the cache. The call then
+    without topk_length, so an indexer's -1 tail needs topk_length; its tails differ per token, so pass
+    token-major [T, topk] indices with topk_length [T]) is a slot in the cache. The call then
     reads the rows as they are instead of compacting them first (one kernel less per call; a ds_mla_fp8
     cache is never compacted, and skips invalid slots either way). Value checks verify the promise.
     Unchecked, a counted index outside a 16-bit or e4m3 cache reads the slot it clamps to (-1: slot 0,
