@@ -11,7 +11,9 @@ Exception rule, the same for every op:
     or an option that does not fit the other arguments (k_scale or fp8_mma without an FP8 cache, a
     decode kernel that cannot run the call, metadata computed for another call).
 
-Static checks read tensor metadata only: no host sync, safe under CUDA graphs and torch.compile.
+Static checks read tensor metadata only: no host sync, safe under CUDA graphs and torch.compile. The
+hot calls (decode, sparse decode, cache write) run them through `memoized`: once per signature of their
+arguments, since a call repeats the last one's in every layer and step (see there).
 Value checks (lengths, cu_seqlens, page ids, slots, k_scale's value) read the data, so they run where
 want_value_checks says: always for CPU tensors; for GPU tensors only with validate=True or
 MLA_ATTN_VALIDATE=1 (they sync); validate=False disables them; never while torch.compile traces.
@@ -19,8 +21,8 @@ MLA_ATTN_VALIDATE=1 (they sync); validate=False disables them; never while torch
 import math
 import numbers
 import os
-from collections.abc import Sequence
-from typing import Optional
+from collections.abc import Callable, Sequence
+from typing import Optional, TypeVar
 
 import torch
 from torch import Tensor
@@ -56,6 +58,55 @@ def want_value_checks(validate: Optional[bool], device: torch.device) -> bool:
     if torch.compiler.is_compiling():
         return False
     return device.type == "cpu" or os.environ.get("MLA_ATTN_VALIDATE", "0") == "1"
+
+
+# ----------------------------------------------------------------------------------------- memo
+_Result = TypeVar("_Result")
+_passed_signatures: dict = {}
+_MAX_PASSED_SIGNATURES = 4096  # then forgotten all at once: a serving batch size takes a few each
+_PLAIN_SCALARS = frozenset((type(None), bool, int, float, str))
+
+
+def _signature(args: tuple) -> tuple:
+    """What a static check can read of its arguments: a tensor's dtype, device, shape, strides and start
+    alignment; the type and value of anything else (a metadata tuple field by field). Raises TypeError
+    for what it cannot describe (tensor subclasses: torch.compile's fakes answer differently)."""
+    sig = []
+    for x in args:
+        kind = type(x)
+        if kind is Tensor:
+            sig.append((x.dtype, x.device, x.shape, x.stride(), x.storage_offset() % ALIGN_BYTES))
+        elif kind in _PLAIN_SCALARS:  # (the type: True and 1 are equal keys)
+            sig.append((kind, x))
+        elif isinstance(x, Tensor):
+            raise TypeError("tensor subclass")
+        elif isinstance(x, tuple):
+            sig.append((kind, _signature(x)))
+        else:
+            sig.append((kind, x))
+    return tuple(sig)
+
+
+def memoized(checks: Callable[..., _Result], *args: object) -> _Result:
+    """checks(*args): an op's static checks, which read only what _signature describes of args (so no
+    addresses: overlap checks run on every call, outside). They run once per signature that passes;
+    later calls of that signature get the first one's result without running them (engines repeat a
+    call's shapes in every layer and step, and the checks cost more than the launch). While torch.compile
+    traces (symbolic shapes) or for arguments without a signature (unhashable), they run every time."""
+    if torch.compiler.is_compiling():
+        return checks(*args)
+    try:
+        key = (checks, _signature(args))
+        return _passed_signatures[key]
+    except KeyError:
+        pass
+    except (TypeError, RuntimeError):  # unhashable, or a tensor without strides (sparse layouts)
+        return checks(*args)
+    result = checks(*args)
+    if len(_passed_signatures) >= _MAX_PASSED_SIGNATURES:
+        _passed_signatures.clear()
+    _passed_signatures[key] = result
+    return result
 
 
 # ------------------------------------------------------------------------------------------- generic
@@ -106,7 +157,7 @@ def _byte_range(t: Tensor) -> tuple[int, int]:
     """[first, last + 1) byte addresses t's elements span."""
     first = t.data_ptr()
     if t.is_contiguous():
-        return first, first + t.numel() * t.element_size()
+        return first, first + t.nbytes
     span = sum(stride * (size - 1) for stride, size in zip(t.stride(), t.shape) if size > 1)
     return first, first + (span + 1) * t.element_size()
 
@@ -128,10 +179,11 @@ def _overlapping(out: Tensor, inputs: dict[str, Optional[Tensor]]):
         return
     out_first, out_end = _byte_range(out)
     for input_name, inp in inputs.items():
-        if type(inp) is not Tensor or not inp.numel() or inp.device != out.device:
+        # the start alone settles the usual case (an input after out) in one call; this runs every call
+        if type(inp) is not Tensor or inp.data_ptr() >= out_end:
             continue
         in_first, in_end = _byte_range(inp)
-        if out_end <= in_first or in_end <= out_first:  # apart: the usual case
+        if in_end <= out_first or in_first == in_end or inp.device != out.device:
             continue
         if _dense(out) and _dense(inp):
             yield input_name, inp
@@ -408,6 +460,8 @@ def check_decode_outputs(out: Optional[Tensor], lse: Optional[Tensor], q: Tensor
                          tile_sched: Tensor, req_splits: Tensor, k_scale: Optional[Tensor], q_scale: Optional[Tensor],
                          attn_sink: Optional[Tensor]) -> None:
     """A decode's out and lse, when given: apart from every input, and lse from out."""
+    if out is None and lse is None:
+        return
     inputs = {"q": q, "q_pe": q_pe, "kv_cache": kv_cache, "block_table": block_table, "cache_seqlens": cache_seqlens,
               "cu_seqlens_q": cu_seqlens_q, "tile_sched": tile_sched, "req_splits": req_splits, "k_scale": k_scale,
               "q_scale": q_scale, "attn_sink": attn_sink}
@@ -1023,7 +1077,8 @@ def check_attn_sink(attn_sink: Optional[Tensor], h_q: int, like: Tensor) -> None
 
 def check_sparse_decode(q: Tensor, q_pe: Optional[Tensor], kv_cache: Tensor, indices: Tensor,
                         topk_length: Optional[Tensor], attn_sink: Optional[Tensor], out: Optional[Tensor]) -> int:
-    """Static checks of mla_sparse_decode's tensors. Returns the number of query tokens R."""
+    """Static checks of mla_sparse_decode's tensors (out apart from the inputs: the caller, on every call).
+    Returns the number of query tokens R."""
     check_tensor("q", q)
     if q.dtype not in HALF_DTYPES:
         raise TypeError(f"q must be bfloat16 or float16, got {q.dtype}")
@@ -1050,8 +1105,6 @@ def check_sparse_decode(q: Tensor, q_pe: Optional[Tensor], kv_cache: Tensor, ind
         check_device("out", out, "q", q)
         check_layout("out", out)
         check_no_overlap("out", out)
-        check_apart("out", out, {"q": q, "q_pe": q_pe, "kv_cache": kv_cache, "indices": indices,
-                                 "topk_length": topk_length, "attn_sink": attn_sink})
         if q.dim() == 4 and out.shape[0] > 1 and out.shape[1] > 1 and out.stride(0) != out.shape[1] * out.stride(1):
             raise ValueError(f"out: the kernel writes it as [B * s_q, h_q, 512] rows, so stride(0) must be "
                              f"s_q * stride(1); got strides {out.stride()}")

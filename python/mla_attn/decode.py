@@ -66,18 +66,12 @@ def mla_decode(q: Tensor, kv_cache: Tensor, block_table: Tensor, cache_seqlens: 
     _kernel (private, for tests and benchmarks): run this split kernel (metadata.DECODE_KERNELS)
     instead of the one the dispatch chooses; ValueError if it cannot run the call.
     """
-    check.check_softmax_scale(softmax_scale)
-    check.check_flags(causal=causal, return_lse=return_lse, validate=validate, deterministic=deterministic,
-                      fp8_mma=fp8_mma)
-    batch, max_seqlen_q = check.check_decode(q, q_pe, kv_cache, block_table, cache_seqlens, cu_seqlens_q,
-                                             max_seqlen_q, out)
-    check.check_decode_options(q, kv_cache, k_scale, fp8_mma, _kernel, max_seqlen_q, q_scale)
-    check.check_attn_sink(attn_sink, q.shape[-2], q)
+    max_seqlen_q = check.memoized(
+        _static_checks, q, q_pe, kv_cache, block_table, cache_seqlens, cu_seqlens_q, max_seqlen_q, softmax_scale,
+        causal, return_lse, metadata, out, validate, deterministic, k_scale, fp8_mma, q_scale, attn_sink, _kernel)
     if metadata is None:
         metadata = get_decode_metadata(cache_seqlens, q.shape[-2], cu_seqlens_q=cu_seqlens_q,
                                        max_seqlen_q=max_seqlen_q, causal=causal, deterministic=deterministic)
-    else:
-        check.check_metadata(metadata, batch, max_seqlen_q, causal, deterministic, q)
     check.check_decode_outputs(out, None, q, q_pe, kv_cache, block_table, cache_seqlens, cu_seqlens_q,
                                metadata.tile_sched, metadata.req_splits, k_scale, q_scale, attn_sink)
     if check.want_value_checks(validate, q.device):
@@ -94,3 +88,19 @@ def mla_decode(q: Tensor, kv_cache: Tensor, block_table: Tensor, cache_seqlens: 
         lse = torch.empty(q.shape[:-1], dtype=torch.float32, device=q.device)
         torch.ops.mla_attn.mla_decode_out(*args, out, lse, **kw)
     return (out, lse) if return_lse else out
+
+
+def _static_checks(q, q_pe, kv_cache, block_table, cache_seqlens, cu_seqlens_q, max_seqlen_q, softmax_scale, causal,
+                   return_lse, metadata, out, validate, deterministic, k_scale, fp8_mma, q_scale, attn_sink,
+                   kernel) -> int:
+    """mla_decode's static checks (all but out's overlap with the inputs). Returns max_seqlen_q."""
+    check.check_softmax_scale(softmax_scale)
+    check.check_flags(causal=causal, return_lse=return_lse, validate=validate, deterministic=deterministic,
+                      fp8_mma=fp8_mma)
+    batch, max_seqlen_q = check.check_decode(q, q_pe, kv_cache, block_table, cache_seqlens, cu_seqlens_q,
+                                             max_seqlen_q, out)
+    check.check_decode_options(q, kv_cache, k_scale, fp8_mma, kernel, max_seqlen_q, q_scale)
+    check.check_attn_sink(attn_sink, q.shape[-2], q)
+    if metadata is not None:
+        check.check_metadata(metadata, batch, max_seqlen_q, causal, deterministic, q)
+    return max_seqlen_q

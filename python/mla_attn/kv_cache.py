@@ -91,11 +91,15 @@ def write_kv_cache(kv_c: Tensor, k_pe: Tensor, kv_cache: Tensor, slot_mapping: T
     slot = page * page_size + offset; slot < 0 skips the token. Valid slots must be distinct. Last dims
     contiguous, other strides free (16-byte aligned).
     """
-    check.check_write_kv_cache(kv_c, k_pe, kv_cache, slot_mapping, k_scale, kv_format)
-    check.check_flags(validate=validate)
+    check.memoized(_write_static_checks, kv_c, k_pe, kv_cache, slot_mapping, k_scale, kv_format, validate)
     if check.want_value_checks(validate, kv_c.device):
         check.check_write_values(kv_cache, slot_mapping, k_scale)
     torch.ops.mla_attn.write_kv_cache(kv_c, k_pe, kv_cache, slot_mapping, k_scale=k_scale, kv_format=kv_format)
+
+
+def _write_static_checks(kv_c, k_pe, kv_cache, slot_mapping, k_scale, kv_format, validate) -> None:
+    check.check_write_kv_cache(kv_c, k_pe, kv_cache, slot_mapping, k_scale, kv_format)
+    check.check_flags(validate=validate)
 
 
 def gather_kv_cache(kv_cache: Tensor, block_table: Tensor, cu_seqlens: Tensor, num_tokens: int, *,

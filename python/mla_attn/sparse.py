@@ -166,13 +166,11 @@ def mla_sparse_decode(q: Tensor, kv_cache: Tensor, indices: Tensor, *, softmax_s
     so metadata must be None there. _kernel (private, for tests and benchmarks): the split kernel to run
     (metadata.DECODE_KERNELS); the call is a decode of max_seqlen_q 1, so rows = h_q.
     """
-    check.check_softmax_scale(softmax_scale)
-    check.check_flags(return_lse=return_lse, validate=validate, indices_valid=indices_valid)
-    rows = check.check_sparse_decode(q, q_pe, kv_cache, indices, topk_length, attn_sink, out)
-    check.check_decode_options(q, kv_cache, k_scale, False, _kernel, 1)
+    rows = check.memoized(_static_checks, q, q_pe, kv_cache, indices, topk_length, attn_sink, out, k_scale,
+                          metadata, softmax_scale, return_lse, validate, indices_valid, _kernel)
+    check.check_apart("out", out, {"q": q, "q_pe": q_pe, "kv_cache": kv_cache, "indices": indices,
+                                   "topk_length": topk_length, "attn_sink": attn_sink})
     h_q, topk = q.shape[-2], indices.shape[-1]
-    if metadata is not None:
-        check.check_sparse_metadata(metadata, indices, q)
     num_slots = kv_cache.shape[0] * kv_cache.shape[1]
     row_lengths = _row_lengths(topk_length, indices)
     if check.want_value_checks(validate, q.device):
@@ -185,10 +183,11 @@ def mla_sparse_decode(q: Tensor, kv_cache: Tensor, indices: Tensor, *, softmax_s
     # every listed slot valid: the valid indices are compacted to the front of each row first, unless
     # the caller vouches for them.
     skip_invalid = kv_cache.dtype == torch.uint8
+    index_rows = indices if indices.dim() == 2 else indices.reshape(rows, topk)
     if skip_invalid or indices_valid:  # the op takes index rows at any row stride
-        slots, counts = indices.reshape(rows, topk), row_lengths  # None: each schedule's lengths
+        slots, counts = index_rows, row_lengths  # None: each schedule's lengths
     else:
-        slots, counts = torch.ops.mla_attn.compact_sparse_indices(indices.reshape(rows, topk), row_lengths, num_slots)
+        slots, counts = torch.ops.mla_attn.compact_sparse_indices(index_rows, row_lengths, num_slots)
 
     # Each query token is a request of one token: [R, 1, h_q, D] views (reshape copies a batched q only
     # when its batch and token strides do not merge).
@@ -200,10 +199,11 @@ def mla_sparse_decode(q: Tensor, kv_cache: Tensor, indices: Tensor, *, softmax_s
     def attend(r0: int, r1: int, md: SparseDecodeMetadata, out_rows: Optional[Tensor],
                lse_rows: Optional[Tensor]) -> tuple[Tensor, Tensor]:
         """Rows [r0, r1) under the schedule md made for them; into out_rows / lse_rows when given."""
-        piece_counts = md.lengths if counts is None else counts[r0:r1]
-        args = (q_rows[r0:r1], None if q_pe_rows is None else q_pe_rows[r0:r1], kv_cache, slots[r0:r1],
-                piece_counts, None, 1, float(softmax_scale), False,
-                md.decode.tile_sched, md.decode.req_splits, md.decode.num_sm_parts)
+        def piece(t: Optional[Tensor]) -> Optional[Tensor]:
+            return t if t is None or (r0, r1) == (0, rows) else t[r0:r1]  # (a slice costs a dispatch)
+        piece_counts = md.lengths if counts is None else piece(counts)
+        args = (piece(q_rows), piece(q_pe_rows), kv_cache, piece(slots), piece_counts, None, 1,
+                float(softmax_scale), False, md.decode.tile_sched, md.decode.req_splits, md.decode.num_sm_parts)
         if out_rows is None:
             return torch.ops.mla_attn.mla_decode(*args, **kw)
         if lse_rows is None:
@@ -224,8 +224,19 @@ def mla_sparse_decode(q: Tensor, kv_cache: Tensor, indices: Tensor, *, softmax_s
             r1 = min(rows, r0 + MAX_SCHEDULED_REQUESTS)
             attend(r0, r1, _schedules.get(r1 - r0, topk, h_q, q.device), out_rows[r0:r1], lse[r0:r1])
     out = out_rows.view(q.shape[:-1] + (D_V,)) if out is None else out
-    lse = lse.view(q.shape[:-1])
-    return (out, lse) if return_lse else out
+    return (out, lse.view(q.shape[:-1])) if return_lse else out
+
+
+def _static_checks(q, q_pe, kv_cache, indices, topk_length, attn_sink, out, k_scale, metadata, softmax_scale,
+                   return_lse, validate, indices_valid, kernel) -> int:
+    """mla_sparse_decode's static checks (all but out's overlap with the inputs). Returns the query tokens R."""
+    check.check_softmax_scale(softmax_scale)
+    check.check_flags(return_lse=return_lse, validate=validate, indices_valid=indices_valid)
+    rows = check.check_sparse_decode(q, q_pe, kv_cache, indices, topk_length, attn_sink, out)
+    check.check_decode_options(q, kv_cache, k_scale, False, kernel, 1)
+    if metadata is not None:
+        check.check_sparse_metadata(metadata, indices, q)
+    return rows
 
 
 def mla_sparse_prefill(q: Tensor, kv: Tensor, indices: Tensor, *, softmax_scale: float,

@@ -1,0 +1,167 @@
+"""The hot calls (mla_decode, mla_sparse_decode, write_kv_cache) run their static checks once per signature
+of their arguments (_validation.memoized): its signature must tell apart everything a check reads, and
+a call whose arguments differ from a passed call only there (a bool given as an int, a start off 16
+bytes, the device, the metadata's fields), or whose out overlaps an input (checked on every call), must
+still be refused. (On CPU the ops check again, so the end-to-end tests hold with or without the memo;
+the first test checks the signature itself.)"""
+import pytest
+import torch
+from cases import D_V, make_decode_case
+from sparse_cases import make_sparse_case, run_sparse
+
+import mla_attn
+from mla_attn import decode, kv_cache, sparse
+from mla_attn._validation import memoized
+
+C = make_decode_case([20, 3], 2, 4, 16)
+
+
+def call(c=C, **kw):
+    return mla_attn.mla_decode(c["q"], c["kv_cache"], c["block_table"], c["cache_seqlens"],
+                               softmax_scale=c["softmax_scale"], **kw)
+
+
+def counting(monkeypatch, module, name="_static_checks"):
+    """Counts how often module's static checks run."""
+    runs = []
+    checks = getattr(module, name)
+
+    def counted(*args):
+        runs.append(1)
+        return checks(*args)
+    monkeypatch.setattr(module, name, counted)
+    return runs
+
+
+def _same_shape_at(t, offset):
+    """t's values in a fresh buffer, starting `offset` elements into it (same shape and strides)."""
+    buf = torch.empty(t.numel() + 16, dtype=t.dtype)
+    view = buf[offset:offset + t.numel()].view(t.shape)
+    view.copy_(t)
+    return view
+
+
+def test_memoized_runs_checks_once_per_signature():
+    """Each thing a static check can read of an argument is part of the signature; the same signature
+    again is a hit; arguments without one (tensor subclasses, unhashable values) are checked every time."""
+    runs = []
+
+    def checks(*args):
+        runs.append(args)
+        return len(runs)
+    t = torch.zeros(4, 32, dtype=torch.bfloat16)
+    md = mla_attn.get_decode_metadata(torch.tensor([5], dtype=torch.int32), 16, s_q=1)
+    base = (t, True, 0.5, None, "rows64", md)
+    assert memoized(checks, *base) == 1
+    assert memoized(checks, t.clone(), True, 0.5, None, "rows64", md._replace()) == 1  # equal, not identical
+    variants = [
+        (t.float(),), (t.to("meta"),), (t[:3],), (t.t().contiguous().t(),),  # dtype, device, shape, strides
+        (_same_shape_at(t, 4),),  # start 8 bytes in
+        (t, 1), (t, True, 1), (t, True, 0.5, False), (t, True, 0.5, None, "narrow16"),  # values and types
+        (t, True, 0.5, None, "rows64", md._replace(causal=False)),  # a metadata field
+        (t, True, 0.5, None, "rows64", md._replace(req_splits=md.req_splits[:0])),  # a metadata tensor
+    ]
+    for i, variant in enumerate(variants):
+        args = variant + base[len(variant):]
+        assert memoized(checks, *args) == i + 2, f"variant {i} hit the memo"
+        assert memoized(checks, *args) == i + 2, f"variant {i} missed the memo"
+    for uncached in ((torch.nn.Parameter(t, requires_grad=False),), (t, [1])):
+        n = len(runs)
+        memoized(checks, *uncached)
+        memoized(checks, *uncached)
+        assert len(runs) == n + 2
+
+
+def test_failed_checks_are_not_remembered():
+    def checks(x):
+        raise ValueError("bad")
+    for _ in range(2):
+        with pytest.raises(ValueError, match="bad"):
+            memoized(checks, 1)
+
+
+def test_checks_run_once_per_signature(monkeypatch):
+    runs = counting(monkeypatch, decode)
+    want = call()
+    assert torch.equal(call(), want) and len(runs) == 1
+    call(causal=False)
+    assert len(runs) == 2
+    q_param = torch.nn.Parameter(C["q"], requires_grad=False)  # a tensor subclass: no signature
+    with torch.no_grad():
+        call({**C, "q": q_param})
+        call({**C, "q": q_param})
+    assert len(runs) == 4
+
+
+def test_flags_as_ints_after_passed_bools():
+    call(causal=True, return_lse=False)
+    with pytest.raises(TypeError, match="causal must be a bool"):
+        call(causal=1, return_lse=False)
+    with pytest.raises(TypeError, match="return_lse must be a bool"):
+        call(causal=True, return_lse=0)
+
+
+def test_start_alignment_is_part_of_the_signature():
+    call({**C, "q": _same_shape_at(C["q"], 8)})  # 16 bytes in: fine
+    with pytest.raises(ValueError, match="q must start at a multiple of 16 bytes"):
+        call({**C, "q": _same_shape_at(C["q"], 4)})
+
+
+def test_device_is_part_of_the_signature():
+    call()
+    with pytest.raises(TypeError, match="cache_seqlens is on meta"):
+        call({**C, "cache_seqlens": C["cache_seqlens"].to("meta")})
+
+
+def test_metadata_fields_are_part_of_the_signature():
+    md = mla_attn.get_decode_metadata(C["cache_seqlens"], C["q"].shape[-2], s_q=C["q"].shape[1])
+    other = mla_attn.get_decode_metadata(C["cache_seqlens"], C["q"].shape[-2], s_q=C["q"].shape[1], causal=False)
+    call(metadata=md)
+    with pytest.raises(ValueError, match="metadata was computed for causal=False"):
+        call(metadata=other)
+
+
+def test_out_overlap_is_checked_on_every_call():
+    """q and out in one buffer, at the same offsets mod 16 twice (one signature): apart, then out moved
+    16 elements back into q's last row."""
+    q, out_shape = C["q"], C["q"].shape[:-1] + (D_V,)
+    out_numel = torch.Size(out_shape).numel()
+    mem = torch.empty(q.numel() + out_numel, dtype=q.dtype)
+    mem[:q.numel()].copy_(q.flatten())
+    in_mem = {**C, "q": mem[:q.numel()].view(q.shape)}
+    call(in_mem, out=mem[q.numel():].view(out_shape))
+    with pytest.raises(ValueError, match="out shares memory with q"):
+        call(in_mem, out=mem[q.numel() - 16:q.numel() - 16 + out_numel].view(out_shape))
+
+
+def test_sparse_decode_memo(monkeypatch):
+    case = make_sparse_case((12,), 16, 64, 16, lengths=True)
+    runs = counting(monkeypatch, sparse)
+    want, _ = run_sparse(case)
+    got, _ = run_sparse(case)
+    assert torch.equal(got.nan_to_num(), want.nan_to_num()) and len(runs) == 1
+    with pytest.raises(TypeError, match="indices_valid must be a bool"):
+        run_sparse(case, indices_valid=0)
+    # q and out in one buffer, at the same offsets mod 16 twice: apart, then out 16 elements into q
+    q = case["q"]
+    out_shape = q.shape[:-1] + (D_V,)
+    out_numel = torch.Size(out_shape).numel()
+    mem = torch.empty(q.numel() + out_numel, dtype=q.dtype)
+    mem[:q.numel()].copy_(q.flatten())
+    in_mem = {**case, "q": mem[:q.numel()].view(q.shape)}
+    run_sparse(in_mem, out=mem[q.numel():].view(out_shape))
+    with pytest.raises(ValueError, match="out shares memory with q"):
+        run_sparse(in_mem, out=mem[q.numel() - 16:q.numel() - 16 + out_numel].view(out_shape))
+
+
+def test_write_kv_cache_memo(monkeypatch):
+    runs = counting(monkeypatch, kv_cache, "_write_static_checks")
+    cache = torch.zeros(4, 16, 576, dtype=torch.bfloat16)
+    kv_c, k_pe = torch.randn(3, 512, dtype=torch.bfloat16), torch.randn(3, 64, dtype=torch.bfloat16)
+    slots = torch.tensor([0, 17, 40])
+    for _ in range(2):
+        mla_attn.write_kv_cache(kv_c, k_pe, cache, slots)
+    assert len(runs) == 1
+    assert torch.equal(cache.view(-1, 576)[17, :512], kv_c[1])
+    with pytest.raises(TypeError, match="validate must be a bool or None"):
+        mla_attn.write_kv_cache(kv_c, k_pe, cache, slots, validate=1)
