@@ -7,7 +7,8 @@ For each call below (bf16 q, s_q 1; the schedule made once outside, as an engine
   host us = wall time of N = 200 calls issued back to back / N, after 50 warm-up calls; median of 5
             rounds, each followed by a synchronize (a round's launches fit the GPU's queue, so the
             host does not wait on the GPU while it issues them);
-  GPU us  = the same call captured in a CUDA graph, median of 100 replays back to back (warm);
+  GPU us  = the same call captured in a CUDA graph and replayed, each replay after a ~20 us spin kernel
+            (warm: _timing.GraphTimer, so the host's launch gap is not in it), median;
   bound   = "host" where host us > GPU us: a step of such calls runs at the host's pace.
 Calls:
   mla_decode            mla_attn.mla_decode(q, kv, table, lens, metadata=md) (paged cache, page 64, L keys)
@@ -36,9 +37,10 @@ import torch
 
 import bench_decode as bd
 import bench_sparse as bs
-from _timing import capture, event_ms, smi
+from _timing import GraphTimer, capture, smi
 
 HOST_WARMUP, HOST_CALLS, HOST_ROUNDS = 50, 200, 5
+GPU_REP_MS = 20.0
 DENSE = [bd.cfg(128, 1, 1, 4096), bd.cfg(16, 1, 1, 4096), bd.cfg(128, 1, 32, 4096)]
 SPARSE = [dict(name="h128_s1_b1", h_q=128, s_q=1, b=1), dict(name="h16_s1_b32", h_q=16, s_q=1, b=32)]
 
@@ -57,15 +59,15 @@ def host_us(fn):
     return statistics.median(rounds)
 
 
-def gpu_us(fn):
+def gpu_us(timer, fn):
     graph, _ = capture(fn)
-    return event_ms(graph.replay, 10, 100) * 1e3
+    return timer.time(graph, rep_ms=GPU_REP_MS)["warm_us"]
 
 
-def measure(config, call, fn):
+def measure(timer, config, call, fn):
     row = dict(config=config, call=call)
     try:
-        row.update(host_us=host_us(fn), gpu_us=gpu_us(fn))
+        row.update(host_us=host_us(fn), gpu_us=gpu_us(timer, fn))
     except Exception as e:  # a peer that cannot run the config: reported, the others go on
         row["error"] = f"{type(e).__name__}: {e}"
         traceback.print_exc()
@@ -89,7 +91,8 @@ def dense_calls(c, peers):
     }
     for peer in peers:
         try:
-            calls[peer.name] = peer.prepare(p, c)["graph_fn"]
+            prepared = peer.prepare(p, c)
+            calls[peer.name] = lambda prepared=prepared: prepared["graph_fn"]()  # holds what it keeps alive
         except Exception as e:
             print(f"{peer.name} skipped on {c['name']}: {e}", flush=True)
     return calls
@@ -148,16 +151,16 @@ def main():
             print(f"FlashInfer not run: {e}", flush=True)
     info = dict(torch=torch.__version__, gpu=torch.cuda.get_device_name(), python=sys.version.split()[0],
                 build=mla_attn.build_info(), smi_before=smi(), args=vars(args))
-    rows = []
+    timer, rows = GraphTimer(), []
     for c in DENSE:
         for call, fn in dense_calls(c, peers).items():
-            rows.append(measure(c["name"], call, fn))
+            rows.append(measure(timer, c["name"], call, fn))
         if c["b"] > 1:
             for call, fn in write_calls(c).items():
-                rows.append(measure(c["name"], call, fn))
+                rows.append(measure(timer, c["name"], call, fn))
     for c in SPARSE:
         for call, fn in sparse_calls(c).items():
-            rows.append(measure(c["name"], call, fn))
+            rows.append(measure(timer, c["name"], call, fn))
     os.makedirs(args.out, exist_ok=True)
     with open(os.path.join(args.out, "bench_host_overhead.json"), "w") as f:
         json.dump(dict(info=info, rows=rows), f, indent=1, default=str)

@@ -10,7 +10,7 @@ from cases import D_V, make_decode_case
 from sparse_cases import make_sparse_case, run_sparse
 
 import mla_attn
-from mla_attn import decode, kv_cache, sparse
+from mla_attn import _validation, decode, kv_cache, sparse
 from mla_attn._validation import memoized
 
 C = make_decode_case([20, 3], 2, 4, 16)
@@ -65,11 +65,16 @@ def test_memoized_runs_checks_once_per_signature():
         args = variant + base[len(variant):]
         assert memoized(checks, *args) == i + 2, f"variant {i} hit the memo"
         assert memoized(checks, *args) == i + 2, f"variant {i} missed the memo"
-    for uncached in ((torch.nn.Parameter(t, requires_grad=False),), (t, [1])):
+    assert memoized(checks, torch.nn.Parameter(t, requires_grad=False), *base[1:]) == 1  # a Parameter: as t
+    for uncached in ((t.as_subclass(_Subclass),), (t, [1])):
         n = len(runs)
         memoized(checks, *uncached)
         memoized(checks, *uncached)
         assert len(runs) == n + 2
+
+
+class _Subclass(torch.Tensor):
+    pass
 
 
 def test_failed_checks_are_not_remembered():
@@ -86,10 +91,9 @@ def test_checks_run_once_per_signature(monkeypatch):
     assert torch.equal(call(), want) and len(runs) == 1
     call(causal=False)
     assert len(runs) == 2
-    q_param = torch.nn.Parameter(C["q"], requires_grad=False)  # a tensor subclass: no signature
-    with torch.no_grad():
-        call({**C, "q": q_param})
-        call({**C, "q": q_param})
+    q_sub = C["q"].as_subclass(_Subclass)  # a tensor subclass: no signature, checked on every call
+    call({**C, "q": q_sub})
+    call({**C, "q": q_sub})
     assert len(runs) == 4
 
 
@@ -102,9 +106,14 @@ def test_flags_as_ints_after_passed_bools():
 
 
 def test_start_alignment_is_part_of_the_signature():
-    call({**C, "q": _same_shape_at(C["q"], 8)})  # 16 bytes in: fine
+    """On the meta device, where the op (a fake kernel) checks nothing of it: the wrapper alone."""
+    meta = {k: (v.to("meta") if isinstance(v, torch.Tensor) else v) for k, v in C.items()}
+    q = meta["q"]
+    def at(offset):
+        return torch.empty(q.numel() + 16, dtype=q.dtype, device="meta")[offset:offset + q.numel()].view(q.shape)
+    call({**meta, "q": at(8)})  # 16 bytes in: fine
     with pytest.raises(ValueError, match="q must start at a multiple of 16 bytes"):
-        call({**C, "q": _same_shape_at(C["q"], 4)})
+        call({**meta, "q": at(4)})
 
 
 def test_device_is_part_of_the_signature():
@@ -119,9 +128,29 @@ def test_metadata_fields_are_part_of_the_signature():
     call(metadata=md)
     with pytest.raises(ValueError, match="metadata was computed for causal=False"):
         call(metadata=other)
+    # a field the checks compare must be a host value: a tensor's value is not in the signature
+    for field, value in (("causal", torch.tensor(True)), ("num_heads_q", torch.tensor(C["q"].shape[-2]))):
+        with pytest.raises(TypeError, match=f"metadata.{field} must be a host value, got a tensor"):
+            call(metadata=md._replace(**{field: value}))
+    case = make_sparse_case((12,), 16, 64, 16, lengths=True)
+    sparse_md = mla_attn.get_sparse_decode_metadata(case["indices"], 16)
+    with pytest.raises(TypeError, match="metadata.topk must be a host value, got a tensor"):
+        run_sparse(case, metadata=sparse_md._replace(topk=torch.tensor(64)))
 
 
-def test_out_overlap_is_checked_on_every_call():
+def spy_check_apart(monkeypatch):
+    """The outputs the wrappers' overlap check sees (the CPU ops check again: this tells the wrapper's)."""
+    seen = []
+    check_apart = _validation.check_apart
+
+    def spied(name, out, inputs):
+        seen.append(name)
+        return check_apart(name, out, inputs)
+    monkeypatch.setattr(_validation, "check_apart", spied)
+    return seen
+
+
+def test_out_overlap_is_checked_on_every_call(monkeypatch):
     """q and out in one buffer, at the same offsets mod 16 twice (one signature): apart, then out moved
     16 elements back into q's last row."""
     q, out_shape = C["q"], C["q"].shape[:-1] + (D_V,)
@@ -129,9 +158,11 @@ def test_out_overlap_is_checked_on_every_call():
     mem = torch.empty(q.numel() + out_numel, dtype=q.dtype)
     mem[:q.numel()].copy_(q.flatten())
     in_mem = {**C, "q": mem[:q.numel()].view(q.shape)}
+    seen = spy_check_apart(monkeypatch)
     call(in_mem, out=mem[q.numel():].view(out_shape))
     with pytest.raises(ValueError, match="out shares memory with q"):
         call(in_mem, out=mem[q.numel() - 16:q.numel() - 16 + out_numel].view(out_shape))
+    assert seen.count("out") == 3  # the wrapper's and the op's, then the wrapper's, which raised
 
 
 def test_sparse_decode_memo(monkeypatch):
@@ -149,9 +180,12 @@ def test_sparse_decode_memo(monkeypatch):
     mem = torch.empty(q.numel() + out_numel, dtype=q.dtype)
     mem[:q.numel()].copy_(q.flatten())
     in_mem = {**case, "q": mem[:q.numel()].view(q.shape)}
+    seen = spy_check_apart(monkeypatch)
     run_sparse(in_mem, out=mem[q.numel():].view(out_shape))
+    assert seen.count("out") == 2  # the wrapper's and the CPU op's
     with pytest.raises(ValueError, match="out shares memory with q"):
         run_sparse(in_mem, out=mem[q.numel() - 16:q.numel() - 16 + out_numel].view(out_shape))
+    assert seen.count("out") == 3  # then the wrapper's, which raised
 
 
 def test_write_kv_cache_memo(monkeypatch):

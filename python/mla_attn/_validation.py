@@ -26,6 +26,7 @@ from typing import Optional, TypeVar
 
 import torch
 from torch import Tensor
+from torch.nn import Parameter
 
 from ._constants import (ALIGN_BYTES, D_PE, D_QK, D_V, DS_ROW_BYTES, FP8, HALF_DTYPES, KV_FORMATS, MAX_HEADS_Q,
                          MAX_SCHEDULED_REQUESTS, MAX_SEQLEN_Q, MAX_SM_PARTS, MERGE_D_ALIGN, PAGE_SIZE_MAX,
@@ -70,11 +71,12 @@ _PLAIN_SCALARS = frozenset((type(None), bool, int, float, str))
 def _signature(args: tuple) -> tuple:
     """What a static check can read of its arguments: a tensor's dtype, device, shape, strides and start
     alignment; the type and value of anything else (a metadata tuple field by field). Raises TypeError
-    for what it cannot describe (tensor subclasses: torch.compile's fakes answer differently)."""
+    for what it cannot describe (tensor subclasses other than Parameter: torch.compile's fakes answer
+    differently)."""
     sig = []
     for x in args:
         kind = type(x)
-        if kind is Tensor:
+        if kind is Tensor or kind is Parameter:
             sig.append((x.dtype, x.device, x.shape, x.stride(), x.storage_offset() % ALIGN_BYTES))
         elif kind in _PLAIN_SCALARS:  # (the type: True and 1 are equal keys)
             sig.append((kind, x))
@@ -530,11 +532,19 @@ def check_skip_invalid_slots(skip_invalid_slots: bool, kv_slots: bool, kv_cache:
         raise ValueError("skip_invalid_slots needs kv_slots and a ds_mla_fp8 (uint8) kv_cache")
 
 
+def _check_host_field(md: tuple, field: str) -> None:
+    """A metadata field the checks compare (a host value, as get_*_metadata made it): a tensor there
+    would be compared by its device value (a sync), which the static checks' signature does not hold."""
+    if isinstance(getattr(md, field), Tensor):
+        raise TypeError(f"metadata.{field} must be a host value, got a tensor")
+
+
 def check_metadata(md: object, batch: int, max_seqlen_q: int, causal: bool, deterministic: bool, q: Tensor) -> None:
     if not isinstance(md, DecodeMetadata):
         raise TypeError(f"metadata must be a DecodeMetadata from get_decode_metadata, got {type(md).__name__}")
     for field, want in (("num_heads_q", q.shape[-2]), ("max_seqlen_q", max_seqlen_q), ("causal", causal),
                         ("deterministic", deterministic)):
+        _check_host_field(md, field)
         if getattr(md, field) != want:
             raise ValueError(f"metadata was computed for {field}={getattr(md, field)} but this call has {want}")
     check_schedule(md.tile_sched, md.req_splits, md.num_sm_parts, batch, q)
@@ -1135,6 +1145,8 @@ def check_sparse_metadata(md: object, indices: Tensor, like: Tensor) -> None:
         raise TypeError(f"metadata must be a SparseDecodeMetadata from get_sparse_decode_metadata, got "
                         f"{type(md).__name__}")
     rows, topk = math.prod(indices.shape[:-1]), indices.shape[-1]
+    for field in ("rows", "topk"):
+        _check_host_field(md, field)
     if (md.rows, md.topk) != (rows, topk):
         raise ValueError(f"metadata was computed for {md.rows} query tokens of top-k {md.topk} but this call "
                          f"has {rows} of top-k {topk}")
