@@ -4,7 +4,10 @@ a call whose arguments differ from a passed call only there (a bool given as an 
 bytes, the device, the metadata's fields), or whose out overlaps an input (checked on every call), must
 still be refused. (On CPU the ops check again, so the end-to-end tests hold with or without the memo;
 the first test checks the signature itself.)"""
+import random
+
 import pytest
+import test_fuzz_checks
 import torch
 from cases import D_V, make_decode_case
 from sparse_cases import make_sparse_case, run_sparse
@@ -199,3 +202,59 @@ def test_write_kv_cache_memo(monkeypatch):
     assert torch.equal(cache.view(-1, 576)[17, :512], kv_c[1])
     with pytest.raises(TypeError, match="validate must be a bool or None"):
         mla_attn.write_kv_cache(kv_c, k_pe, cache, slots, validate=1)
+
+
+# ---------------------------------------------------------------------------------------- fuzzed
+def _same_signature(t, r):
+    """A tensor with t's signature (dtype, device, shape, strides, start offset mod 16) but other values at
+    another address: a static check that read values or addresses would tell them apart."""
+    if not isinstance(t, torch.Tensor) or type(t) is not torch.Tensor:
+        return t
+    offset = t.storage_offset() % 16
+    span = 1 + sum((n - 1) * s for n, s in zip(t.shape, t.stride()) if n > 0) if t.numel() else 0
+    buf = torch.empty(offset + span, dtype=t.dtype, device=t.device)
+    if t.device.type != "meta":
+        g = torch.Generator().manual_seed(r.randrange(2**31))
+        values = torch.randn(buf.shape, generator=g) if t.dtype.is_floating_point else \
+            torch.randint(-2, 60, buf.shape, generator=g)
+        buf.copy_(values)
+    return buf.as_strided(t.shape, t.stride(), offset)
+
+
+@pytest.mark.parametrize("call", [test_fuzz_checks._decode_call, test_fuzz_checks._decode_fp8_call,
+                                  test_fuzz_checks._sparse_call, test_fuzz_checks._sparse_ds_call,
+                                  test_fuzz_checks._write_call],
+                         ids=["decode", "decode_fp8", "sparse", "sparse_ds", "write"])
+def test_equal_signatures_get_equal_outcomes(call, monkeypatch):
+    """Over random changes of a valid call (test_fuzz_checks' mutations), each also made again with tensors
+    of the same signature but other values and addresses, the static checks' outcome (their result, or
+    the exception and its message) is the same for every call of one signature: what the memo relies on."""
+    outcomes = {}
+
+    def recording(checks, *args):
+        try:
+            key = (checks, _validation._signature(args))
+            hash(key)
+        except (TypeError, RuntimeError):  # no signature: not memoized
+            return checks(*args)
+        try:
+            result = checks(*args)
+        except (TypeError, ValueError) as e:
+            outcome = (type(e), str(e))
+            assert outcomes.setdefault(key, outcome) == outcome, f"{outcomes[key]} != {outcome}"
+            raise
+        assert outcomes.setdefault(key, ("ok", result)) == ("ok", result)
+        return result
+    monkeypatch.setattr(_validation, "memoized", recording)
+    fn, valid = call()
+    for i in range(150):
+        r = random.Random(i)
+        kw = dict(valid)
+        for _ in range(r.choice((0, 1, 2))):
+            test_fuzz_checks._mutate(kw, r)
+        for args in (kw, {k: _same_signature(v, r) for k, v in kw.items()}):
+            try:
+                fn(**args)
+            except (TypeError, ValueError):
+                pass
+    assert len(outcomes) > 10
