@@ -141,6 +141,17 @@ def test_metadata_fields_are_part_of_the_signature():
         run_sparse(case, metadata=sparse_md._replace(topk=torch.tensor(64)))
 
 
+def _q_and_outs_in_one_buffer(q):
+    """q's values and two outs [.., 512] in one buffer, each out at the same offset mod 16 (so both calls
+    have one signature): one right after q (apart), one 16 elements back into q's last row."""
+    out_shape = q.shape[:-1] + (D_V,)
+    out_numel = torch.Size(out_shape).numel()
+    mem = torch.empty(q.numel() + out_numel, dtype=q.dtype)
+    mem[:q.numel()].copy_(q.flatten())
+    overlapping = mem[q.numel() - 16:q.numel() - 16 + out_numel].view(out_shape)
+    return mem[:q.numel()].view(q.shape), mem[q.numel():].view(out_shape), overlapping
+
+
 def spy_check_apart(monkeypatch):
     """The outputs the wrappers' overlap check sees (the CPU ops check again: this tells the wrapper's)."""
     seen = []
@@ -154,17 +165,12 @@ def spy_check_apart(monkeypatch):
 
 
 def test_out_overlap_is_checked_on_every_call(monkeypatch):
-    """q and out in one buffer, at the same offsets mod 16 twice (one signature): apart, then out moved
-    16 elements back into q's last row."""
-    q, out_shape = C["q"], C["q"].shape[:-1] + (D_V,)
-    out_numel = torch.Size(out_shape).numel()
-    mem = torch.empty(q.numel() + out_numel, dtype=q.dtype)
-    mem[:q.numel()].copy_(q.flatten())
-    in_mem = {**C, "q": mem[:q.numel()].view(q.shape)}
+    """The same signature twice: out apart from q, then out overlapping q's last row."""
+    q, apart, overlapping = _q_and_outs_in_one_buffer(C["q"])
     seen = spy_check_apart(monkeypatch)
-    call(in_mem, out=mem[q.numel():].view(out_shape))
+    call({**C, "q": q}, out=apart)
     with pytest.raises(ValueError, match="out shares memory with q"):
-        call(in_mem, out=mem[q.numel() - 16:q.numel() - 16 + out_numel].view(out_shape))
+        call({**C, "q": q}, out=overlapping)
     assert seen.count("out") == 3  # the wrapper's and the op's, then the wrapper's, which raised
 
 
@@ -176,18 +182,12 @@ def test_sparse_decode_memo(monkeypatch):
     assert torch.equal(got.nan_to_num(), want.nan_to_num()) and len(runs) == 1
     with pytest.raises(TypeError, match="indices_valid must be a bool"):
         run_sparse(case, indices_valid=0)
-    # q and out in one buffer, at the same offsets mod 16 twice: apart, then out 16 elements into q
-    q = case["q"]
-    out_shape = q.shape[:-1] + (D_V,)
-    out_numel = torch.Size(out_shape).numel()
-    mem = torch.empty(q.numel() + out_numel, dtype=q.dtype)
-    mem[:q.numel()].copy_(q.flatten())
-    in_mem = {**case, "q": mem[:q.numel()].view(q.shape)}
+    q, apart, overlapping = _q_and_outs_in_one_buffer(case["q"])
     seen = spy_check_apart(monkeypatch)
-    run_sparse(in_mem, out=mem[q.numel():].view(out_shape))
+    run_sparse({**case, "q": q}, out=apart)
     assert seen.count("out") == 2  # the wrapper's and the CPU op's
     with pytest.raises(ValueError, match="out shares memory with q"):
-        run_sparse(in_mem, out=mem[q.numel() - 16:q.numel() - 16 + out_numel].view(out_shape))
+        run_sparse({**case, "q": q}, out=overlapping)
     assert seen.count("out") == 3  # then the wrapper's, which raised
 
 
