@@ -21,6 +21,10 @@ Calls:
   mla_sparse_decode     top-k 2048 over bench_sparse.py's problem, metadata=get_sparse_decode_metadata(...):
                         the ds_mla_fp8 cache, and the bf16 cache with indices_valid=True
   write_kv_cache        b new tokens into the bf16 cache
+  mla_prefill           a chunked-prefill layer's calls, h_q 16 (128 under TP 8), one request of 256 new
+                        tokens over 2048 context keys: the new tokens (causal, k_nope + shared k_pe,
+                        return_lse), the context (not causal, into a preallocated out), and
+  merge_attn_states     the two partials merged into a preallocated out
 
 Outputs: <out>/bench_host_overhead.json and .md (the table, printed last).
 usage: python benchmarks/bench_host_overhead.py [--out DIR] [--flashmla SO:PKG_ROOT] [--no-flashinfer]
@@ -120,6 +124,33 @@ def write_calls(c):
     return {"write_kv_cache": lambda: mla_attn.write_kv_cache(kv_c, k_pe, cache, slots)}
 
 
+def prefill_calls():
+    import mla_attn
+    h, new, ctx = 16, 256, 2048
+    dev, bf = bd.DEV, torch.bfloat16
+
+    def rand(*shape):
+        return torch.randn(*shape, dtype=bf, device=dev)
+    q, k_new, v_new, pe_new = rand(new, h, 192), rand(new, h, 128), rand(new, h, 128), rand(new, 1, 64)
+    k_ctx, v_ctx, pe_ctx = rand(ctx, h, 128), rand(ctx, h, 128), rand(ctx, 1, 64)
+    cu_new = torch.tensor([0, new], dtype=torch.int32, device=dev)
+    cu_ctx = torch.tensor([0, ctx], dtype=torch.int32, device=dev)
+    out_ctx, out = rand(new, h, 128), rand(new, h, 128)
+    o_new, lse_new = mla_attn.mla_prefill(q, k_new, v_new, cu_new, cu_new, new, new, softmax_scale=192**-0.5,
+                                          causal=True, k_pe=pe_new, return_lse=True)
+    _, lse_ctx = mla_attn.mla_prefill(q, k_ctx, v_ctx, cu_new, cu_ctx, new, ctx, softmax_scale=192**-0.5,
+                                      causal=False, k_pe=pe_ctx, return_lse=True, out=out_ctx)
+    return {
+        "mla_prefill": lambda: mla_attn.mla_prefill(q, k_new, v_new, cu_new, cu_new, new, new,
+                                                    softmax_scale=192**-0.5, causal=True, k_pe=pe_new,
+                                                    return_lse=True),
+        "mla_prefill out=": lambda: mla_attn.mla_prefill(q, k_ctx, v_ctx, cu_new, cu_ctx, new, ctx,
+                                                         softmax_scale=192**-0.5, causal=False, k_pe=pe_ctx,
+                                                         return_lse=True, out=out_ctx),
+        "merge_attn_states out=": lambda: mla_attn.merge_attn_states(o_new, lse_new, out_ctx, lse_ctx, out=out),
+    }
+
+
 def table(rows):
     lines = ["| config | call | host us | GPU us | bound |", "|---|---|---|---|---|"]
     for r in rows:
@@ -161,6 +192,8 @@ def main():
     for c in SPARSE:
         for call, fn in sparse_calls(c).items():
             rows.append(measure(timer, c["name"], call, fn))
+    for call, fn in prefill_calls().items():
+        rows.append(measure(timer, "h16 T256 ctx2048", call, fn))
     os.makedirs(args.out, exist_ok=True)
     with open(os.path.join(args.out, "bench_host_overhead.json"), "w") as f:
         json.dump(dict(info=info, rows=rows), f, indent=1, default=str)

@@ -1,4 +1,5 @@
-"""The hot calls (mla_decode, mla_sparse_decode, write_kv_cache) run their static checks once per signature
+"""The per-layer calls (mla_decode, mla_sparse_decode, write_kv_cache, mla_prefill, the merges) run their
+static checks once per signature
 of their arguments (_validation.memoized): its signature must tell apart everything a check reads, and
 a call whose arguments differ from a passed call only there (a bool given as an int, a start off 16
 bytes, the device, the metadata's fields), or whose out overlaps an input (checked on every call), must
@@ -9,11 +10,11 @@ import random
 import pytest
 import test_fuzz_checks
 import torch
-from cases import D_V, make_decode_case
+from cases import D_V, make_decode_case, make_prefill_case
 from sparse_cases import make_sparse_case, run_sparse
 
 import mla_attn
-from mla_attn import _validation, decode, kv_cache, sparse
+from mla_attn import _validation, decode, kv_cache, prefill, sparse
 from mla_attn._validation import memoized
 
 C = make_decode_case([20, 3], 2, 4, 16)
@@ -141,10 +142,10 @@ def test_metadata_fields_are_part_of_the_signature():
         run_sparse(case, metadata=sparse_md._replace(topk=torch.tensor(64)))
 
 
-def _q_and_outs_in_one_buffer(q):
-    """q's values and two outs [.., 512] in one buffer, each out at the same offset mod 16 (so both calls
+def _q_and_outs_in_one_buffer(q, d_out=D_V):
+    """q's values and two outs [.., d_out] in one buffer, each out at the same offset mod 16 (so both calls
     have one signature): one right after q (apart), one 16 elements back into q's last row."""
-    out_shape = q.shape[:-1] + (D_V,)
+    out_shape = q.shape[:-1] + (d_out,)
     out_numel = torch.Size(out_shape).numel()
     mem = torch.empty(q.numel() + out_numel, dtype=q.dtype)
     mem[:q.numel()].copy_(q.flatten())
@@ -204,6 +205,50 @@ def test_write_kv_cache_memo(monkeypatch):
         mla_attn.write_kv_cache(kv_c, k_pe, cache, slots, validate=1)
 
 
+def test_prefill_memo(monkeypatch):
+    c = make_prefill_case([5, 3], [7, 3], 4, split_pe=True, pad=0)
+    runs = counting(monkeypatch, prefill)
+
+    def run(q=c["q"], **kw):
+        return mla_attn.mla_prefill(q, c["k"], c["v"], c["cu_seqlens_q"], c["cu_seqlens_k"], 5, 7, softmax_scale=0.1,
+                                    causal=True, k_pe=c["k_pe"], **kw)
+    want = run()
+    assert torch.equal(run(), want) and len(runs) == 1
+    with pytest.raises(TypeError, match="causal must be a bool"):
+        mla_attn.mla_prefill(c["q"], c["k"], c["v"], c["cu_seqlens_q"], c["cu_seqlens_k"], 5, 7, softmax_scale=0.1,
+                             causal=1, k_pe=c["k_pe"])
+    q, apart, overlapping = _q_and_outs_in_one_buffer(c["q"], 128)
+    seen = spy_check_apart(monkeypatch)
+    assert torch.equal(run(q, out=apart), want)
+    assert seen.count("out") == 2  # the wrapper's and the CPU op's
+    with pytest.raises(ValueError, match="out shares memory with q"):
+        run(q, out=overlapping)
+    assert seen.count("out") == 3  # then the wrapper's, which raised
+
+
+def test_merge_memo(monkeypatch):
+    runs = counting(monkeypatch, _validation, "check_merge")
+    overlap_checks = counting(monkeypatch, _validation, "check_merge_outputs")
+    mem = torch.randn(3 * 4 * 2 * 16).to(torch.bfloat16)
+    out_a, out_b, out = (mem[i * 128:(i + 1) * 128].view(4, 2, 16) for i in range(3))
+    lse_a, lse_b = torch.randn(4, 2), torch.randn(4, 2)
+    want, _ = mla_attn.merge_attn_states(out_a, lse_a, out_b, lse_b)
+    got, _ = mla_attn.merge_attn_states(out_a, lse_a, out_b, lse_b, out=out)
+    assert torch.equal(got, want) and len(runs) == 4  # two signatures: the wrapper's and the CPU op's each
+    mla_attn.merge_attn_states(out_a, lse_a, out_b, lse_b, out=out)
+    assert len(runs) == 5  # only the CPU op's
+    shifted = mem[16:16 + 128].view(4, 2, 16)  # out's signature, half in out_a and half in out_b
+    assert len(overlap_checks) == 5  # the wrapper's on every call, the CPU op's with out=
+    with pytest.raises(ValueError, match="out shares part of out_a's memory"):
+        mla_attn.merge_attn_states(out_a, lse_a, out_b, lse_b, out=shifted)
+    assert len(overlap_checks) == 6  # the wrapper's, which raised
+    merge_n = counting(monkeypatch, _validation, "check_merge_n")
+    outs, lses = torch.stack([out_a, out_b]), torch.stack([lse_a, lse_b])
+    assert torch.equal(mla_attn.merge_attn_states_n(outs, lses)[0], want)
+    mla_attn.merge_attn_states_n(outs, lses)
+    assert len(merge_n) == 3  # the wrapper's once, the CPU op's twice
+
+
 # ---------------------------------------------------------------------------------------- fuzzed
 def _same_signature(t, r):
     """A tensor with t's signature (dtype, device, shape, strides, start offset mod 16) but other values at
@@ -223,8 +268,9 @@ def _same_signature(t, r):
 
 @pytest.mark.parametrize("call", [test_fuzz_checks._decode_call, test_fuzz_checks._decode_fp8_call,
                                   test_fuzz_checks._sparse_call, test_fuzz_checks._sparse_ds_call,
-                                  test_fuzz_checks._write_call],
-                         ids=["decode", "decode_fp8", "sparse", "sparse_ds", "write"])
+                                  test_fuzz_checks._write_call, test_fuzz_checks._prefill_call,
+                                  test_fuzz_checks._merge_call],
+                         ids=["decode", "decode_fp8", "sparse", "sparse_ds", "write", "prefill", "merge"])
 def test_equal_signatures_get_equal_outcomes(call, monkeypatch):
     """Over random changes of a valid call (test_fuzz_checks' mutations), each also made again with tensors
     of the same signature but other values and addresses, the static checks' outcome (their result, or

@@ -184,8 +184,7 @@ def _prefill_out_cpu(q, k, v, cu_seqlens_q, cu_seqlens_k, max_seqlen_q, max_seql
     check.check_softmax_scale(softmax_scale)
     check.check_prefill(q, k, v, cu_seqlens_q, cu_seqlens_k, max_seqlen_q, max_seqlen_k, k_pe, out)
     check.check_lse_out("lse", lse, q.shape[:-1], "q", q)
-    check.check_apart("lse", lse, {"q": q, "k": k, "v": v, "k_pe": k_pe, "cu_seqlens_q": cu_seqlens_q,
-                                   "cu_seqlens_k": cu_seqlens_k, "out": out})
+    check.check_prefill_outputs(out, lse, q, k, v, k_pe, cu_seqlens_q, cu_seqlens_k)
     o, l = prefill_cpu(q, k, v, cu_seqlens_q, cu_seqlens_k, softmax_scale, causal, k_pe)
     out.copy_(o)
     lse.copy_(l)
@@ -222,6 +221,7 @@ def _merge_out_cpu(out_a, lse_a, out_b, lse_b, out, lse):
     check.check_tensor("out", out)
     check.check_tensor("lse", lse)
     check.check_merge(out_a, lse_a, out_b, lse_b, out, lse)
+    check.check_merge_outputs(out_a, lse_a, out_b, lse_b, out, lse)
     o, l = _merge_ref(torch.stack([out_a, out_b]), torch.stack([lse_a, lse_b]), out.dtype)
     out.copy_(o)
     lse.copy_(l)

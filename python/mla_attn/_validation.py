@@ -12,8 +12,9 @@ Exception rule, the same for every op:
     decode kernel that cannot run the call, metadata computed for another call).
 
 Static checks read tensor metadata only: no host sync, safe under CUDA graphs and torch.compile. The
-hot calls (decode, sparse decode, cache write) run them through `memoized`: once per signature of their
-arguments, since a call repeats the last one's in every layer and step (see there).
+public wrappers of the calls an engine makes per layer (decode, sparse decode, cache write, prefill,
+merge) run them through `memoized`: once per signature of their arguments, since a call repeats the
+last one's in every layer and step (see there).
 Value checks (lengths, cu_seqlens, page ids, slots, k_scale's value) read the data, so they run where
 want_value_checks says: always for CPU tensors; for GPU tensors only with validate=True or
 MLA_ATTN_VALIDATE=1 (they sync); validate=False disables them; never while torch.compile traces.
@@ -635,8 +636,6 @@ def check_prefill(q: Tensor, k: Tensor, v: Tensor, cu_seqlens_q: Tensor, cu_seql
         if tuple(out.shape) != (q.shape[0], h_q, PREFILL_D_V):
             raise ValueError(f"out must be [{q.shape[0]}, {h_q}, {PREFILL_D_V}], got {tuple(out.shape)}")
         check_no_overlap("out", out)
-        check_apart("out", out, {"q": q, "k": k, "v": v, "k_pe": k_pe, "cu_seqlens_q": cu_seqlens_q,
-                                 "cu_seqlens_k": cu_seqlens_k})
     for name, cu in (("cu_seqlens_q", cu_seqlens_q), ("cu_seqlens_k", cu_seqlens_k)):
         check_int32(name, cu, 1)
         if cu.shape[0] < 1:
@@ -651,6 +650,16 @@ def check_prefill(q: Tensor, k: Tensor, v: Tensor, cu_seqlens_q: Tensor, cu_seql
     # The kernel's tile rows (128 a tile) are ints: the last tile's end must fit.
     check_int("max_seqlen_q", max_seqlen_q, 0, INT32_MAX // _PREFILL_TILE_ROWS * _PREFILL_TILE_ROWS)
     check_int("max_seqlen_k", max_seqlen_k, 0)
+
+
+def check_prefill_outputs(out: Optional[Tensor], lse: Optional[Tensor], q: Tensor, k: Tensor, v: Tensor,
+                          k_pe: Optional[Tensor], cu_seqlens_q: Tensor, cu_seqlens_k: Tensor) -> None:
+    """A prefill's out and lse, when given: apart from every input, and lse from out."""
+    if out is None and lse is None:
+        return
+    inputs = {"q": q, "k": k, "v": v, "k_pe": k_pe, "cu_seqlens_q": cu_seqlens_q, "cu_seqlens_k": cu_seqlens_k}
+    check_apart("out", out, inputs)
+    check_apart("lse", lse, {**inputs, "out": out})
 
 
 def check_prefill_values(cu_seqlens: Tensor, total: int, max_len: int, name: str) -> None:
@@ -685,19 +694,27 @@ def _check_like_out_a(name: str, t: Tensor, out_a: Tensor) -> None:
 
 def check_merge(out_a: Tensor, lse_a: Tensor, out_b: Tensor, lse_b: Tensor, out: Optional[Tensor] = None,
                 lse: Optional[Tensor] = None) -> None:
-    """merge_attn_states(_out): the pair, and the outputs when given."""
+    """merge_attn_states(_out)'s static checks: the pair, and the outputs when given (all but their
+    overlap with the inputs: check_merge_outputs)."""
     _check_merge_out("out_a", out_a)
     _check_like_out_a("out_b", out_b, out_a)
     lead = out_a.shape[:-1]
     check_lse("lse_a", lse_a, lead, "out_a", out_a)
     check_lse("lse_b", lse_b, lead, "out_a", out_a)
-    inputs = {"out_a": out_a, "lse_a": lse_a, "out_b": out_b, "lse_b": lse_b}
     if out is not None:
         _check_like_out_a("out", out, out_a)
         check_no_overlap("out", out)
-        check_no_partial_overlap("out", out, inputs)
     if lse is not None:
         check_lse_out("lse", lse, lead, "out_a", out_a)
+
+
+def check_merge_outputs(out_a: Tensor, lse_a: Tensor, out_b: Tensor, lse_b: Tensor, out: Optional[Tensor],
+                        lse: Optional[Tensor]) -> None:
+    """The merge's out and lse, when given: each an input itself or apart from every input (and lse from out)."""
+    inputs = {"out_a": out_a, "lse_a": lse_a, "out_b": out_b, "lse_b": lse_b}
+    if out is not None:
+        check_no_partial_overlap("out", out, inputs)
+    if lse is not None:
         check_no_partial_overlap("lse", lse, inputs if out is None else {**inputs, "out": out})
 
 

@@ -25,7 +25,8 @@ def merge_attn_states(out_a: Tensor, lse_a: Tensor, out_b: Tensor, lse_b: Tensor
     Returns (out [..., d] in the inputs' dtype, lse fp32 [...]); with out= the result is written
     there (it must not overlap the inputs) and returned.
     """
-    check.check_merge(out_a, lse_a, out_b, lse_b, out)
+    check.memoized(check.check_merge, out_a, lse_a, out_b, lse_b, out)
+    check.check_merge_outputs(out_a, lse_a, out_b, lse_b, out, None)
     if out is None:
         return torch.ops.mla_attn.merge_attn_states(out_a, lse_a, out_b, lse_b)
     lse = torch.empty(out_a.shape[:-1], dtype=torch.float32, device=out_a.device)
@@ -38,5 +39,5 @@ def merge_attn_states_n(outs: Tensor, lses: Tensor) -> tuple[Tensor, Tensor]:
 
     Same rules as merge_attn_states; n = 0 gives out 0, lse +inf.
     """
-    check.check_merge_n(outs, lses)
+    check.memoized(check.check_merge_n, outs, lses)
     return torch.ops.mla_attn.merge_attn_states_n(outs, lses)

@@ -25,9 +25,9 @@ def mla_prefill(q: Tensor, k: Tensor, v: Tensor, cu_seqlens_q: Tensor, cu_seqlen
     [0, L_k - L_q + i]. Returns out [T_q, h_q, 128] in q's dtype, plus lse fp32 [T_q, h_q] (natural log,
     +inf for rows that see no key, whose out is 0) if return_lse.
     """
-    check.check_softmax_scale(softmax_scale)
-    check.check_flags(causal=causal, return_lse=return_lse, validate=validate)
-    check.check_prefill(q, k, v, cu_seqlens_q, cu_seqlens_k, max_seqlen_q, max_seqlen_k, k_pe, out)
+    check.memoized(_static_checks, q, k, v, cu_seqlens_q, cu_seqlens_k, max_seqlen_q, max_seqlen_k, softmax_scale,
+                   causal, return_lse, out, k_pe, validate)
+    check.check_prefill_outputs(out, None, q, k, v, k_pe, cu_seqlens_q, cu_seqlens_k)
     if check.want_value_checks(validate, q.device):
         check.check_prefill_values(cu_seqlens_q, q.shape[0], max_seqlen_q, "cu_seqlens_q")
         check.check_prefill_values(cu_seqlens_k, k.shape[0], max_seqlen_k, "cu_seqlens_k")
@@ -38,3 +38,11 @@ def mla_prefill(q: Tensor, k: Tensor, v: Tensor, cu_seqlens_q: Tensor, cu_seqlen
         lse = torch.empty(q.shape[:-1], dtype=torch.float32, device=q.device)
         torch.ops.mla_attn.mla_prefill_out(*args, out, lse, k_pe=k_pe)
     return (out, lse) if return_lse else out
+
+
+def _static_checks(q, k, v, cu_seqlens_q, cu_seqlens_k, max_seqlen_q, max_seqlen_k, softmax_scale, causal, return_lse,
+                   out, k_pe, validate) -> None:
+    """mla_prefill's static checks (all but out's overlap with the inputs)."""
+    check.check_softmax_scale(softmax_scale)
+    check.check_flags(causal=causal, return_lse=return_lse, validate=validate)
+    check.check_prefill(q, k, v, cu_seqlens_q, cu_seqlens_k, max_seqlen_q, max_seqlen_k, k_pe, out)
