@@ -3,7 +3,8 @@
 outside a CUDA graph (vLLM's piecewise graphs run attention eagerly: prefill, mixed batches, and decode
 whenever full graphs are off), beside the GPU time of the same call.
 
-For each call below (bf16 q, s_q 1; the schedule made once outside, as an engine makes it per step):
+For each call below (bf16; decode s_q 1 with the schedule made once outside, as an engine makes it per
+step):
   host us = wall time of N = 200 calls issued back to back / N, after 50 warm-up calls; median of 5
             rounds, each followed by a synchronize (a round's launches fit the GPU's queue, so the
             host does not wait on the GPU while it issues them);

@@ -5,6 +5,7 @@ a call whose arguments differ from a passed call only there (a bool given as an 
 bytes, the device, the metadata's fields), or whose out overlaps an input (checked on every call), must
 still be refused. (On CPU the ops check again, so the end-to-end tests hold with or without the memo;
 the first test checks the signature itself.)"""
+import os
 import random
 
 import pytest
@@ -165,13 +166,19 @@ def spy_check_apart(monkeypatch):
     return seen
 
 
+def assert_raised_by_wrapper(error):
+    """The wrapper's own check raised, not the CPU op's (which checks again, with the same message)."""
+    assert not any(os.path.basename(str(entry.path)) == "_ops.py" for entry in error.traceback)
+
+
 def test_out_overlap_is_checked_on_every_call(monkeypatch):
     """The same signature twice: out apart from q, then out overlapping q's last row."""
     q, apart, overlapping = _q_and_outs_in_one_buffer(C["q"])
     seen = spy_check_apart(monkeypatch)
     call({**C, "q": q}, out=apart)
-    with pytest.raises(ValueError, match="out shares memory with q"):
+    with pytest.raises(ValueError, match="out shares memory with q") as error:
         call({**C, "q": q}, out=overlapping)
+    assert_raised_by_wrapper(error)
     assert seen.count("out") == 3  # the wrapper's and the op's, then the wrapper's, which raised
 
 
@@ -187,8 +194,9 @@ def test_sparse_decode_memo(monkeypatch):
     seen = spy_check_apart(monkeypatch)
     run_sparse({**case, "q": q}, out=apart)
     assert seen.count("out") == 2  # the wrapper's and the CPU op's
-    with pytest.raises(ValueError, match="out shares memory with q"):
+    with pytest.raises(ValueError, match="out shares memory with q") as error:
         run_sparse({**case, "q": q}, out=overlapping)
+    assert_raised_by_wrapper(error)
     assert seen.count("out") == 3  # then the wrapper's, which raised
 
 
@@ -221,8 +229,9 @@ def test_prefill_memo(monkeypatch):
     seen = spy_check_apart(monkeypatch)
     assert torch.equal(run(q, out=apart), want)
     assert seen.count("out") == 2  # the wrapper's and the CPU op's
-    with pytest.raises(ValueError, match="out shares memory with q"):
+    with pytest.raises(ValueError, match="out shares memory with q") as error:
         run(q, out=overlapping)
+    assert_raised_by_wrapper(error)
     assert seen.count("out") == 3  # then the wrapper's, which raised
 
 
@@ -234,14 +243,15 @@ def test_merge_memo(monkeypatch):
     lse_a, lse_b = torch.randn(4, 2), torch.randn(4, 2)
     want, _ = mla_attn.merge_attn_states(out_a, lse_a, out_b, lse_b)
     got, _ = mla_attn.merge_attn_states(out_a, lse_a, out_b, lse_b, out=out)
-    assert torch.equal(got, want) and len(runs) == 4  # two signatures: the wrapper's and the CPU op's each
+    assert torch.equal(got, want) and len(runs) == 4  # two calls of new signatures: wrapper and CPU op each
     mla_attn.merge_attn_states(out_a, lse_a, out_b, lse_b, out=out)
     assert len(runs) == 5  # only the CPU op's
-    shifted = mem[16:16 + 128].view(4, 2, 16)  # out's signature, half in out_a and half in out_b
     assert len(overlap_checks) == 5  # the wrapper's on every call, the CPU op's with out=
-    with pytest.raises(ValueError, match="out shares part of out_a's memory"):
+    shifted = mem[16:16 + 128].view(4, 2, 16)  # out's signature, half in out_a and half in out_b
+    with pytest.raises(ValueError, match="out shares part of out_a's memory") as error:
         mla_attn.merge_attn_states(out_a, lse_a, out_b, lse_b, out=shifted)
-    assert len(overlap_checks) == 6  # the wrapper's, which raised
+    assert_raised_by_wrapper(error)
+    assert len(overlap_checks) == 6
     merge_n = counting(monkeypatch, _validation, "check_merge_n")
     outs, lses = torch.stack([out_a, out_b]), torch.stack([lse_a, lse_b])
     assert torch.equal(mla_attn.merge_attn_states_n(outs, lses)[0], want)
@@ -250,6 +260,16 @@ def test_merge_memo(monkeypatch):
 
 
 # ---------------------------------------------------------------------------------------- fuzzed
+def _prefill_out_call():
+    fn, kw = test_fuzz_checks._prefill_call()
+    return fn, dict(kw, out=torch.empty(kw["q"].shape[:-1] + (128,), dtype=kw["q"].dtype), return_lse=True)
+
+
+def _merge_out_call():
+    fn, kw = test_fuzz_checks._merge_call()
+    return fn, dict(kw, out=torch.empty_like(kw["out_a"]))
+
+
 def _same_signature(t, r):
     """A tensor with t's signature (dtype, device, shape, strides, start offset mod 16) but other values at
     another address: a static check that read values or addresses would tell them apart."""
@@ -268,8 +288,7 @@ def _same_signature(t, r):
 
 @pytest.mark.parametrize("call", [test_fuzz_checks._decode_call, test_fuzz_checks._decode_fp8_call,
                                   test_fuzz_checks._sparse_call, test_fuzz_checks._sparse_ds_call,
-                                  test_fuzz_checks._write_call, test_fuzz_checks._prefill_call,
-                                  test_fuzz_checks._merge_call],
+                                  test_fuzz_checks._write_call, _prefill_out_call, _merge_out_call],
                          ids=["decode", "decode_fp8", "sparse", "sparse_ds", "write", "prefill", "merge"])
 def test_equal_signatures_get_equal_outcomes(call, monkeypatch):
     """Over random changes of a valid call (test_fuzz_checks' mutations), each also made again with tensors
