@@ -317,8 +317,9 @@ def main():
             r = results[-1]
             ok = all(r[k]["ok"] for k in ("check_eager", "check_graph", "check_attn", "check_sink")) and all(
                 r[f"check_{k}"]["ok"] for k in kernels + ("dense",) if f"check_{k}" in r)
+            peer = f", flashmla {r['flashmla']['cold_us']:.1f} us" if "flashmla" in r else ""
             log(f"{c['name']}: op {r['op']['cold_us']:.1f} us cold, layer {r['layer']['cold_us']:.1f} us, "
-                f"attn {r['attn']['cold_us']:.1f} us, "
+                f"layer_valid {r['layer_valid']['cold_us']:.1f} us, attn {r['attn']['cold_us']:.1f} us{peer}, "
                 f"{r['tflops']:.1f} TFLOP/s, {r['gbps']:.0f} GB/s, ok={ok}")
         except Exception as e:
             traceback.print_exc()
