@@ -60,11 +60,13 @@ struct PartRange {
     seg.seqlen_k = min(max(seqlen, 0), p.max_keys);
     seg.blk_lo = b == begin_b ? begin_blk : 0;
     seg.blk_hi = b == last_b ? last_hi : mla_common::ceil_div(max(seqlen, 0), kBlockN);
-    if (p.kv_slots || seqlen != seg.seqlen_k) {
+    if (p.kv_slots || seqlen != seg.seqlen_k || b == last_b) {
       // The schedule counts the blocks of the length as given. Slot lists (sparse top-k) are scheduled
       // for max_keys keys each, from shapes alone, while a row holds fewer valid slots; a dense length
-      // past what the block table holds (unchecked on the GPU) is clamped. Either way the blocks end at
-      // the clamped count, and a piece past it is empty (its partial has LSE -inf): no kernel may walk
+      // past what the block table holds (unchecked on the GPU) is clamped; a part's last request ends
+      // at a block of the schedule's length, which is stale when the lengths changed after it was made
+      // (its first request takes its length from the schedule too). Either way the blocks end at the
+      // clamped count, and a piece past it is empty (its partial has LSE -inf): no kernel may walk
       // blocks without keys (the seesaw kernels zero a tail block's rows from its key count). A branch,
       // not an unconditional min: the min costs registers in the narrow kernels.
       seg.blk_hi = min(seg.blk_hi, mla_common::ceil_div(seg.seqlen_k, kBlockN));
