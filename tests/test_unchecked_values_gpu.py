@@ -8,6 +8,7 @@ from conftest import FP8, check_decode, check_unit_scale, decode_kernels_for, ru
 from fp8_cases import to_fp8_case
 
 import mla_attn
+from mla_attn.metadata import SCHEDULE_COLUMN
 
 
 pytestmark = pytest.mark.gpu
@@ -48,18 +49,27 @@ def test_lengths_past_the_block_table(cache_dtype, s_q, h_q, page_size, kernel):
 @pytest.mark.parametrize("cache_dtype,h_q,kernel", [(d, h, k) for d in (torch.bfloat16, FP8) for h in (16, 128)
                                                    for k in decode_kernels_for(d, h)])
 def test_decode_with_a_schedule_for_longer_lengths(cache_dtype, h_q, kernel):
-    """Metadata reused after the lengths shrank (a caller's bug: it must be made again): a part's last
-    request then ends at a block past its keys. Wrong numbers, but no kernel walks blocks without keys
-    (the seesaw kernels zeroed a tail block's rows from a negative key count, outside their tile), and
-    the context survives: the same call with a fresh schedule is then right."""
-    c = make_decode_case([3000, 2500, 4000, 3100, 2900, 3300], 1, h_q, 64, seed=5)
+    """Metadata reused after the lengths shrank (a caller's bug: it must be made again): a part that
+    starts in one request and ends in a later one then ends at a block past the later one's keys. Wrong
+    numbers, but no kernel walks blocks without keys (the seesaw kernels zeroed a tail block's rows from
+    a negative key count, outside their tile) or writes outside out, and the context survives: the same
+    call with a fresh schedule is then right."""
+    g = torch.Generator().manual_seed(h_q)
+    lens = torch.randint(200, 3001, (64,), generator=g).tolist()
+    c = make_decode_case(lens, 1, h_q, 64, seed=5)
     if cache_dtype == FP8:
         c = to_fp8_case(c)
     c = to_device(c)
     stale = mla_attn.get_decode_metadata(c["cache_seqlens"], h_q, s_q=1)
+    rows = stale.tile_sched[:stale.num_sm_parts].cpu()
+    col = SCHEDULE_COLUMN
+    crossing = (rows[:, col.last_request] > rows[:, col.first_request]) & (rows[:, col.last_end_block] > 2)
+    assert crossing.any(), "the case must have a part that ends past the shrunk lengths in a later request"
     shrunk = {**c, "cache_seqlens": torch.full_like(c["cache_seqlens"], 70)}
-    run_decode(shrunk, True, metadata=stale, _kernel=kernel)
+    out_buf, out = guarded(c["q"].shape[:-1] + (512,), c["q"].dtype, 3.0)
+    run_decode(shrunk, True, metadata=stale, out=out, _kernel=kernel)
     torch.cuda.synchronize()
+    assert_guards_intact(out_buf, 3.0)
     out, lse = run_decode(shrunk, True, _kernel=kernel)
     check_decode(shrunk, True, out, lse, kernel)
 
