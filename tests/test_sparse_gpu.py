@@ -174,6 +174,34 @@ def test_functional_form_and_no_lse():
     assert torch.equal(only, out)
 
 
+HUGE_LENGTHS = [2**31 - 1, 2**31 - 40, 2**31 - 63, 2**31 - 64, 100, 101, 5000]
+
+
+@pytest.mark.parametrize("cache,kernel", [("ds_mla_fp8", k) for k in [None] + decode_kernels_for(torch.uint8, 16)] +
+                         [("bf16", k) for k in [None] + decode_kernels_for(torch.bfloat16, 16)])
+def test_unchecked_topk_length_past_topk_is_clamped(cache, kernel):
+    """topk_length above topk, up to INT32_MAX, unchecked: the row's length is clamped to topk. A
+    ds_mla_fp8 cache, and any cache with indices_valid=True, take the lengths as they are (no
+    compaction clamps them); a length within 63 of INT32_MAX overflowed the kernels' block count and
+    dropped the row's keys wherever the row was not the last of its schedule part (100 of the 200 rows
+    here). With indices_valid every counted index must be a slot: the invalid ones of rows 1.. are
+    replaced by a valid slot (a repeat counts each time, in the reference too); row 0 (nothing valid)
+    gets length 0."""
+    case = make_sparse_case((200,), 16, 100, 16, ds_fp8=cache == "ds_mla_fp8", seed=21)
+    if cache == "bf16":
+        idx = case["indices"]
+        valid = (idx >= 0) & (idx < case["kv_cache"].shape[0] * case["kv_cache"].shape[1])
+        valid[0] = True  # row 0 keeps its invalid indices (length 0)
+        case["indices"] = torch.where(valid, idx, idx[1:][valid[1:]][0])
+    lengths = torch.tensor(HUGE_LENGTHS, dtype=torch.int32).repeat(200 // len(HUGE_LENGTHS) + 1)[:200]
+    lengths[0] = 0
+    case = to_device({**case, "topk_length": lengths.clamp(max=100)}, "cuda")  # what the kernels should see
+    out = poisoned_out(case)
+    _, lse = run_sparse({**case, "topk_length": lengths.cuda()}, out=out, validate=False,
+                        indices_valid=cache == "bf16", _kernel=kernel)
+    check_sparse(case, out, lse)
+
+
 def test_all_rows_empty():
     case = sparse_case((37,), 1, 300, 1, torch.float16, True, None, False, False, False)
     case["indices"] = torch.where(case["indices"] >= 0, -1, case["indices"])  # nothing valid anywhere

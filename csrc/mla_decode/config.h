@@ -1,4 +1,4 @@
-// Decode geometry: numbers only.
+// Decode geometry: numbers, and the block count of a length.
 #pragma once
 
 namespace mla_decode {
@@ -33,6 +33,10 @@ constexpr int kMaxSmParts = 1024;    // bound on num_sm_parts (split count of a 
 constexpr int kFixedSplitCost = 5;   // scheduler: cost of a split in blocks (metadata.py: FIXED_COST)
 constexpr int kNoSplitSlack = 2;     // scheduler: whole requests if no worse by this (metadata.py: NO_SPLIT_SLACK)
 constexpr int kMinSearchedPiece = 2;  // scheduler: smallest pieces its cost search tries (metadata.py: MIN_SEARCHED_PIECE)
+
+// KV blocks of a length (0 for a length <= 0), rounded up in unsigned arithmetic: (L + 63) / 64 in int
+// overflows for lengths within 63 of INT32_MAX, which unchecked lengths may be.
+constexpr int num_kv_blocks(int seqlen) { return seqlen > 0 ? int((unsigned(seqlen) + kBlockN - 1) / kBlockN) : 0; }
 
 static_assert(kHeadDimK % kTmaColumns == 0, "K head dim must be whole swizzle atoms");
 static_assert(kHeadDimV == kNumMathWarpgroups * 256, "each math warpgroup owns 256 output columns");

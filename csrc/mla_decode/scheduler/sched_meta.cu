@@ -41,10 +41,6 @@ static_assert(kMaxSmParts < (1 << 15), "part counts pack two to an int in the pa
 constexpr int kMetadataSmemLimit = 200 * 1024;
 constexpr unsigned kFullMask = 0xffffffffu;
 
-__device__ __forceinline__ int num_kv_blocks(int seqlen) {  // without overflow up to INT_MAX
-  return seqlen > 0 ? int((unsigned(seqlen) + kBlockN - 1) / kBlockN) : 0;
-}
-
 // Walk positions in 32 bits where the batch's total cost is below this: a walk forms cuts up to
 // (kMaxSmParts + 32) pieces past a request start, each piece at most the total. Half the instructions
 // of 64-bit positions, and the 14 walks share one SM's issue slots.

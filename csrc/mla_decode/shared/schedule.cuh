@@ -46,7 +46,7 @@ struct PartRange {
   __device__ int blocks_at_least() const {
     if (last_b < begin_b) return 0;
     if (last_b == begin_b) return last_hi - begin_blk;
-    return mla_common::ceil_div(max(begin_seqlen, 0), kBlockN) - begin_blk + last_hi;
+    return num_kv_blocks(begin_seqlen) - begin_blk + last_hi;
   }
 
   // Fills `seg` for request b; returns false when this CTA's q-tile has no rows in request b.
@@ -59,7 +59,7 @@ struct PartRange {
     const int seqlen = b == begin_b && !p.kv_slots ? begin_seqlen : p.cache_seqlens[b];
     seg.seqlen_k = min(max(seqlen, 0), p.max_keys);
     seg.blk_lo = b == begin_b ? begin_blk : 0;
-    seg.blk_hi = b == last_b ? last_hi : mla_common::ceil_div(max(seqlen, 0), kBlockN);
+    seg.blk_hi = b == last_b ? last_hi : num_kv_blocks(seqlen);
     if (p.kv_slots || seqlen != seg.seqlen_k || b == last_b) {
       // The schedule counts the blocks of the length as given. Slot lists (sparse top-k) are scheduled
       // for max_keys keys each, from shapes alone, while a row holds fewer valid slots; a dense length
@@ -69,7 +69,7 @@ struct PartRange {
       // clamped count, and a piece past it is empty (its partial has LSE -inf): no kernel may walk
       // blocks without keys (the seesaw kernels zero a tail block's rows from its key count). A branch,
       // not an unconditional min: the min costs registers in the narrow kernels.
-      seg.blk_hi = min(seg.blk_hi, mla_common::ceil_div(seg.seqlen_k, kBlockN));
+      seg.blk_hi = min(seg.blk_hi, num_kv_blocks(seg.seqlen_k));
       seg.blk_lo = min(seg.blk_lo, seg.blk_hi);
     }
     seg.split = b == begin_b ? begin_split : 0;
