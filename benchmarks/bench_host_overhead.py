@@ -137,19 +137,19 @@ def prefill_calls():
     cu_new = torch.tensor([0, new], dtype=torch.int32, device=dev)
     cu_ctx = torch.tensor([0, ctx], dtype=torch.int32, device=dev)
     out_ctx, out = rand(new, h, 128), rand(new, h, 128)
-    o_new, lse_new = mla_attn.mla_prefill(q, k_new, v_new, cu_new, cu_new, new, new, softmax_scale=192**-0.5,
-                                          causal=True, k_pe=pe_new, return_lse=True)
-    _, lse_ctx = mla_attn.mla_prefill(q, k_ctx, v_ctx, cu_new, cu_ctx, new, ctx, softmax_scale=192**-0.5,
-                                      causal=False, k_pe=pe_ctx, return_lse=True, out=out_ctx)
-    return {
-        "mla_prefill": lambda: mla_attn.mla_prefill(q, k_new, v_new, cu_new, cu_new, new, new,
-                                                    softmax_scale=192**-0.5, causal=True, k_pe=pe_new,
-                                                    return_lse=True),
-        "mla_prefill out=": lambda: mla_attn.mla_prefill(q, k_ctx, v_ctx, cu_new, cu_ctx, new, ctx,
-                                                         softmax_scale=192**-0.5, causal=False, k_pe=pe_ctx,
-                                                         return_lse=True, out=out_ctx),
-        "merge_attn_states out=": lambda: mla_attn.merge_attn_states(o_new, lse_new, out_ctx, lse_ctx, out=out),
-    }
+    scale = 192**-0.5
+
+    def new_tokens():
+        return mla_attn.mla_prefill(q, k_new, v_new, cu_new, cu_new, new, new, softmax_scale=scale, causal=True,
+                                    k_pe=pe_new, return_lse=True)
+
+    def context():
+        return mla_attn.mla_prefill(q, k_ctx, v_ctx, cu_new, cu_ctx, new, ctx, softmax_scale=scale, causal=False,
+                                    k_pe=pe_ctx, return_lse=True, out=out_ctx)
+    o_new, lse_new = new_tokens()
+    _, lse_ctx = context()
+    return {"mla_prefill": new_tokens, "mla_prefill out=": context,
+            "merge_attn_states out=": lambda: mla_attn.merge_attn_states(o_new, lse_new, out_ctx, lse_ctx, out=out)}
 
 
 def table(rows):
