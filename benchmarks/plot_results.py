@@ -4,20 +4,31 @@ run it wherever the JSON lands).
 
     python benchmarks/plot_results.py benchmarks/results/run_all.json [more.json ..] [--out DIR]
 
-Accepts run_all.json (decode + prefill), bench_decode.json, bench_prefill.json and bench_cp_decode.json,
-and writes PNGs into --out (default: the first file's folder):
+Accepts run_all.json (decode + prefill), bench_decode.json, bench_prefill.json, bench_cp_decode.json,
+bench_sparse[_ds_mla_fp8].json and bench_sparse_prefill.json, and writes PNGs into --out (default: the
+first file's folder):
   decode_us.png        cold us vs context, one panel per head count, a line per (batch, s_q), mla_attn
                        solid and every peer of the same run dashed / dotted;
   decode_roofline.png  % of roofline vs context, same layout;
   prefill_tflops.png   TFLOP/s vs tokens per request, one panel per head count, mla_attn solid and cuDNN
                        SDPA dashed, a color per (causal, k layout);
-  cp_decode.png        context-parallel speed-up over one GPU vs context, one panel per head count.
+  cp_decode.png        context-parallel speed-up over one GPU vs context, one panel per head count;
+  sparse_decode_<kv format>.png
+                       top-k decode, cold us per layer vs batch, one panel per head count, a color per
+                       s_q: mla_attn solid, FlashMLA dashed (FP8: its sparse decode kernel, at h_q 16 / 32
+                       its h_q 64 time, as engines pad the heads for it; bf16: its sparse prefill kernel),
+                       the dense kernel on the same rows dotted (bf16);
+  sparse_prefill_tflops.png
+                       sparse prefill TFLOP/s vs tokens, a color per head count, mla_attn solid and
+                       FlashMLA dashed.
 % of roofline = max(bytes / time / HBM read ceiling, flops / time / bf16 matmul ceiling), the ceilings
 measured in the same run (bench_decode's "ceilings").
 
 Rows are read as the benchmarks write them: decode {h_q, s_q, b, L, page, bytes, flops, <kernel>: {cold_us,
 ok}} with "ours" = mla_attn (bench_decode.py); prefill {h, n, causal, k, tflops, cudnn_tflops}
-(bench_prefill.py); CP {h_q, b, L, speedup} (bench_cp_decode.py).
+(bench_prefill.py); CP {h_q, b, L, speedup} (bench_cp_decode.py); sparse decode {h_q, s_q, b, layer,
+flashmla?, dense?: {cold_us}} and sparse prefill {h_q, tokens, tflops, flashmla_tflops?} under "results",
+with "meta" (bench_sparse.py, bench_sparse_prefill.py).
 """
 import argparse
 import json
@@ -28,17 +39,21 @@ STYLES = ("--", ":", "-.")
 
 
 def load(path):
-    """-> dict(decode=results|None, prefill=results|None, cp=results|None)."""
+    """-> dict(decode=, prefill=, cp=, sparse=, sparse_prefill=): each the file's results or None."""
     with open(path) as f:
         d = json.load(f)
+    res = dict(decode=None, prefill=None, cp=None, sparse=None, sparse_prefill=None)
     if "decode" in d or "prefill" in d:  # run_all.json
-        return dict(decode=d.get("decode"), prefill=d.get("prefill"), cp=d.get("cp"))
-    rows = d.get("rows") or [{}]
-    if "speedup" in rows[0]:
-        return dict(decode=None, prefill=None, cp=d)
-    if "prefill" in os.path.basename(path):
-        return dict(decode=None, prefill=d, cp=None)
-    return dict(decode=d, prefill=None, cp=None)
+        res.update(decode=d.get("decode"), prefill=d.get("prefill"), cp=d.get("cp"))
+    elif "results" in d:  # bench_sparse.py, bench_sparse_prefill.py
+        res["sparse_prefill" if "tokens" in (d["results"] or [{}])[0] else "sparse"] = d
+    elif "speedup" in (d.get("rows") or [{}])[0]:
+        res["cp"] = d
+    elif "prefill" in os.path.basename(path):
+        res["prefill"] = d
+    else:
+        res["decode"] = d
+    return res
 
 
 def kernels(row):
@@ -178,6 +193,64 @@ def plot_cp(plt, res, out_dir):
     return [_save(fig, out_dir, "cp_decode.png")]
 
 
+def _cold(row, key):
+    return (row.get(key) or {}).get("cold_us")
+
+
+def plot_sparse(plt, res, out_dir):
+    """bench_sparse.py rows: per layer (schedule made once per step), FlashMLA's kernel on the same rows
+    where it runs (h_q 64 / 128), and the dense kernel on the same rows (bf16, --dense)."""
+    rows, meta = res["results"], res.get("meta", {})
+    fmt = meta.get("kv_format", "bf16")
+    by_cfg = {(r["h_q"], r["s_q"], r["b"]): r for r in rows}
+    # bench_sparse.py's peer: FlashMLA's sparse decode kernel on the FP8 rows, its sparse prefill kernel
+    # (one query token per row) on a bf16 cache
+    peer_name = "FlashMLA" if fmt == "ds_mla_fp8" else "FlashMLA sparse prefill"
+    fig, axes = _panels(plt, sorted({r["h_q"] for r in rows}),
+                        f"Sparse (top-k {meta.get('topk', '?')}) decode, {meta.get('gpu', '?')}, {fmt} cache")
+    for h, ax in axes.items():
+        for s_q, color in zip(sorted({r["s_q"] for r in rows}), plt.cm.tab10(range(10))):
+            pts = sorted((r for r in rows if (r["h_q"], r["s_q"]) == (h, s_q)), key=lambda r: r["b"])
+            padded = h < 64 and all("flashmla" not in r for r in pts)
+            peer = [by_cfg.get((64, s_q, r["b"]), {}) if padded else r for r in pts]
+            for xy, style, name in (([(r["b"], _cold(r, "layer")) for r in pts], "-", "mla_attn"),
+                                    ([(r["b"], _cold(p, "flashmla")) for r, p in zip(pts, peer)], "--",
+                                     peer_name + (" (h_q 64, padded)" if padded else "")),
+                                    ([(r["b"], _cold(r, "dense")) for r in pts], ":", "dense kernel, same rows")):
+                xy = [(x, y) for x, y in xy if y]
+                if xy:
+                    ax.plot(*zip(*xy), style, marker="o", ms=3, color=color, label=f"{name} s_q {s_q}")
+        _log_axes(ax, plt, log_y=True)
+        ax.set_title(f"h_q = {h}")
+        ax.set_xlabel("batch (requests)")
+        ax.set_ylabel("cold µs per layer (CUDA graph, L2 flushed)")
+        ax.legend(fontsize=7)
+    return [_save(fig, out_dir, f"sparse_decode_{fmt}.png")]
+
+
+def plot_sparse_prefill(plt, res, out_dir):
+    """bench_sparse_prefill.py rows: {h_q, tokens, tflops, flashmla_tflops?}."""
+    rows, meta = res["results"], res.get("meta", {})
+    ceil = (meta.get("ceilings") or {}).get("mm8192_bf16_TFLOPs")
+    fig, ax = plt.subplots(figsize=(6.5, 4.5))
+    ax.set_title(f"Sparse prefill (top-k {meta.get('topk', '?')}), {meta.get('gpu', '?')}, bf16"
+                 + (f"; matmul ceiling {ceil:.0f} TFLOP/s" if ceil else ""), fontsize=9)
+    for h, color in zip(sorted({r["h_q"] for r in rows}), plt.cm.tab10(range(10))):
+        pts = sorted((r for r in rows if r["h_q"] == h), key=lambda r: r["tokens"])
+        for key, style, name in (("tflops", "-", "mla_attn"), ("flashmla_tflops", "--", "FlashMLA")):
+            xy = [(r["tokens"], r[key]) for r in pts if r.get(key)]
+            if xy:
+                ax.plot(*zip(*xy), style, marker="o", ms=3, color=color, label=f"{name} h_q {h}")
+    if ceil:
+        ax.axhline(ceil, color="gray", lw=0.8)
+    _log_axes(ax, plt, log_y=False)
+    ax.set_ylim(bottom=0)
+    ax.set_xlabel("query tokens")
+    ax.set_ylabel("TFLOP/s")
+    ax.legend(fontsize=7)
+    return [_save(fig, out_dir, "sparse_prefill_tflops.png")]
+
+
 def plot(paths, out_dir=None):
     import matplotlib  # optional dependency: imported only here
     matplotlib.use("Agg")
@@ -188,7 +261,8 @@ def plot(paths, out_dir=None):
     written = []
     for path in paths:
         res = load(path)
-        for key, fn in (("decode", plot_decode), ("prefill", plot_prefill), ("cp", plot_cp)):
+        for key, fn in (("decode", plot_decode), ("prefill", plot_prefill), ("cp", plot_cp),
+                        ("sparse", plot_sparse), ("sparse_prefill", plot_sparse_prefill)):
             if res[key]:
                 written += fn(plt, res[key], out_dir)
     plt.close("all")
