@@ -46,7 +46,8 @@ def load(path):
     if "decode" in d or "prefill" in d:  # run_all.json
         res.update(decode=d.get("decode"), prefill=d.get("prefill"), cp=d.get("cp"))
     elif "results" in d:  # bench_sparse.py, bench_sparse_prefill.py
-        res["sparse_prefill" if "tokens" in (d["results"] or [{}])[0] else "sparse"] = d
+        res["sparse_prefill" if "tokens" in (d["results"] or [{}])[0] or "kv_rows" in d.get("meta", {})
+            else "sparse"] = d
     elif "speedup" in (d.get("rows") or [{}])[0]:
         res["cp"] = d
     elif "prefill" in os.path.basename(path):
@@ -198,10 +199,15 @@ def _cold(row, key):
 
 
 def plot_sparse(plt, res, out_dir):
-    """bench_sparse.py rows: per layer (schedule made once per step), FlashMLA's kernel on the same rows
-    where it runs (h_q 64 / 128), and the dense kernel on the same rows (bf16, --dense)."""
+    """bench_sparse.py rows: per layer (schedule made once per step), FlashMLA on the same rows (FP8: its
+    sparse decode kernel, h_q 64 / 128 only, so at h_q 16 / 32 its h_q 64 time stands in, as engines pad
+    the heads for it; bf16: its sparse prefill kernel, every h_q), the dense kernel on the same rows (bf16,
+    --dense)."""
     rows, meta = res["results"], res.get("meta", {})
     fmt = meta.get("kv_format", "bf16")
+    if not rows:
+        print(f"no rows in the sparse {fmt} results: skipped")
+        return []
     by_cfg = {(r["h_q"], r["s_q"], r["b"]): r for r in rows}
     # bench_sparse.py's peer: FlashMLA's sparse decode kernel on the FP8 rows, its sparse prefill kernel
     # (one query token per row) on a bf16 cache
@@ -211,7 +217,7 @@ def plot_sparse(plt, res, out_dir):
     for h, ax in axes.items():
         for s_q, color in zip(sorted({r["s_q"] for r in rows}), plt.cm.tab10(range(10))):
             pts = sorted((r for r in rows if (r["h_q"], r["s_q"]) == (h, s_q)), key=lambda r: r["b"])
-            padded = h < 64 and all("flashmla" not in r for r in pts)
+            padded = fmt == "ds_mla_fp8" and h < 64
             peer = [by_cfg.get((64, s_q, r["b"]), {}) if padded else r for r in pts]
             for xy, style, name in (([(r["b"], _cold(r, "layer")) for r in pts], "-", "mla_attn"),
                                     ([(r["b"], _cold(p, "flashmla")) for r, p in zip(pts, peer)], "--",
@@ -231,6 +237,9 @@ def plot_sparse(plt, res, out_dir):
 def plot_sparse_prefill(plt, res, out_dir):
     """bench_sparse_prefill.py rows: {h_q, tokens, tflops, flashmla_tflops?}."""
     rows, meta = res["results"], res.get("meta", {})
+    if not rows:
+        print("no rows in the sparse prefill results: skipped")
+        return []
     ceil = (meta.get("ceilings") or {}).get("mm8192_bf16_TFLOPs")
     fig, ax = plt.subplots(figsize=(6.5, 4.5))
     ax.set_title(f"Sparse prefill (top-k {meta.get('topk', '?')}), {meta.get('gpu', '?')}, bf16"
