@@ -148,6 +148,24 @@ def plot_decode(plt, res, out_dir):
     return paths
 
 
+def _tflops_lines(ax, pts, x_key, series, color, tag):
+    """A line per (row key, line style, name) of series: TFLOP/s against pts' x_key, one color."""
+    for key, style, name in series:
+        xy = [(r[x_key], r[key]) for r in pts if r.get(key)]
+        if xy:
+            ax.plot(*zip(*xy), style, marker="o", ms=3, color=color, label=f"{name} {tag}")
+
+
+def _tflops_axes(ax, plt, ceil, xlabel):
+    if ceil:
+        ax.axhline(ceil, color="gray", lw=0.8)
+    _log_axes(ax, plt, log_y=False)
+    ax.set_ylim(bottom=0)
+    ax.set_xlabel(xlabel)
+    ax.set_ylabel("TFLOP/s")
+    ax.legend(fontsize=7)
+
+
 def plot_prefill(plt, res, out_dir):
     """bench_prefill.py rows: {h, n (tokens per request), causal, k, tflops, cudnn_tflops?} (warm graphs)."""
     rows = res["rows"]
@@ -160,19 +178,10 @@ def plot_prefill(plt, res, out_dir):
         groups = sorted({(r["causal"], r["k"]) for r in rows if r["h"] == h})
         for (causal, k), color in zip(groups, plt.cm.tab10(range(len(groups)))):
             pts = sorted((r for r in rows if (r["h"], r["causal"], r["k"]) == (h, causal, k)), key=lambda r: r["n"])
-            tag = f"{'causal' if causal else 'full'} {k}"
-            for key, style, name in (("tflops", "-", "mla_attn"), ("cudnn_tflops", "--", "cuDNN")):
-                xy = [(r["n"], r[key]) for r in pts if r.get(key)]
-                if xy:
-                    ax.plot(*zip(*xy), style, marker="o", ms=3, color=color, label=f"{name} {tag}")
-        if ceil:
-            ax.axhline(ceil, color="gray", lw=0.8)
-        _log_axes(ax, plt, log_y=False)
-        ax.set_ylim(bottom=0)
+            _tflops_lines(ax, pts, "n", (("tflops", "-", "mla_attn"), ("cudnn_tflops", "--", "cuDNN")), color,
+                          f"{'causal' if causal else 'full'} {k}")
+        _tflops_axes(ax, plt, ceil, "tokens per request")
         ax.set_title(f"h = {h}")
-        ax.set_xlabel("tokens per request")
-        ax.set_ylabel("TFLOP/s")
-        ax.legend(fontsize=7)
     return [_save(fig, out_dir, "prefill_tflops.png")]
 
 
@@ -246,17 +255,9 @@ def plot_sparse_prefill(plt, res, out_dir):
                  + (f"; matmul ceiling {ceil:.0f} TFLOP/s" if ceil else ""), fontsize=9)
     for h, color in zip(sorted({r["h_q"] for r in rows}), plt.cm.tab10(range(10))):
         pts = sorted((r for r in rows if r["h_q"] == h), key=lambda r: r["tokens"])
-        for key, style, name in (("tflops", "-", "mla_attn"), ("flashmla_tflops", "--", "FlashMLA")):
-            xy = [(r["tokens"], r[key]) for r in pts if r.get(key)]
-            if xy:
-                ax.plot(*zip(*xy), style, marker="o", ms=3, color=color, label=f"{name} h_q {h}")
-    if ceil:
-        ax.axhline(ceil, color="gray", lw=0.8)
-    _log_axes(ax, plt, log_y=False)
-    ax.set_ylim(bottom=0)
-    ax.set_xlabel("query tokens")
-    ax.set_ylabel("TFLOP/s")
-    ax.legend(fontsize=7)
+        _tflops_lines(ax, pts, "tokens", (("tflops", "-", "mla_attn"), ("flashmla_tflops", "--", "FlashMLA")),
+                      color, f"h_q {h}")
+    _tflops_axes(ax, plt, ceil, "query tokens")
     return [_save(fig, out_dir, "sparse_prefill_tflops.png")]
 
 
