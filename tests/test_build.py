@@ -1,6 +1,7 @@
 """How the package is built: the extension must run on torch's C++ runtime, not carry a copy of its
 own (setup.py, "The C++ runtime": a private libstdc++ turned error paths into crashes), and the
-source distribution must hold what a build from it and its tests need (MANIFEST.in)."""
+source distribution must hold what a build from it and its tests need (MANIFEST.in); an extension that
+does not load says why (_extension.py)."""
 import os
 import shutil
 import subprocess
@@ -9,8 +10,11 @@ import tarfile
 from pathlib import Path
 
 import pytest
+import torch
 
+import mla_attn
 import mla_attn._C as ext
+from mla_attn import _extension
 
 
 @pytest.mark.skipif(shutil.which("nm") is None, reason="needs nm (binutils)")
@@ -44,3 +48,42 @@ def test_sdist_holds_every_header_the_pin_and_the_test_helpers(tmp_path):
     assert needed - shipped == set()
     # Generated with the builder's paths and flags: a build from the sdist writes its own.
     assert "python/mla_attn/_build_config.py" not in shipped
+
+
+def _package_copy(tmp_path, extra: dict) -> Path:
+    """mla_attn's Python files without the build (_C, _build_config), plus `extra` {file: text}."""
+    pkg = tmp_path / "mla_attn"
+    shutil.copytree(Path(mla_attn.__file__).parent, pkg,
+                    ignore=shutil.ignore_patterns("_C*", "_build_config.py", "__pycache__"))
+    for name, text in extra.items():
+        (pkg / name).write_text(text)
+    return tmp_path
+
+
+def _import_error(path: Path) -> str:
+    run = subprocess.run([sys.executable, "-c", "import mla_attn"], env={**os.environ, "PYTHONPATH": str(path)},
+                         capture_output=True, text=True)
+    assert run.returncode != 0
+    return run.stderr.strip().splitlines()[-1]
+
+
+def test_import_without_a_build_says_so(tmp_path):
+    message = _import_error(_package_copy(tmp_path, {}))
+    assert message.startswith("ImportError: mla_attn's CUDA extension (mla_attn._C) is not built; build it: pip install")
+
+
+def test_import_under_another_torch_names_both_versions(tmp_path):
+    # An _C that fails as a build for another torch does (its symbols are missing from this torch).
+    path = _package_copy(tmp_path, {
+        "_build_config.py": 'TORCH_VERSION = "2.0.0+built"\nNVCC_VERSION = "12.4"\n',
+        "_C.py": 'raise ImportError("_C.so: undefined symbol: _ZN3c1017RegisterOperators")\n'})
+    message = _import_error(path)
+    assert f"built against torch 2.0.0+built but torch {torch.__version__} is running" in message
+    assert "undefined symbol: _ZN3c1017RegisterOperators" in message and "rebuild" in message
+
+
+def test_load_failure_under_the_same_torch_names_the_build(monkeypatch):
+    from mla_attn import _build_config as built
+    monkeypatch.setattr(built, "TORCH_VERSION", torch.__version__)
+    message = _extension.load_failure(ImportError("libcudart.so.13: cannot open shared object file"))
+    assert "libcudart.so.13" in message and f"built with torch {torch.__version__}" in message

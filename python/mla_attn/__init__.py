@@ -1,7 +1,9 @@
 """mla_attn: Hopper kernels for DeepSeek MLA attention, exposed as torch.ops.mla_attn.*."""
 import torch  # noqa: F401  (loads libc10/libtorch, which _C links against)
 
-from . import _C  # registers the TORCH_LIBRARY schemas (and CUDA kernels when built with them)
+from . import _extension
+
+_C = _extension.load()  # registers the TORCH_LIBRARY schemas (and CUDA kernels when built with them)
 from . import _ops  # noqa: F401  (the fakes and CPU kernels of every op)
 from . import reference
 from .decode import get_decode_metadata, mla_decode
