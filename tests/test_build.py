@@ -7,6 +7,7 @@ import shutil
 import subprocess
 import sys
 import tarfile
+import types
 from pathlib import Path
 
 import pytest
@@ -26,9 +27,17 @@ def test_extension_uses_the_shared_cxx_runtime():
 
 
 ROOT = Path(__file__).resolve().parents[1]
-# What a source tree holds besides the sources: build outputs, environments, a fetched CUTLASS.
-_NOT_SOURCES = shutil.ignore_patterns(".*", "build", "dist", "*venv*", "__pycache__", "*.egg-info", "*.so", "*.o",
-                                      "cutlass", "cutlass.partial")
+
+
+def _not_sources(directory: str, names: list) -> set:
+    """What a source tree holds besides its sources: environments, build outputs and dot folders at its
+    top, a fetched CUTLASS, caches and binaries anywhere."""
+    here = Path(directory).relative_to(ROOT)
+    if here == Path("."):
+        return {n for n in names if n.startswith(".") or n in ("build", "dist") or "venv" in n}
+    if here == Path("third_party"):
+        return {n for n in names if n != "cutlass.pin"}
+    return {n for n in names if n == "__pycache__" or n.endswith((".egg-info", ".so", ".o", ".pyc"))}
 
 
 @pytest.mark.skipif(not (ROOT / "setup.py").is_file(), reason="needs the source tree")
@@ -37,13 +46,20 @@ _NOT_SOURCES = shutil.ignore_patterns(".*", "build", "dist", "*venv*", "__pycach
 def test_sdist_holds_every_header_the_pin_and_the_test_helpers(tmp_path):
     # A copy of the tree: setup.py writes python/mla_attn/_build_config.py and the egg-info in its tree.
     tree = tmp_path / "tree"
-    shutil.copytree(ROOT, tree, ignore=_NOT_SOURCES)
-    subprocess.run([sys.executable, "setup.py", "-q", "sdist", "--dist-dir", str(tmp_path / "dist")], cwd=tree,
-                   check=True, capture_output=True, text=True)
+    shutil.copytree(ROOT, tree, ignore=_not_sources)
+    env = dict(os.environ)
+    if "CUTLASS_DIR" in env:  # relative to where the tests run, not to the copy
+        env["CUTLASS_DIR"] = str(Path(env["CUTLASS_DIR"]).resolve())
+    elif (ROOT / "third_party" / "cutlass" / "include" / "cute").is_dir():  # fetched, and not copied
+        env["CUTLASS_DIR"] = str(ROOT / "third_party" / "cutlass")
+    run = subprocess.run([sys.executable, "setup.py", "-q", "sdist", "--dist-dir", str(tmp_path / "dist")],
+                         cwd=tree, env=env, capture_output=True, text=True)
+    assert run.returncode == 0, run.stderr[-4000:]
     (sdist,) = (tmp_path / "dist").glob("mla_attn-*.tar.gz")
     with tarfile.open(sdist) as tar:
         shipped = {name.split("/", 1)[1] for name in tar.getnames() if "/" in name}
-    needed = {str(p.relative_to(tree)) for d in ("csrc", "tests") for p in (tree / d).rglob("*") if p.is_file()}
+    needed = {str(p.relative_to(tree)) for d in ("csrc", "tests", "examples") for p in (tree / d).rglob("*")
+              if p.is_file()}
     needed |= {"setup.py", "pyproject.toml", "LICENSE", "README.md", "third_party/cutlass.pin", "scripts/fetch_cutlass.sh"}
     assert needed - shipped == set()
     # Generated with the builder's paths and flags: a build from the sdist writes its own.
@@ -54,22 +70,36 @@ def _package_copy(tmp_path, extra: dict) -> Path:
     """mla_attn's Python files without the build (_C, _build_config), plus `extra` {file: text}."""
     pkg = tmp_path / "mla_attn"
     shutil.copytree(Path(mla_attn.__file__).parent, pkg,
-                    ignore=shutil.ignore_patterns("_C*", "_build_config.py", "__pycache__"))
+                    ignore=shutil.ignore_patterns("_C.*", "_build_config.py", "__pycache__"))
     for name, text in extra.items():
         (pkg / name).write_text(text)
     return tmp_path
 
 
 def _import_error(path: Path) -> str:
-    run = subprocess.run([sys.executable, "-c", "import mla_attn"], env={**os.environ, "PYTHONPATH": str(path)},
-                         capture_output=True, text=True)
-    assert run.returncode != 0
+    """The last line of what `import mla_attn` prints when it fails, with only `path` ahead of the
+    installed packages (run there: the working folder comes first on sys.path)."""
+    run = subprocess.run([sys.executable, "-c", "import mla_attn"], cwd=path,
+                         env={**os.environ, "PYTHONPATH": str(path)}, capture_output=True, text=True)
+    assert run.returncode != 0 and run.stderr.strip(), run.stderr
     return run.stderr.strip().splitlines()[-1]
 
 
 def test_import_without_a_build_says_so(tmp_path):
     message = _import_error(_package_copy(tmp_path, {}))
-    assert message.startswith("ImportError: mla_attn's CUDA extension (mla_attn._C) is not built; build it: pip install")
+    assert message.startswith(f"ImportError: mla_attn's CUDA extension is not built in {tmp_path / 'mla_attn'}; "
+                              "build it: pip install")
+
+
+def test_import_with_a_build_for_another_python_names_it(tmp_path):
+    other = "_C.cpython-39-x86_64-linux-gnu.so"  # never this interpreter's suffix (Python >= 3.10)
+    message = _import_error(_package_copy(tmp_path, {other: ""}))
+    assert f"is not built in {tmp_path / 'mla_attn'} (it holds {other}, built for another Python)" in message
+
+
+def test_import_with_a_missing_dependency_of_the_build_names_it(tmp_path):
+    message = _import_error(_package_copy(tmp_path, {"_C.py": "import libcudart_that_is_missing\n"}))
+    assert "does not load" in message and "libcudart_that_is_missing" in message and "not built" not in message
 
 
 def test_import_under_another_torch_names_both_versions(tmp_path):
@@ -82,8 +112,10 @@ def test_import_under_another_torch_names_both_versions(tmp_path):
     assert "undefined symbol: _ZN3c1017RegisterOperators" in message and "rebuild" in message
 
 
-def test_load_failure_under_the_same_torch_names_the_build(monkeypatch):
-    from mla_attn import _build_config as built
-    monkeypatch.setattr(built, "TORCH_VERSION", torch.__version__)
+@pytest.mark.parametrize("config", [{"TORCH_VERSION": torch.__version__, "NVCC_VERSION": "13.0"}, {}],
+                         ids=["same_torch", "no_versions"])
+def test_load_failure_without_a_version_mismatch_keeps_the_error(monkeypatch, config):
+    monkeypatch.setitem(sys.modules, "mla_attn._build_config", types.SimpleNamespace(**config))
     message = _extension.load_failure(ImportError("libcudart.so.13: cannot open shared object file"))
-    assert "libcudart.so.13" in message and f"built with torch {torch.__version__}" in message
+    assert "does not load (libcudart.so.13: cannot open shared object file)" in message and "rebuild" in message
+    assert (f"torch {torch.__version__} and nvcc 13.0" in message) == bool(config)
