@@ -160,82 +160,15 @@ def find_torch_cuda_include():
     return None
 
 
-cuda_home = resolve_cuda_home()
-NVCC_VER = nvcc_version(cuda_home)
-CUTLASS_INC, CUTLASS_SOURCE = find_cutlass()
-CUTLASS_VER = cutlass_version(CUTLASS_INC)
-TORCH_CUDA_INC = find_torch_cuda_include()
-log(f"CUDA_HOME={cuda_home} (nvcc {NVCC_VER[0]}.{NVCC_VER[1]})")
-log(f"CUTLASS {CUTLASS_VER} headers from {CUTLASS_SOURCE}: {CUTLASS_INC}")
-if CUTLASS_VER != CUTLASS_PIN_VERSION:
-    log(f"WARNING: CUTLASS {CUTLASS_VER} found, the kernels are developed against {CUTLASS_PIN_VERSION}")
-log(f"torch wheel CUDA headers: {TORCH_CUDA_INC or 'none'}")
-
-# Imported only now: torch reads CUDA_HOME at import time.
-from torch.utils.cpp_extension import BuildExtension, CUDAExtension  # noqa: E402
-import torch  # noqa: E402
-
-# ---------------------------------------------------------------------------------------------
-# Features and sources.
-# ---------------------------------------------------------------------------------------------
-DTYPES = [d for d in ("bf16", "fp16") if not env_flag(f"MLA_ATTN_DISABLE_{d.upper()}")]
-if not DTYPES:
-    sys.exit("error: MLA_ATTN_DISABLE_BF16 and MLA_ATTN_DISABLE_FP16 together leave nothing to build")
-
-
-def rel(p: str) -> str:
-    return os.path.relpath(p, ROOT)
-
-
-KERNEL_DIRS = ["common", "mla_decode", "mla_prefill", "merge", "kv_cache", "sparse"]  # every .cu below these is compiled
-cuda_sources = sorted(s for d in KERNEL_DIRS for s in glob.glob(str(ROOT / "csrc" / d / "**" / "*.cu"), recursive=True))
-for d in ("bf16", "fp16"):
-    if d not in DTYPES:  # instantiation files are named after their dtype (instantiations/fp16.cu, fp16_fp8kv.cu)
-        cuda_sources = [s for s in cuda_sources if d not in Path(s).stem]
-sources = sorted(glob.glob(str(ROOT / "csrc" / "bindings" / "*.cpp"))) + cuda_sources
-sources = [rel(s) for s in sources]
-log(f"sources ({len(sources)}): {' '.join(sources)}")
-
-feature_macros = [f"-DMLA_ATTN_DISABLE_{d.upper()}" for d in ("bf16", "fp16") if d not in DTYPES]
-RACECHECK = env_flag("MLA_ATTN_RACECHECK")
-if RACECHECK:
-    feature_macros.append("-DMLA_ATTN_RACECHECK")
-    log("MLA_ATTN_RACECHECK=1: building the racecheck-only barriers (for compute-sanitizer, not production)")
-info_macros = [
-    f"-DMLA_ATTN_CUTLASS_SOURCE=\"{CUTLASS_SOURCE}\"",
-    f"-DMLA_ATTN_NVCC_VERSION=\"{NVCC_VER[0]}.{NVCC_VER[1]}\"",
-    f"-DMLA_ATTN_TORCH_VERSION=\"{torch.__version__}\"",
-    '-DMLA_ATTN_ARCH="sm_90a"',
-]
-
-nvcc_flags = [
-    "-gencode=arch=compute_90a,code=sm_90a",
-    "-std=c++20",
-    "-O3",
-    "-DNDEBUG",
-    "--use_fast_math",
-    "-lineinfo",
-    "--expt-relaxed-constexpr",
-    "--expt-extended-lambda",
-    "-DCUTLASS_ENABLE_GDC_FOR_SM90",  # CUTLASS's PDL helpers compile to nothing without it
-    # torch adds these to every CUDAExtension; CuTe/CUTLASS need the half/bf16 operators.
-    "-U__CUDA_NO_HALF_OPERATORS__",
-    "-U__CUDA_NO_HALF_CONVERSIONS__",
-    "-U__CUDA_NO_BFLOAT16_CONVERSIONS__",
-    "-U__CUDA_NO_HALF2_OPERATORS__",
-    "--threads",
-    os.environ.get("NVCC_THREADS", "2"),
-] + feature_macros
-if env_flag("MLA_ATTN_PTXAS_VERBOSE"):
-    nvcc_flags.append("-Xptxas=-v,--warn-on-spills,--warn-on-local-memory-usage")
-
-cxx_flags = ["-O3", "-std=c++20", "-DNDEBUG"] + feature_macros + info_macros
-
-include_dirs = [str(ROOT / "csrc"), str(CUTLASS_INC)]
-if TORCH_CUDA_INC is not None:
-    # -isystem: searched after CUDA_HOME/include, so it only fills in the headers the toolkit lacks.
-    nvcc_flags += ["-isystem", str(TORCH_CUDA_INC)]
-    cxx_flags += ["-isystem", str(TORCH_CUDA_INC)]
+def kernel_sources(dtypes: list) -> list:
+    """The .cpp bindings and every .cu below the kernel folders, relative to ROOT, without the
+    instantiation files of a left-out dtype (they are named after it: instantiations/fp16_fp8kv.cu)."""
+    kernel_dirs = ["common", "mla_decode", "mla_prefill", "merge", "kv_cache", "sparse"]
+    cuda_sources = sorted(s for d in kernel_dirs
+                          for s in glob.glob(str(ROOT / "csrc" / d / "**" / "*.cu"), recursive=True))
+    cuda_sources = [s for s in cuda_sources if not any(d in Path(s).stem for d in ("bf16", "fp16") if d not in dtypes)]
+    sources = sorted(glob.glob(str(ROOT / "csrc" / "bindings" / "*.cpp"))) + cuda_sources
+    return [os.path.relpath(s, ROOT) for s in sources]
 
 
 # ---------------------------------------------------------------------------------------------
@@ -267,62 +200,148 @@ def loaded_libstdcxx():
     return sorted(paths)[0] if paths else None
 
 
-class BuildExtensionSharedCxxRuntime(BuildExtension):
-    def build_extensions(self):
-        super().build_extensions()
-        for ext in self.extensions:
-            path = self.get_ext_fullpath(ext.name)
-            if not defines_cxx_runtime(path):
-                continue
-            shared = loaded_libstdcxx()
-            if shared is None:
-                sys.exit(f"error: {path} carries its own copy of libstdc++ (the compiler links it "
-                         "statically) and torch's shared libstdc++ was not found to link instead")
-            log(f"{path} carries its own copy of libstdc++: linking it again against {shared} (torch's)")
-            ext.extra_link_args = list(ext.extra_link_args or []) + [shared]
-            self.force = True  # the objects are up to date: only the link runs again
-            self.build_extension(ext)
-            if defines_cxx_runtime(path):
-                sys.exit(f"error: {path} still carries its own copy of libstdc++; its error paths would "
-                         "crash instead of raising. Build with a compiler that has a shared libstdc++ (CXX=...).")
+def with_shared_cxx_runtime(build_extension: type) -> type:
+    """torch's BuildExtension (a parameter: torch is imported only once CUDA_HOME is set), relinking a
+    build that carries its own libstdc++ against torch's."""
+    class BuildExtensionSharedCxxRuntime(build_extension):
+        def build_extensions(self):
+            super().build_extensions()
+            for ext in self.extensions:
+                path = self.get_ext_fullpath(ext.name)
+                if not defines_cxx_runtime(path):
+                    continue
+                shared = loaded_libstdcxx()
+                if shared is None:
+                    sys.exit(f"error: {path} carries its own copy of libstdc++ (the compiler links it "
+                             "statically) and torch's shared libstdc++ was not found to link instead")
+                log(f"{path} carries its own copy of libstdc++: linking it again against {shared} (torch's)")
+                ext.extra_link_args = list(ext.extra_link_args or []) + [shared]
+                self.force = True  # the objects are up to date: only the link runs again
+                self.build_extension(ext)
+                if defines_cxx_runtime(path):
+                    sys.exit(f"error: {path} still carries its own copy of libstdc++; its error paths would "
+                             "crash instead of raising. Build with a compiler that has a shared libstdc++ (CXX=...).")
+
+    return BuildExtensionSharedCxxRuntime
 
 
 # ---------------------------------------------------------------------------------------------
 # Generated build config (gitignored), read by mla_attn at runtime and by the tests.
 # ---------------------------------------------------------------------------------------------
-def write_build_config() -> None:
-    text = f'''# Generated by setup.py -- do not edit (gitignored).
-ARCH = "sm_90a"
-CUTLASS_VERSION = "{CUTLASS_VER}"
-CUTLASS_SOURCE = "{CUTLASS_SOURCE}"
-CUTLASS_INCLUDE = {str(CUTLASS_INC)!r}
-NVCC_VERSION = "{NVCC_VER[0]}.{NVCC_VER[1]}"
-CUDA_HOME = {str(cuda_home)!r}
-TORCH_VERSION = "{torch.__version__}"
-DTYPES = {tuple(DTYPES)!r}
-PTXAS_VERBOSE = {env_flag("MLA_ATTN_PTXAS_VERBOSE")!r}
-RACECHECK = {RACECHECK!r}
-'''
+def write_build_config(fields: dict) -> None:
+    text = "# Generated by setup.py -- do not edit (gitignored).\n"
+    text += "".join(f"{name} = {value!r}\n" for name, value in fields.items())
     PKG_DIR.mkdir(parents=True, exist_ok=True)
     path = PKG_DIR / "_build_config.py"
     if not path.exists() or path.read_text() != text:
         path.write_text(text)
 
 
-write_build_config()
+# ---------------------------------------------------------------------------------------------
+# The extension: toolchain, sources, flags.
+# ---------------------------------------------------------------------------------------------
+def extension_setup() -> dict:
+    """setup()'s arguments for the extension, after looking up CUDA, CUTLASS and torch (and writing
+    _build_config.py)."""
+    cuda_home = resolve_cuda_home()
+    nvcc_ver = nvcc_version(cuda_home)
+    cutlass_inc, cutlass_source = find_cutlass()
+    cutlass_ver = cutlass_version(cutlass_inc)
+    torch_cuda_inc = find_torch_cuda_include()
+    log(f"CUDA_HOME={cuda_home} (nvcc {nvcc_ver[0]}.{nvcc_ver[1]})")
+    log(f"CUTLASS {cutlass_ver} headers from {cutlass_source}: {cutlass_inc}")
+    if cutlass_ver != CUTLASS_PIN_VERSION:
+        log(f"WARNING: CUTLASS {cutlass_ver} found, the kernels are developed against {CUTLASS_PIN_VERSION}")
+    log(f"torch wheel CUDA headers: {torch_cuda_inc or 'none'}")
+
+    # Imported only now: torch reads CUDA_HOME at import time.
+    import torch
+    from torch.utils.cpp_extension import BuildExtension, CUDAExtension
+
+    dtypes = [d for d in ("bf16", "fp16") if not env_flag(f"MLA_ATTN_DISABLE_{d.upper()}")]
+    if not dtypes:
+        sys.exit("error: MLA_ATTN_DISABLE_BF16 and MLA_ATTN_DISABLE_FP16 together leave nothing to build")
+    sources = kernel_sources(dtypes)
+    log(f"sources ({len(sources)}): {' '.join(sources)}")
+
+    feature_macros = [f"-DMLA_ATTN_DISABLE_{d.upper()}" for d in ("bf16", "fp16") if d not in dtypes]
+    racecheck = env_flag("MLA_ATTN_RACECHECK")
+    if racecheck:
+        feature_macros.append("-DMLA_ATTN_RACECHECK")
+        log("MLA_ATTN_RACECHECK=1: building the racecheck-only barriers (for compute-sanitizer, not production)")
+    nvcc_ver_text = f"{nvcc_ver[0]}.{nvcc_ver[1]}"
+    info_macros = [
+        f"-DMLA_ATTN_CUTLASS_SOURCE=\"{cutlass_source}\"",
+        f"-DMLA_ATTN_NVCC_VERSION=\"{nvcc_ver_text}\"",
+        f"-DMLA_ATTN_TORCH_VERSION=\"{torch.__version__}\"",
+        '-DMLA_ATTN_ARCH="sm_90a"',
+    ]
+
+    nvcc_flags = [
+        "-gencode=arch=compute_90a,code=sm_90a",
+        "-std=c++20",
+        "-O3",
+        "-DNDEBUG",
+        "--use_fast_math",
+        "-lineinfo",
+        "--expt-relaxed-constexpr",
+        "--expt-extended-lambda",
+        "-DCUTLASS_ENABLE_GDC_FOR_SM90",  # CUTLASS's PDL helpers compile to nothing without it
+        # torch adds these to every CUDAExtension; CuTe/CUTLASS need the half/bf16 operators.
+        "-U__CUDA_NO_HALF_OPERATORS__",
+        "-U__CUDA_NO_HALF_CONVERSIONS__",
+        "-U__CUDA_NO_BFLOAT16_CONVERSIONS__",
+        "-U__CUDA_NO_HALF2_OPERATORS__",
+        "--threads",
+        os.environ.get("NVCC_THREADS", "2"),
+    ] + feature_macros
+    if env_flag("MLA_ATTN_PTXAS_VERBOSE"):
+        nvcc_flags.append("-Xptxas=-v,--warn-on-spills,--warn-on-local-memory-usage")
+
+    cxx_flags = ["-O3", "-std=c++20", "-DNDEBUG"] + feature_macros + info_macros
+
+    include_dirs = [str(ROOT / "csrc"), str(cutlass_inc)]
+    if torch_cuda_inc is not None:
+        # -isystem: searched after CUDA_HOME/include, so it only fills in the headers the toolkit lacks.
+        nvcc_flags += ["-isystem", str(torch_cuda_inc)]
+        cxx_flags += ["-isystem", str(torch_cuda_inc)]
+
+    write_build_config(dict(
+        ARCH="sm_90a",
+        CUTLASS_VERSION=cutlass_ver,
+        CUTLASS_SOURCE=cutlass_source,
+        CUTLASS_INCLUDE=str(cutlass_inc),
+        NVCC_VERSION=nvcc_ver_text,
+        CUDA_HOME=str(cuda_home),
+        TORCH_VERSION=torch.__version__,
+        DTYPES=tuple(dtypes),
+        PTXAS_VERBOSE=env_flag("MLA_ATTN_PTXAS_VERBOSE"),
+        RACECHECK=racecheck,
+    ))
+    return dict(
+        ext_modules=[
+            CUDAExtension(
+                name="mla_attn._C",
+                sources=sources,
+                include_dirs=include_dirs,
+                extra_compile_args={"cxx": cxx_flags, "nvcc": nvcc_flags},
+                py_limited_api=False,
+            )
+        ],
+        cmdclass={"build_ext": with_shared_cxx_runtime(BuildExtension).with_options(use_ninja=True)},
+    )
+
+
+def packages_sources_only() -> bool:
+    """Commands that only package the sources need no toolchain: `sdist` (MANIFEST.in lists its
+    files) and `egg_info` (what a build frontend runs first, to ask for build requirements)."""
+    command = next((a for a in sys.argv[1:] if not a.startswith("-")), None)
+    return command in ("sdist", "egg_info")
+
 
 setup(
     package_dir={"": "python"},
     packages=["mla_attn"],
-    ext_modules=[
-        CUDAExtension(
-            name="mla_attn._C",
-            sources=sources,
-            include_dirs=include_dirs,
-            extra_compile_args={"cxx": cxx_flags, "nvcc": nvcc_flags},
-            py_limited_api=False,
-        )
-    ],
-    cmdclass={"build_ext": BuildExtensionSharedCxxRuntime.with_options(use_ninja=True)},
     zip_safe=False,
+    **({} if packages_sources_only() else extension_setup()),
 )

@@ -41,17 +41,12 @@ def _not_sources(directory: str, names: list) -> set:
 
 
 @pytest.mark.skipif(not (ROOT / "setup.py").is_file(), reason="needs the source tree")
-@pytest.mark.skipif(not (Path(os.environ.get("CUDA_HOME") or "/usr/local/cuda") / "bin" / "nvcc").is_file(),
-                    reason="setup.py needs the CUDA toolkit (CUDA_HOME)")
 def test_sdist_holds_every_header_the_pin_and_the_test_helpers(tmp_path):
-    # A copy of the tree: setup.py writes python/mla_attn/_build_config.py and the egg-info in its tree.
+    # A copy of the tree: setup.py writes the egg-info in its tree. No CUDA toolkit: packaging the
+    # sources must not need one (a release's sdist is often made on a machine without).
     tree = tmp_path / "tree"
     shutil.copytree(ROOT, tree, ignore=_not_sources)
-    env = dict(os.environ)
-    if "CUTLASS_DIR" in env:  # relative to where the tests run, not to the copy
-        env["CUTLASS_DIR"] = str(Path(env["CUTLASS_DIR"]).resolve())
-    elif (ROOT / "third_party" / "cutlass" / "include" / "cute").is_dir():  # fetched, and not copied
-        env["CUTLASS_DIR"] = str(ROOT / "third_party" / "cutlass")
+    env = {**os.environ, "CUDA_HOME": str(tmp_path / "no-cuda-here")}
     run = subprocess.run([sys.executable, "setup.py", "-q", "sdist", "--dist-dir", str(tmp_path / "dist")],
                          cwd=tree, env=env, capture_output=True, text=True)
     assert run.returncode == 0, run.stderr[-4000:]
