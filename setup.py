@@ -25,6 +25,7 @@ import sys
 from pathlib import Path
 
 from setuptools import setup
+from setuptools.dist import Distribution
 
 ROOT = Path(__file__).resolve().parent
 PKG_DIR = ROOT / "python" / "mla_attn"
@@ -160,17 +161,6 @@ def find_torch_cuda_include():
     return None
 
 
-def kernel_sources(dtypes: list) -> list:
-    """The .cpp bindings and every .cu below the kernel folders, relative to ROOT, without the
-    instantiation files of a left-out dtype (they are named after it: instantiations/fp16_fp8kv.cu)."""
-    kernel_dirs = ["common", "mla_decode", "mla_prefill", "merge", "kv_cache", "sparse"]
-    cuda_sources = sorted(s for d in kernel_dirs
-                          for s in glob.glob(str(ROOT / "csrc" / d / "**" / "*.cu"), recursive=True))
-    cuda_sources = [s for s in cuda_sources if not any(d in Path(s).stem for d in ("bf16", "fp16") if d not in dtypes)]
-    sources = sorted(glob.glob(str(ROOT / "csrc" / "bindings" / "*.cpp"))) + cuda_sources
-    return [os.path.relpath(s, ROOT) for s in sources]
-
-
 # ---------------------------------------------------------------------------------------------
 # The C++ runtime. The extension must use the libstdc++ that torch runs on, never a private static
 # copy: a second copy's iostreams and locale facets mix with the process's (they share data symbols
@@ -200,10 +190,10 @@ def loaded_libstdcxx():
     return sorted(paths)[0] if paths else None
 
 
-def with_shared_cxx_runtime(build_extension: type) -> type:
+def with_shared_cxx_runtime(base: type) -> type:
     """torch's BuildExtension (a parameter: torch is imported only once CUDA_HOME is set), relinking a
     build that carries its own libstdc++ against torch's."""
-    class BuildExtensionSharedCxxRuntime(build_extension):
+    class BuildExtensionSharedCxxRuntime(base):
         def build_extensions(self):
             super().build_extensions()
             for ext in self.extensions:
@@ -240,6 +230,18 @@ def write_build_config(fields: dict) -> None:
 # ---------------------------------------------------------------------------------------------
 # The extension: toolchain, sources, flags.
 # ---------------------------------------------------------------------------------------------
+def kernel_sources(dtypes: list) -> list:
+    """The .cpp bindings and every .cu below the kernel folders, relative to ROOT, without the
+    instantiation files of a left-out dtype (they are named after it: instantiations/fp16_fp8kv.cu)."""
+    kernel_dirs = ["common", "mla_decode", "mla_prefill", "merge", "kv_cache", "sparse"]
+    left_out = [d for d in ("bf16", "fp16") if d not in dtypes]
+    cuda_sources = sorted(s for d in kernel_dirs
+                          for s in glob.glob(str(ROOT / "csrc" / d / "**" / "*.cu"), recursive=True))
+    cuda_sources = [s for s in cuda_sources if not any(d in Path(s).stem for d in left_out)]
+    sources = sorted(glob.glob(str(ROOT / "csrc" / "bindings" / "*.cpp"))) + cuda_sources
+    return [os.path.relpath(s, ROOT) for s in sources]
+
+
 def extension_setup() -> dict:
     """setup()'s arguments for the extension, after looking up CUDA, CUTLASS and torch (and writing
     _build_config.py)."""
@@ -332,16 +334,23 @@ def extension_setup() -> dict:
     )
 
 
-def packages_sources_only() -> bool:
-    """Commands that only package the sources need no toolchain: `sdist` (MANIFEST.in lists its
-    files) and `egg_info` (what a build frontend runs first, to ask for build requirements)."""
-    command = next((a for a in sys.argv[1:] if not a.startswith("-")), None)
-    return command in ("sdist", "egg_info")
+class ExtensionOnDemand(Distribution):
+    """Commands that only package the sources need no toolchain: `sdist` (MANIFEST.in lists its files)
+    and `egg_info` (what a build frontend runs first, to ask for build requirements). A call with any
+    other command gets the extension before its commands run, decided from the parsed commands
+    (`setup.py sdist bdist_wheel` builds it)."""
+
+    def run_commands(self):
+        if not set(self.commands) <= {"sdist", "egg_info"}:
+            extension = extension_setup()
+            self.ext_modules = extension["ext_modules"]
+            self.cmdclass.update(extension["cmdclass"])
+        super().run_commands()
 
 
 setup(
+    distclass=ExtensionOnDemand,
     package_dir={"": "python"},
     packages=["mla_attn"],
     zip_safe=False,
-    **({} if packages_sources_only() else extension_setup()),
 )

@@ -43,7 +43,7 @@ def _not_sources(directory: str, names: list) -> set:
 @pytest.mark.skipif(not (ROOT / "setup.py").is_file(), reason="needs the source tree")
 def test_sdist_holds_every_header_the_pin_and_the_test_helpers(tmp_path):
     # A copy of the tree: setup.py writes the egg-info in its tree. No CUDA toolkit: packaging the
-    # sources must not need one (a release's sdist is often made on a machine without).
+    # sources must not need one (a release's sdist is often made on a machine without it).
     tree = tmp_path / "tree"
     shutil.copytree(ROOT, tree, ignore=_not_sources)
     env = {**os.environ, "CUDA_HOME": str(tmp_path / "no-cuda-here")}
@@ -55,10 +55,25 @@ def test_sdist_holds_every_header_the_pin_and_the_test_helpers(tmp_path):
         shipped = {name.split("/", 1)[1] for name in tar.getnames() if "/" in name}
     needed = {str(p.relative_to(tree)) for d in ("csrc", "tests", "examples") for p in (tree / d).rglob("*")
               if p.is_file()}
-    needed |= {"setup.py", "pyproject.toml", "LICENSE", "README.md", "third_party/cutlass.pin", "scripts/fetch_cutlass.sh"}
+    needed |= {"setup.py", "pyproject.toml", "LICENSE", "README.md", "third_party/cutlass.pin",
+               "scripts/fetch_cutlass.sh"}
     assert needed - shipped == set()
     # Generated with the builder's paths and flags: a build from the sdist writes its own.
     assert "python/mla_attn/_build_config.py" not in shipped
+
+
+@pytest.mark.skipif(not (ROOT / "setup.py").is_file(), reason="needs the source tree")
+def test_a_call_that_also_builds_looks_for_the_toolchain(tmp_path):
+    # `setup.py sdist bdist_wheel` must build the extension, not ship a wheel without it: with no
+    # toolkit it stops at the nvcc lookup, before compiling anything.
+    tree = tmp_path / "tree"
+    shutil.copytree(ROOT, tree, ignore=_not_sources)
+    run = subprocess.run([sys.executable, "setup.py", "-q", "sdist", "--dist-dir", str(tmp_path / "dist"),
+                          "bdist_wheel", "--dist-dir", str(tmp_path / "dist")],
+                         cwd=tree, env={**os.environ, "CUDA_HOME": str(tmp_path / "no-cuda-here")},
+                         capture_output=True, text=True)
+    assert run.returncode != 0 and f"no nvcc at {tmp_path / 'no-cuda-here'}" in run.stderr, run.stderr[-4000:]
+    assert not list((tmp_path / "dist").glob("*.whl"))
 
 
 def _package_copy(tmp_path, extra: dict) -> Path:

@@ -20,7 +20,7 @@ def load() -> ModuleType:
 
 def load_failure(error: ImportError) -> str:
     """The message for an extension that did not load: what setup.py recorded of the build
-    (_build_config, written next to the package when setup.py runs) against what runs."""
+    (_build_config, written into the package when setup.py builds) against what runs."""
     here = Path(__file__).parent
     if isinstance(error, ModuleNotFoundError) and error.name == f"{__package__}._C":
         others = sorted(p.name for p in here.glob("_C.*.so"))
