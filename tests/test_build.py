@@ -40,15 +40,21 @@ def _not_sources(directory: str, names: list) -> set:
     return {n for n in names if n == "__pycache__" or n.endswith((".egg-info", ".so", ".o", ".pyc"))}
 
 
-@pytest.mark.skipif(not (ROOT / "setup.py").is_file(), reason="needs the source tree")
-def test_sdist_holds_every_header_the_pin_and_the_test_helpers(tmp_path):
-    # A copy of the tree: setup.py writes the egg-info in its tree. No CUDA toolkit: packaging the
-    # sources must not need one (a release's sdist is often made on a machine without it).
+def _setup_py_without_cuda(tmp_path, *args: str) -> tuple:
+    """setup.py `args` in a copy of the tree (it writes the egg-info there), with CUDA_HOME pointing
+    nowhere. -> (the copy, the finished process)."""
     tree = tmp_path / "tree"
     shutil.copytree(ROOT, tree, ignore=_not_sources)
     env = {**os.environ, "CUDA_HOME": str(tmp_path / "no-cuda-here")}
-    run = subprocess.run([sys.executable, "setup.py", "-q", "sdist", "--dist-dir", str(tmp_path / "dist")],
-                         cwd=tree, env=env, capture_output=True, text=True)
+    run = subprocess.run([sys.executable, "setup.py", "-q", *args], cwd=tree, env=env, capture_output=True, text=True)
+    return tree, run
+
+
+@pytest.mark.skipif(not (ROOT / "setup.py").is_file(), reason="needs the source tree")
+def test_sdist_holds_every_header_the_pin_and_the_test_helpers(tmp_path):
+    # No CUDA toolkit: packaging the sources must not need one (a release's sdist is often made on a
+    # machine without it).
+    tree, run = _setup_py_without_cuda(tmp_path, "sdist", "--dist-dir", str(tmp_path / "dist"))
     assert run.returncode == 0, run.stderr[-4000:]
     (sdist,) = (tmp_path / "dist").glob("mla_attn-*.tar.gz")
     with tarfile.open(sdist) as tar:
@@ -66,12 +72,8 @@ def test_sdist_holds_every_header_the_pin_and_the_test_helpers(tmp_path):
 def test_a_call_that_also_builds_looks_for_the_toolchain(tmp_path):
     # `setup.py sdist bdist_wheel` must build the extension, not ship a wheel without it: with no
     # toolkit it stops at the nvcc lookup, before compiling anything.
-    tree = tmp_path / "tree"
-    shutil.copytree(ROOT, tree, ignore=_not_sources)
-    run = subprocess.run([sys.executable, "setup.py", "-q", "sdist", "--dist-dir", str(tmp_path / "dist"),
-                          "bdist_wheel", "--dist-dir", str(tmp_path / "dist")],
-                         cwd=tree, env={**os.environ, "CUDA_HOME": str(tmp_path / "no-cuda-here")},
-                         capture_output=True, text=True)
+    _, run = _setup_py_without_cuda(tmp_path, "sdist", "--dist-dir", str(tmp_path / "dist"),
+                                    "bdist_wheel", "--dist-dir", str(tmp_path / "dist"))
     assert run.returncode != 0 and f"no nvcc at {tmp_path / 'no-cuda-here'}" in run.stderr, run.stderr[-4000:]
     assert not list((tmp_path / "dist").glob("*.whl"))
 
