@@ -93,24 +93,62 @@ struct WalkNode {
   int parts;  // parts from S_r to S_next, at most kMaxSmParts + 1 (more cannot fit)
 };
 
-// Split walk: whether e catches a walk at node r (S_r = s_r), and at which part count.
+// ceil(a / piece) for 0 <= a < the walk's total, on a node's dependent chain. In 32 bits (positions
+// below kMaxNarrowTotal) a multiply-high by ceil(2^(31 + l) / piece), l = ceil(log2 piece), exact for
+// dividends below 2^31 (the round-up method of CUTLASS's FastDivmod; its multiplier is formed here
+// from the FP64 quotient, not by a 64-bit integer division at the head of every walk). In 64 bits the
+// FP64 reciprocal and one correction step (a < 2^52). An integer division is a subroutine of ~20
+// dependent instructions.
 template <typename Pos>
-__device__ __forceinline__ bool catches(Pos s_r, Pos s_e, Pos piece, double inv_piece, int& parts) {
-  const Pos d = s_e - s_r, a = d - kFixedSplitCost;
-  Pos j = 1;
-  if (a > piece) {  // ceil(a / piece) from the reciprocal, exact after one step either way (a < 2^52)
-    j = Pos(double(a) * inv_piece);
+struct PieceDivider;
+
+template <>
+struct PieceDivider<int> {
+  int piece;
+  unsigned multiplier;
+  int shift;
+  __device__ explicit PieceDivider(int piece_) : piece(piece_), multiplier(0), shift(0) {
+    if (piece <= 1) return;  // piece 1 divides by copying; a whole-request walk (piece 0) never divides
+    const int l = 32 - __clz(piece - 1);
+    const unsigned long long num = 1ull << (31 + l);
+    unsigned long long m = (unsigned long long)(double(num) / double(piece));  // within one of the ceiling
+    if (m * piece < num) ++m;
+    if ((m - 1) * piece >= num) --m;
+    multiplier = unsigned(m);
+    shift = l - 1;
+  }
+  __device__ int ceil_div(int a) const {
+    const unsigned n = unsigned(a + piece - 1);
+    return piece == 1 ? a : int(__umulhi(n, multiplier) >> shift);
+  }
+};
+
+template <>
+struct PieceDivider<long long> {
+  double inv_piece;
+  long long piece;
+  __device__ explicit PieceDivider(long long piece_) : inv_piece(1.0 / double(max(piece_, 1ll))), piece(piece_) {}
+  __device__ long long ceil_div(long long a) const {
+    long long j = (long long)(double(a) * inv_piece);
     if (j * piece < a) ++j;
     if ((j - 1) * piece >= a) --j;
+    return j;
   }
+};
+
+// Split walk: whether e catches a walk at node r (S_r = s_r), and at which part count.
+template <typename Pos>
+__device__ __forceinline__ bool catches(Pos s_r, Pos s_e, const PieceDivider<Pos>& piece, int& parts) {
+  const Pos d = s_e - s_r, a = d - kFixedSplitCost;
+  const Pos j = a > piece.piece ? piece.ceil_div(a) : Pos(1);
   parts = int(min(j, Pos(kMaxSmParts + 1)));
-  return j * piece <= d - 1;
+  return j * piece.piece <= d - 1;
 }
 
 template <typename Pos>
-__device__ __forceinline__ int parts_until_end(Pos s_r, Pos total, Pos piece) {
+__device__ __forceinline__ int parts_until_end(Pos s_r, Pos total, const PieceDivider<Pos>& piece) {
   const Pos a = total - kFixedSplitCost - s_r;  // the first j with s_r + j piece + F >= total
-  return a <= piece ? 1 : int(min((a + piece - 1) / piece, Pos(kMaxSmParts + 1)));
+  return a <= piece.piece ? 1 : int(min(piece.ceil_div(a), Pos(kMaxSmParts + 1)));
 }
 
 // Node r of a walk of part cost C (piece = C - kFixedSplitCost on a split walk), as one lane sees
@@ -120,21 +158,27 @@ constexpr int kNodeScan = 8;
 // A window whose chain stops before this lane did not pay for itself: the walk goes on without.
 constexpr int kMinWindowAdvance = 4;
 template <typename Pos>
-__device__ __forceinline__ WalkNode window_node(const Pos* incl, int batch, Pos total, Pos C, bool whole, Pos piece,
-                                                double inv_piece, int r) {
+__device__ __forceinline__ WalkNode window_node(const Pos* incl, int batch, Pos total, Pos C, bool whole,
+                                                const PieceDivider<Pos>& piece, int r) {
   const Pos s_r = r > 0 ? incl[r - 1] : 0;
   const int scan_end = min(batch, r + 1 + kNodeScan);
   if (whole) {  // the request holding S_r + C: in a dense window one of the next few, else searched
     const Pos v = s_r + C;
     if (v >= total) return {batch, 1};
-    for (int e = r + 1; e < scan_end; ++e) {
-      if (incl[e - 1] > v) return {max(e - 1, r + 1), 1};
+    // The next kNodeScan request starts are compared at once (one load latency, not up to kNodeScan
+    // in turn), the first above v taken. The split scan below stays a loop that stops at its catch:
+    // unrolled, its kNodeScan catch tests cost the 14 walks' shared issue slots more than they saved.
+    int holder = -1;
+#pragma unroll
+    for (int k = kNodeScan - 1; k >= 0; --k) {
+      const int e = r + 1 + k;
+      if (e < scan_end && incl[e - 1] > v) holder = e - 1;
     }
-    return {max(count_le(incl, batch, v), r + 1), 1};
+    return {max(holder >= 0 ? holder : count_le(incl, batch, v), r + 1), 1};
   }
   for (int e = r + 1; e < scan_end; ++e) {
     int parts;
-    if (catches(s_r, incl[e - 1], piece, inv_piece, parts)) return {e, parts};
+    if (catches(s_r, incl[e - 1], piece, parts)) return {e, parts};
   }
   if (scan_end == batch) return {batch, parts_until_end(s_r, total, piece)};
   return {-1, 0};
@@ -146,8 +190,8 @@ __device__ __forceinline__ WalkNode window_node(const Pos* incl, int batch, Pos 
 // stops the run: it reaches total, or the first request start above its cut lies within
 // kFixedSplitCost (the catch).
 template <typename Pos>
-__device__ __forceinline__ WalkNode warp_node(const Pos* incl, int batch, Pos total, Pos C, bool whole, Pos piece,
-                                              double inv_piece, int r) {
+__device__ __forceinline__ WalkNode warp_node(const Pos* incl, int batch, Pos total, Pos C, bool whole,
+                                              const PieceDivider<Pos>& piece, int r) {
   const int lane = threadIdx.x % 32;
   const Pos s_r = r > 0 ? incl[r - 1] : 0;
   if (whole) {
@@ -161,7 +205,7 @@ __device__ __forceinline__ WalkNode warp_node(const Pos* incl, int batch, Pos to
   {  // a catch among the next 32 requests comes before the run ends
     const int e = r + 1 + lane;
     int parts = 0;
-    const unsigned hits = __ballot_sync(kFullMask, e < batch && catches(s_r, incl[e - 1], piece, inv_piece, parts));
+    const unsigned hits = __ballot_sync(kFullMask, e < batch && catches(s_r, incl[e - 1], piece, parts));
     if (hits) {
       const int l = __ffs(hits) - 1;
       return {r + 1 + l, __shfl_sync(kFullMask, parts, l)};
@@ -169,7 +213,7 @@ __device__ __forceinline__ WalkNode warp_node(const Pos* incl, int batch, Pos to
   }
   for (int j0 = 0; j0 <= kMaxSmParts; j0 += 32) {
     const int j = j0 + lane + 1;
-    const Pos cut = s_r + j * piece, y = cut + kFixedSplitCost;
+    const Pos cut = s_r + j * piece.piece, y = cut + kFixedSplitCost;
     const int above = count_le(incl, batch, cut) + 1;  // the first request start above the cut
     const bool ends = y >= total;
     const unsigned stops = __ballot_sync(kFullMask, ends || (above < batch && incl[above - 1] <= y));
@@ -193,11 +237,11 @@ __device__ __forceinline__ bool walk_parts(const Pos* incl, int batch, Pos total
                                            long long* starts) {
   const int lane = threadIdx.x % 32;
   const Pos piece = whole ? 0 : C - kFixedSplitCost;
-  const double inv_piece = whole ? 0.0 : 1.0 / double(piece);
+  const PieceDivider<Pos> divider(piece);
   int node = 0, placed = 0;  // the chain's current node and the parts before it
   bool windows = true;  // off once a window moved the chain by few nodes (catches too far apart)
   while (node < batch && placed < num_sm_parts) {
-    const WalkNode head = warp_node(incl, batch, total, C, whole, piece, inv_piece, node);
+    const WalkNode head = warp_node(incl, batch, total, C, whole, divider, node);
     const Pos s_head = node > 0 ? incl[node - 1] : 0;
     for (int j = lane; j < min(head.parts, num_sm_parts - placed); j += 32) starts[placed + j] = s_head + j * piece;
     placed += head.parts;
@@ -206,7 +250,7 @@ __device__ __forceinline__ bool walk_parts(const Pos* incl, int batch, Pos total
     if (!windows || !dense || node >= batch || placed >= num_sm_parts) continue;
 
     const int r = node + lane;
-    WalkNode w = r < batch ? window_node(incl, batch, total, C, whole, piece, inv_piece, r) : WalkNode{batch, 0};
+    WalkNode w = r < batch ? window_node(incl, batch, total, C, whole, divider, r) : WalkNode{batch, 0};
     // jump[k] / jump_parts[k]: the lane 2^k chain steps ahead within the window (itself once the
     // chain leaves the window or reaches an unknown node there) and the parts over those steps.
     int jump[5], jump_parts[5];
