@@ -55,17 +55,33 @@ def padded(t):
     return buf[..., :-1]
 
 
-def one_row_on(t):
-    """A view of t's storage one row further on: it shares all but one of t's rows (the storage must go on)."""
-    return torch.as_strided(t, t.shape, t.stride(), t.storage_offset() + t.stride(0))
+def _second_storage(t):
+    """t's memory under a storage of its own (DLPack builds one, as an engine handing a buffer over
+    would): torch's storage-based overlap check does not see the two as one memory."""
+    alias = torch.from_dlpack(t.detach())
+    assert alias.data_ptr() == t.data_ptr() and alias.untyped_storage()._cdata != t.untyped_storage()._cdata
+    return alias
 
 
-def output_over(a, name, output):
+def one_row_on(t, second_storage=False):
+    """A view of t's storage one row further on: it shares all but one of t's rows (the storage must go on).
+    second_storage: the view is taken of t's whole storage reached through a storage of its own."""
+    base = t
+    if second_storage:
+        whole = torch.empty(0, dtype=t.dtype, device=t.device).set_(t.untyped_storage(), 0,
+                                                                    (t.untyped_storage().nbytes() // t.element_size(),))
+        base = _second_storage(whole)
+    return torch.as_strided(base, t.shape, t.stride(), t.storage_offset() + t.stride(0))
+
+
+def output_over(a, name, output, second_storage=False):
     """Input `name` made contiguous (torch judges overlap between dense tensors only) and output `output`
-    shaped as before over its first bytes (the input must be at least as large)."""
+    shaped as before over its first bytes (the input must be at least as large); with second_storage,
+    through a storage of its own."""
     t = a[name].contiguous()
     like = a[output]
-    return {name: t, output: t.reshape(-1).view(torch.uint8)[:like.numel() * like.element_size()]
+    over = _second_storage(t) if second_storage else t
+    return {name: t, output: over.reshape(-1).view(torch.uint8)[:like.numel() * like.element_size()]
             .view(like.dtype).view(like.shape)}
 
 
@@ -227,6 +243,8 @@ GPU_CASES = [
     ("mla_decode_out", lambda a: output_over(a, "kv_cache", "out"), R, r"out shares memory with kv_cache"),
     ("mla_decode_out", lambda a: output_over(a, "q", "lse"), R, r"lse shares memory with q"),
     ("mla_decode_out", lambda a: output_over(a, "out", "lse"), R, r"lse shares memory with out"),
+    # the same memory under a second storage (DLPack), which torch's own overlap check does not see
+    ("mla_decode_out", lambda a: output_over(a, "q", "lse", second_storage=True), R, r"lse shares memory with q"),
     ("mla_decode", lambda a: dict(q=a["q"][..., :512].contiguous(), q_pe=a["q"][..., 512:].half()), R,
      r"q_pe must be \[.., h_q, 64\] of q's dtype with q's leading dims"),
     ("mla_decode", lambda a: dict(q=a["q"][..., :512].contiguous(), q_pe=a["q"][:1, ..., 512:].contiguous()), R,
@@ -321,6 +339,8 @@ GPU_CASES = [
     # a view one row on races with the rows it shares (out = out_a itself is allowed: test_merge.py)
     ("merge_attn_states_out", lambda a: dict(out=one_row_on(a["out_a"])), R, r"out shares part of out_a's memory"),
     ("merge_attn_states_out", lambda a: dict(lse=one_row_on(a["lse_a"])), R, r"lse shares part of lse_a's memory"),
+    ("merge_attn_states_out", lambda a: dict(out=one_row_on(a["out_a"], second_storage=True)), R,
+     r"out shares part of out_a's memory"),
     ("merge_attn_states_out", lambda a: dict(  # 4 rows each: out is out_b's rows 1..4
         out_a=a["out_a"][:4], lse_a=a["lse_a"][:4], out_b=a["out_b"][:4], lse_b=a["lse_b"][:4],
         out=one_row_on(a["out_b"][:4]), lse=a["lse"][:4]), R, r"out shares part of out_b's memory"),
@@ -351,6 +371,7 @@ GPU_CASES = [
     ("mla_prefill_out", lambda a: output_over(a, "q", "out"), R, r"out shares memory with q"),
     ("mla_prefill_out", lambda a: output_over(a, "v", "lse"), R, r"lse shares memory with v"),
     ("mla_prefill_out", lambda a: output_over(a, "out", "lse"), R, r"lse shares memory with out"),
+    ("mla_prefill_out", lambda a: output_over(a, "q", "out", second_storage=True), R, r"out shares memory with q"),
     ("mla_prefill", lambda a: dict(k_pe=a["k_pe"][..., :32]), R, r"k_pe must be \[T, h, 64\]"),
     ("mla_prefill", lambda a: dict(k_pe=a["k_pe"].expand(-1, 2, -1)), R, r"k_pe must be \[T_k, 1, 64\]"),
     ("mla_prefill", lambda a: dict(cu_seqlens_q=a["cu_seqlens_q"].long()), R, r"cu_seqlens_q must be int32"),
@@ -480,6 +501,8 @@ CPU_CASES = [
     ("merge_attn_states_out", lambda a: dict(lse=a["lse"][:2]), V, r"lse must have shape \(5, 3\)"),
     ("merge_attn_states_out", lambda a: dict(out=one_row_on(a["out_a"])), V, r"out shares part of out_a's memory"),
     ("merge_attn_states_out", lambda a: dict(lse=one_row_on(a["lse_a"])), V, r"lse shares part of lse_a's memory"),
+    ("merge_attn_states_out", lambda a: dict(out=one_row_on(a["out_a"], second_storage=True)), V,
+     r"out shares part of out_a's memory"),
     ("merge_attn_states_n", lambda a: dict(lses=a["lses"].double()), T, r"lses must be float32"),
     ("mla_prefill", lambda a: dict(softmax_scale=math.inf), V, r"softmax_scale must be a finite number > 0 .*got inf"),
     ("mla_prefill", lambda a: dict(v=a["v"].half()), T, r"v dtype torch.float16 must match q dtype"),
@@ -492,6 +515,8 @@ CPU_CASES = [
     ("mla_prefill_out", lambda a: output_over(a, "out", "lse"), V, r"lse shares memory with out"),
     ("mla_decode_out", lambda a: output_over(a, "kv_cache", "out"), V, r"out shares memory with kv_cache"),
     ("mla_decode_out", lambda a: output_over(a, "q", "lse"), V, r"lse shares memory with q"),
+    ("mla_decode_out", lambda a: output_over(a, "q", "lse", second_storage=True), V, r"lse shares memory with q"),
+    ("mla_prefill_out", lambda a: output_over(a, "q", "out", second_storage=True), V, r"out shares memory with q"),
     ("compact_sparse_indices", lambda a: dict(indices=a["indices"].long()), T, r"indices must be int32"),
     ("compact_sparse_indices", lambda a: dict(indices=a["indices"][0]), V, r"indices must be 2-D"),
     ("compact_sparse_indices", lambda a: dict(indices=a["indices"][:, :0]), V,
