@@ -75,7 +75,7 @@ def one_row_on(t, second_storage=False):
 
 
 def output_over(a, name, output, second_storage=False):
-    """Input `name` made contiguous (torch judges overlap between dense tensors only) and output `output`
+    """Input `name` made contiguous (overlap is judged between dense tensors only) and output `output`
     shaped as before over its first bytes (the input must be at least as large); with second_storage,
     through a storage of its own."""
     t = a[name].contiguous()

@@ -2,6 +2,7 @@
 // None of these syncs with the device: they read tensor metadata only.
 #pragma once
 #include <ATen/ATen.h>
+#include <ATen/MemoryOverlap.h>
 #include <ATen/cuda/CUDAContext.h>
 #include <c10/util/Exception.h>
 
@@ -84,10 +85,12 @@ inline void check_no_internal_overlap(const at::Tensor& t, const char* name) {
   }
 }
 
-// Whether a and b share memory: their byte ranges meet, dense tensors only (the wrappers' rule). By
-// address, not storage: torch's get_overlap_status compares storages, and two storages over one buffer
-// (a tensor from DLPack or from_blob) would pass it while a kernel writes what another CTA reads.
+// Whether a and b share memory: as torch judges it (one storage: the same tensor, dense or not, or dense
+// views whose ranges meet), or, for dense tensors, by their byte ranges alone, the wrappers' rule: two
+// storages over one buffer (a tensor from DLPack or from_blob) pass torch's test.
 inline bool shares_memory(const at::Tensor& a, const at::Tensor& b) {
+  const at::MemOverlapStatus status = at::get_overlap_status(a, b);
+  if (status == at::MemOverlapStatus::Partial || status == at::MemOverlapStatus::Full) return true;
   if (a.numel() == 0 || b.numel() == 0 || a.device() != b.device()) return false;
   if (!a.is_non_overlapping_and_dense() || !b.is_non_overlapping_and_dense()) return false;
   const auto a_first = reinterpret_cast<uintptr_t>(a.data_ptr());
