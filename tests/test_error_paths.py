@@ -245,6 +245,10 @@ GPU_CASES = [
     ("mla_decode_out", lambda a: output_over(a, "out", "lse"), R, r"lse shares memory with out"),
     # the same memory under a second storage (DLPack), which torch's own overlap check does not see
     ("mla_decode_out", lambda a: output_over(a, "q", "lse", second_storage=True), R, r"lse shares memory with q"),
+    # one non-dense tensor as input and output (q a slice of the 576-wide rows, q_pe the rest): torch's
+    # check sees it, the byte ranges (dense tensors only) do not
+    ("mla_decode_out", lambda a: (lambda q: dict(q=q, q_pe=a["q"][..., 512:], out=q))(a["q"][..., :512]), R,
+     r"out shares memory with q"),
     ("mla_decode", lambda a: dict(q=a["q"][..., :512].contiguous(), q_pe=a["q"][..., 512:].half()), R,
      r"q_pe must be \[.., h_q, 64\] of q's dtype with q's leading dims"),
     ("mla_decode", lambda a: dict(q=a["q"][..., :512].contiguous(), q_pe=a["q"][:1, ..., 512:].contiguous()), R,
