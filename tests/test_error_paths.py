@@ -240,14 +240,14 @@ GPU_CASES = [
      r"out: elements overlap in memory"),
     ("mla_decode_out", lambda a: dict(lse=a["lse"][:, :, :1].expand(-1, -1, 4)), R, r"lse: elements overlap in memory"),
     # outputs over inputs, which other CTAs still read
-    ("mla_decode_out", lambda a: output_over(a, "kv_cache", "out"), R, r"out shares memory with kv_cache"),
-    ("mla_decode_out", lambda a: output_over(a, "q", "lse"), R, r"lse shares memory with q"),
-    ("mla_decode_out", lambda a: output_over(a, "out", "lse"), R, r"lse shares memory with out"),
+    ("mla_decode_out", lambda a: output_over(a, "kv_cache", "out"), V, r"out shares memory with kv_cache"),
+    ("mla_decode_out", lambda a: output_over(a, "q", "lse"), V, r"lse shares memory with q"),
+    ("mla_decode_out", lambda a: output_over(a, "out", "lse"), V, r"lse shares memory with out"),
     # the same memory under a second storage (DLPack), which torch's own overlap check does not see
-    ("mla_decode_out", lambda a: output_over(a, "q", "lse", second_storage=True), R, r"lse shares memory with q"),
+    ("mla_decode_out", lambda a: output_over(a, "q", "lse", second_storage=True), V, r"lse shares memory with q"),
     # one non-dense tensor as input and output (q a slice of the 576-wide rows, q_pe the rest): torch's
     # check sees it, the byte ranges (dense tensors only) do not
-    ("mla_decode_out", lambda a: (lambda q: dict(q=q, q_pe=a["q"][..., 512:], out=q))(a["q"][..., :512]), R,
+    ("mla_decode_out", lambda a: (lambda q: dict(q=q, q_pe=a["q"][..., 512:], out=q))(a["q"][..., :512]), V,
      r"out shares memory with q"),
     ("mla_decode", lambda a: dict(q=a["q"][..., :512].contiguous(), q_pe=a["q"][..., 512:].half()), R,
      r"q_pe must be \[.., h_q, 64\] of q's dtype with q's leading dims"),
@@ -341,14 +341,14 @@ GPU_CASES = [
     ("merge_attn_states_out", lambda a: dict(out=a["out"][:1].expand(5, -1, -1)), R, r"out: elements overlap in memory"),
     ("merge_attn_states_out", lambda a: dict(lse=a["lse"][:1].expand(5, -1)), R, r"lse: elements overlap in memory"),
     # a view one row on races with the rows it shares (out = out_a itself is allowed: test_merge.py)
-    ("merge_attn_states_out", lambda a: dict(out=one_row_on(a["out_a"])), R, r"out shares part of out_a's memory"),
-    ("merge_attn_states_out", lambda a: dict(lse=one_row_on(a["lse_a"])), R, r"lse shares part of lse_a's memory"),
-    ("merge_attn_states_out", lambda a: dict(out=one_row_on(a["out_a"], second_storage=True)), R,
+    ("merge_attn_states_out", lambda a: dict(out=one_row_on(a["out_a"])), V, r"out shares part of out_a's memory"),
+    ("merge_attn_states_out", lambda a: dict(lse=one_row_on(a["lse_a"])), V, r"lse shares part of lse_a's memory"),
+    ("merge_attn_states_out", lambda a: dict(out=one_row_on(a["out_a"], second_storage=True)), V,
      r"out shares part of out_a's memory"),
     ("merge_attn_states_out", lambda a: dict(  # 4 rows each: out is out_b's rows 1..4
         out_a=a["out_a"][:4], lse_a=a["lse_a"][:4], out_b=a["out_b"][:4], lse_b=a["lse_b"][:4],
-        out=one_row_on(a["out_b"][:4]), lse=a["lse"][:4]), R, r"out shares part of out_b's memory"),
-    ("merge_attn_states_out", lambda a: dict(lse=a["out"].view(torch.float32).view(-1)[:15].view(5, 3)), R,
+        out=one_row_on(a["out_b"][:4]), lse=a["lse"][:4]), V, r"out shares part of out_b's memory"),
+    ("merge_attn_states_out", lambda a: dict(lse=a["out"].view(torch.float32).view(-1)[:15].view(5, 3)), V,
      r"out and lse share memory"),
     ("merge_attn_states_n", lambda a: dict(outs=a["outs"][0, 0, 0], lses=a["lses"][0, 0, 0]), R,
      r"outs must be \[n, ..., d\]"),
@@ -372,10 +372,10 @@ GPU_CASES = [
     ("mla_prefill_out", lambda a: dict(lse=a["lse"].cpu()), R, r"lse must be on cuda"),  # was written through
     ("mla_prefill_out", lambda a: dict(out=a["out"][:1].expand(8, -1, -1)), R, r"out: elements overlap in memory"),
     ("mla_prefill_out", lambda a: dict(lse=a["lse"][:, :1].expand(-1, 4)), R, r"lse: elements overlap in memory"),
-    ("mla_prefill_out", lambda a: output_over(a, "q", "out"), R, r"out shares memory with q"),
-    ("mla_prefill_out", lambda a: output_over(a, "v", "lse"), R, r"lse shares memory with v"),
-    ("mla_prefill_out", lambda a: output_over(a, "out", "lse"), R, r"lse shares memory with out"),
-    ("mla_prefill_out", lambda a: output_over(a, "q", "out", second_storage=True), R, r"out shares memory with q"),
+    ("mla_prefill_out", lambda a: output_over(a, "q", "out"), V, r"out shares memory with q"),
+    ("mla_prefill_out", lambda a: output_over(a, "v", "lse"), V, r"lse shares memory with v"),
+    ("mla_prefill_out", lambda a: output_over(a, "out", "lse"), V, r"lse shares memory with out"),
+    ("mla_prefill_out", lambda a: output_over(a, "q", "out", second_storage=True), V, r"out shares memory with q"),
     ("mla_prefill", lambda a: dict(k_pe=a["k_pe"][..., :32]), R, r"k_pe must be \[T, h, 64\]"),
     ("mla_prefill", lambda a: dict(k_pe=a["k_pe"].expand(-1, 2, -1)), R, r"k_pe must be \[T_k, 1, 64\]"),
     ("mla_prefill", lambda a: dict(cu_seqlens_q=a["cu_seqlens_q"].long()), R, r"cu_seqlens_q must be int32"),
@@ -448,6 +448,24 @@ def test_gpu_errors_back_to_back(gpu_inputs):
     out, _ = invoke("mla_decode", gpu_inputs["mla_decode"])
     torch.cuda.synchronize()
     assert torch.isfinite(out).all()
+
+
+@pytest.mark.gpu
+def test_gpu_wrappers_leave_overlap_to_the_op(gpu_inputs):
+    """The public wrappers do not check out= against the inputs themselves: on CUDA the binding does,
+    raising the ValueError and message they raised; the input under out stays unwritten."""
+    d, p, m = gpu_inputs["mla_decode_out"], gpu_inputs["mla_prefill_out"], gpu_inputs["merge_attn_states_out"]
+    d, p = {**d, **output_over(d, "q", "out")}, {**p, **output_over(p, "v", "out")}
+    before = d["q"].clone()
+    with pytest.raises(ValueError, match="out shares memory with q"):
+        mla_attn.mla_decode(d["q"], d["kv_cache"], d["block_table"], d["cache_seqlens"], softmax_scale=0.1, out=d["out"])
+    with pytest.raises(ValueError, match="out shares memory with v"):
+        mla_attn.mla_prefill(p["q"], p["k"], p["v"], p["cu_seqlens_q"], p["cu_seqlens_k"], 5, 7, softmax_scale=0.1,
+                             causal=True, k_pe=p["k_pe"], out=p["out"])
+    with pytest.raises(ValueError, match="out shares part of out_a's memory"):
+        mla_attn.merge_attn_states(m["out_a"], m["lse_a"], m["out_b"], m["lse_b"], out=one_row_on(m["out_a"]))
+    torch.cuda.synchronize()
+    assert torch.equal(d["q"], before)
 
 
 # ------------------------------------------------------------------------------------------ CPU cases

@@ -100,11 +100,12 @@ inline bool shares_memory(const at::Tensor& a, const at::Tensor& b) {
 
 // An output that the kernels write while other CTAs (or the combine) still read the inputs: none of its
 // memory may be an input's, or a CTA reads what another has written (a q row, a page, a table entry).
+// A ValueError: the public wrappers leave this check, which needs the addresses of every call, to the op.
 inline void check_apart(const at::Tensor& out, const char* name,
                         std::initializer_list<std::pair<const at::Tensor*, const char*>> inputs) {
   for (const auto& [in, in_name] : inputs) {
-    TORCH_CHECK(in == nullptr || !shares_memory(out, *in), "mla_attn: ", name, " shares memory with ", in_name,
-                "; the kernels still read it while they write ", name);
+    TORCH_CHECK_VALUE(in == nullptr || !shares_memory(out, *in), "mla_attn: ", name, " shares memory with ", in_name,
+                      "; the kernels still read it while they write ", name);
   }
 }
 

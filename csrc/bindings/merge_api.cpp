@@ -35,12 +35,12 @@ void check_lse(const Tensor& t, const char* name, IntArrayRef shape) {
 
 // An output may be an input itself (same start, sizes and strides; a size-1 dim's stride is never
 // stepped): each thread reads its chunk of the inputs before writing it. Any other overlap races: a
-// view one row on reads rows another thread has written.
+// view one row on reads rows another thread has written. A ValueError, as checks.h's check_apart.
 void check_output_overlap(const Tensor& out, const char* name, const Tensor& in, const char* in_name) {
   bool same = out.data_ptr() == in.data_ptr() && out.sizes() == in.sizes();
   for (int64_t d = 0; same && d < out.dim(); ++d) same = out.size(d) == 1 || out.stride(d) == in.stride(d);
-  TORCH_CHECK(same || !mla_bindings::shares_memory(out, in), "mla_attn: ", name, " shares part of ", in_name,
-              "'s memory; an output may be an input, or apart from it");
+  TORCH_CHECK_VALUE(same || !mla_bindings::shares_memory(out, in), "mla_attn: ", name, " shares part of ", in_name,
+                    "'s memory; an output may be an input, or apart from it");
 }
 
 // The leading (row) dims shared by several tensors, each with its own strides: size-1 dims dropped
@@ -121,7 +121,7 @@ void merge_pair(const Tensor& out_a, const Tensor& lse_a, const Tensor& out_b, c
       check_output_overlap(o, o_name, i, i_name);
     }
   }
-  TORCH_CHECK(!mla_bindings::shares_memory(out, lse), "mla_attn: out and lse share memory");
+  TORCH_CHECK_VALUE(!mla_bindings::shares_memory(out, lse), "mla_attn: out and lse share memory");
   const RowLayout rows = row_layout(
       lead, {lead_of(out_a), lead_of(out_b), lse_a.strides(), lse_b.strides(), lead_of(out), lse.strides()});
   MergeParams p = {};

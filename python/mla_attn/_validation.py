@@ -92,7 +92,7 @@ def _signature(args: tuple) -> tuple:
 
 def memoized(checks: Callable[..., _Result], *args: object) -> _Result:
     """checks(*args): an op's static checks, which read only what _signature describes of args (so no
-    addresses: overlap checks run on every call, outside). They run once per signature that passes;
+    addresses: the ops check outputs against inputs on every call). They run once per signature that passes;
     later calls of that signature get the first one's result without running them (engines repeat a
     call's shapes in every layer and step; docs/design-decisions.md has the cost). While torch.compile
     traces (symbolic shapes) or for arguments without a signature (unhashable), they run every time."""

@@ -72,8 +72,6 @@ def mla_decode(q: Tensor, kv_cache: Tensor, block_table: Tensor, cache_seqlens: 
     if metadata is None:
         metadata = get_decode_metadata(cache_seqlens, q.shape[-2], cu_seqlens_q=cu_seqlens_q,
                                        max_seqlen_q=max_seqlen_q, causal=causal, deterministic=deterministic)
-    check.check_decode_outputs(out, None, q, q_pe, kv_cache, block_table, cache_seqlens, cu_seqlens_q,
-                               metadata.tile_sched, metadata.req_splits, k_scale, q_scale, attn_sink)
     if check.want_value_checks(validate, q.device):
         check.check_decode_values(kv_cache, block_table, cache_seqlens, cu_seqlens_q, max_seqlen_q, q.shape[0],
                                   k_scale, q_scale)
@@ -93,7 +91,8 @@ def mla_decode(q: Tensor, kv_cache: Tensor, block_table: Tensor, cache_seqlens: 
 def _static_checks(q, q_pe, kv_cache, block_table, cache_seqlens, cu_seqlens_q, max_seqlen_q, softmax_scale, causal,
                    return_lse, metadata, out, validate, deterministic, k_scale, fp8_mma, q_scale, attn_sink,
                    kernel) -> int:
-    """mla_decode's static checks (all but out's overlap with the inputs). Returns max_seqlen_q."""
+    """mla_decode's static checks (all but out's overlap with the inputs: the op checks it on every call).
+    Returns max_seqlen_q."""
     check.check_softmax_scale(softmax_scale)
     check.check_flags(causal=causal, return_lse=return_lse, validate=validate, deterministic=deterministic,
                       fp8_mma=fp8_mma)

@@ -26,7 +26,6 @@ def merge_attn_states(out_a: Tensor, lse_a: Tensor, out_b: Tensor, lse_b: Tensor
     there (it must not overlap the inputs) and returned.
     """
     check.memoized(check.check_merge, out_a, lse_a, out_b, lse_b, out)
-    check.check_merge_outputs(out_a, lse_a, out_b, lse_b, out, None)
     if out is None:
         return torch.ops.mla_attn.merge_attn_states(out_a, lse_a, out_b, lse_b)
     lse = torch.empty(out_a.shape[:-1], dtype=torch.float32, device=out_a.device)
