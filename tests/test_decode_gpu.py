@@ -192,6 +192,30 @@ def test_decode_op_attn_sink_every_kernel(lens, s_q, h_q):
         assert not got[~keys].any(), kernel
 
 
+@pytest.mark.parametrize("lens,s_q,h_q", [([3000, 0, 77, 1024], 1, 16), ([5000, 129, 0], 2, 128), ([700] * 300, 1, 64)])
+def test_decode_out_without_lse_every_kernel(lens, s_q, h_q):
+    """mla_decode_out with lse=None (the op keeps the LSE to itself) writes the out it writes with an lse,
+    bit for bit, for every kernel that runs the case, split requests and whole ones; so does mla_decode's
+    out= without return_lse, which passes None. Outputs NaN-poisoned before each call."""
+    c = to_device(make_decode_case(lens, s_q, h_q, 64, seed=12))
+    md = mla_attn.get_decode_metadata(c["cache_seqlens"], h_q, s_q=s_q)
+    args = (c["q"], c["q_pe"], c["kv_cache"], c["block_table"], c["cache_seqlens"], None, s_q, c["softmax_scale"],
+            True, md.tile_sched, md.req_splits, md.num_sm_parts)
+    poisoned = lambda: torch.full(c["q"].shape[:-1] + (512,), float("nan"), dtype=c["q"].dtype, device="cuda")
+    for kernel in decode_kernels_for(torch.bfloat16, s_q * h_q):
+        out, got = poisoned(), poisoned()
+        lse = torch.full(c["q"].shape[:-1], float("nan"), device="cuda")
+        torch.ops.mla_attn.mla_decode_out(*args, out, lse, split_kernel=kernel)
+        torch.ops.mla_attn.mla_decode_out(*args, got, None, split_kernel=kernel)
+        assert torch.isfinite(out).all() and torch.equal(got, out), kernel
+    got = poisoned()
+    want, want_lse = mla_attn.mla_decode(c["q"], c["kv_cache"], c["block_table"], c["cache_seqlens"], q_pe=c["q_pe"],
+                                         softmax_scale=c["softmax_scale"], metadata=md, return_lse=True)
+    assert mla_attn.mla_decode(c["q"], c["kv_cache"], c["block_table"], c["cache_seqlens"], q_pe=c["q_pe"],
+                               softmax_scale=c["softmax_scale"], metadata=md, out=got) is got
+    assert torch.equal(got, want)
+
+
 def test_mla_decode_attn_sink_is_the_ops():
     c = to_device(make_decode_case([300, 5, 2000], 2, 16, 64, seed=5))
     sink = torch.linspace(-2.0, 10.0, 16, device="cuda")

@@ -74,6 +74,7 @@ def test_opcheck(varlen):
     out = torch.empty(c["q"].shape[:-1] + (D_V,), dtype=c["q"].dtype)
     lse = torch.empty(c["q"].shape[:-1], dtype=torch.float32)
     torch.library.opcheck(OPS.mla_decode_out.default, args + (out, lse))
+    torch.library.opcheck(OPS.mla_decode_out.default, args + (out, None))  # lse kept by the op
     torch.library.opcheck(OPS.get_decode_metadata.default,
                           (c["cache_seqlens"], c["cu_seqlens_q"], c["max_seqlen_q"], 3, True, 7, 9))
 
@@ -96,6 +97,9 @@ def test_decode_kernel_option_cpu():
     lse = torch.empty_like(want[1])
     OPS.mla_decode_out(*args, out, lse, split_kernel="rows64")
     assert torch.equal(out, want[0]) and torch.equal(lse, want[1])
+    out.fill_(float("nan"))
+    OPS.mla_decode_out(*args, out, None)
+    assert torch.equal(out, want[0])
     with pytest.raises(ValueError, match="unknown decode kernel 'rows32'"):
         OPS.mla_decode(*args, split_kernel="rows32")
     with pytest.raises(ValueError, match="unknown decode kernel"):

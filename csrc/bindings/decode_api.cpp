@@ -288,16 +288,19 @@ void mla_decode_out_cuda(const Tensor& q, const std::optional<Tensor>& q_pe, con
                          const Tensor& block_table, const Tensor& cache_seqlens,
                          const std::optional<Tensor>& cu_seqlens_q, int64_t max_seqlen_q,
                          double softmax_scale, bool causal, const Tensor& tile_sched,
-                         const Tensor& req_splits, int64_t num_sm_parts, Tensor out, Tensor lse,
+                         const Tensor& req_splits, int64_t num_sm_parts, Tensor out, const std::optional<Tensor>& lse,
                          const std::optional<Tensor>& k_scale, const std::optional<Tensor>& q_scale,
                          bool deterministic, bool fp8_mma, std::optional<c10::string_view> kernel, bool kv_slots,
                          bool skip_invalid_slots, const std::optional<Tensor>& attn_sink) {
   TORCH_CHECK(out.scalar_type() == q.scalar_type() && out.dim() >= 1 && out.size(-1) == mla_decode::kHeadDimV &&
                   out.stride(-1) == 1,
               "mla_attn: out must be [.., h_q, 512] of q's dtype, contiguous in the last dim");
-  TORCH_CHECK(lse.scalar_type() == at::kFloat, "mla_attn: lse must be float32");
+  TORCH_CHECK(!lse.has_value() || lse->scalar_type() == at::kFloat, "mla_attn: lse must be float32");
+  check_q_rank(q, cu_seqlens_q.has_value());
+  // Without lse the kernels still write one (the split kernels' unsplit rows, the combine).
+  Tensor lse_out = lse.has_value() ? *lse : at::empty(q.sizes().slice(0, q.dim() - 1), q.options().dtype(at::kFloat));
   mla_decode_cuda_impl(q, q_pe, kv_cache, block_table, cache_seqlens, cu_seqlens_q, max_seqlen_q,
-                       softmax_scale, causal, tile_sched, req_splits, num_sm_parts, out, lse, k_scale,
+                       softmax_scale, causal, tile_sched, req_splits, num_sm_parts, out, lse_out, k_scale,
                        q_scale, deterministic, fp8_mma, kernel, kv_slots, skip_invalid_slots, attn_sink);
 }
 

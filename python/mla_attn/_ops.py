@@ -134,12 +134,14 @@ def _decode_out_cpu(q, q_pe, kv_cache, block_table, cache_seqlens, cu_seqlens_q,
                     deterministic=False, fp8_mma=False, split_kernel=None, kv_slots=False,
                     skip_invalid_slots=False, attn_sink=None):
     check.check_tensor("out", out)
-    check.check_tensor("lse", lse)
+    if lse is not None:  # None: the op keeps the LSE to itself (ops.cpp)
+        check.check_tensor("lse", lse)
     o, l = _decode(q, q_pe, kv_cache, block_table, cache_seqlens, cu_seqlens_q, max_seqlen_q, softmax_scale,
                    causal, tile_sched, req_splits, num_sm_parts, out, lse, k_scale, q_scale, fp8_mma, split_kernel,
                    kv_slots, skip_invalid_slots, attn_sink)
     out.copy_(o)
-    lse.copy_(l)
+    if lse is not None:
+        lse.copy_(l)
 
 
 _register("get_decode_metadata", fake=_metadata_fake, cpu=_metadata_cpu)

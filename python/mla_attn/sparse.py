@@ -197,8 +197,9 @@ def mla_sparse_decode(q: Tensor, kv_cache: Tensor, indices: Tensor, *, softmax_s
               attn_sink=None if attn_sink is None else attn_sink.contiguous())
 
     def attend(r0: int, r1: int, md: SparseDecodeMetadata, out_rows: Optional[Tensor],
-               lse_rows: Optional[Tensor]) -> tuple[Tensor, Tensor]:
-        """Rows [r0, r1) under the schedule md made for them; into out_rows / lse_rows when given."""
+               lse_rows: Optional[Tensor]) -> tuple[Tensor, Optional[Tensor]]:
+        """Rows [r0, r1) under the schedule md made for them; into out_rows / lse_rows when given (into
+        out_rows alone, no lse, where the caller does not want it back)."""
         def piece(t: Optional[Tensor]) -> Optional[Tensor]:
             return t if t is None or (r0, r1) == (0, rows) else t[r0:r1]  # (a slice costs a dispatch)
         piece_counts = md.lengths if counts is None else piece(counts)
@@ -206,7 +207,7 @@ def mla_sparse_decode(q: Tensor, kv_cache: Tensor, indices: Tensor, *, softmax_s
                 float(softmax_scale), False, md.decode.tile_sched, md.decode.req_splits, md.decode.num_sm_parts)
         if out_rows is None:
             return torch.ops.mla_attn.mla_decode(*args, **kw)
-        if lse_rows is None:
+        if lse_rows is None and return_lse:
             lse_rows = torch.empty(r1 - r0, 1, h_q, dtype=torch.float32, device=q.device)
         torch.ops.mla_attn.mla_decode_out(*args, out_rows, lse_rows, **kw)
         return out_rows, lse_rows
