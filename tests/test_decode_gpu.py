@@ -208,12 +208,14 @@ def test_decode_out_without_lse_every_kernel(lens, s_q, h_q):
         torch.ops.mla_attn.mla_decode_out(*args, out, lse, split_kernel=kernel)
         torch.ops.mla_attn.mla_decode_out(*args, got, None, split_kernel=kernel)
         assert torch.isfinite(out).all() and torch.equal(got, out), kernel
-    got = poisoned()
     want, want_lse = mla_attn.mla_decode(c["q"], c["kv_cache"], c["block_table"], c["cache_seqlens"], q_pe=c["q_pe"],
                                          softmax_scale=c["softmax_scale"], metadata=md, return_lse=True)
-    assert mla_attn.mla_decode(c["q"], c["kv_cache"], c["block_table"], c["cache_seqlens"], q_pe=c["q_pe"],
-                               softmax_scale=c["softmax_scale"], metadata=md, out=got) is got
-    assert torch.equal(got, want)
+    for return_lse in (False, True):  # None to the op; an lse from the wrapper
+        got = poisoned()
+        result = mla_attn.mla_decode(c["q"], c["kv_cache"], c["block_table"], c["cache_seqlens"], q_pe=c["q_pe"],
+                                     softmax_scale=c["softmax_scale"], metadata=md, out=got, return_lse=return_lse)
+        assert (result[0] if return_lse else result) is got and torch.equal(got, want)
+        assert not return_lse or torch.equal(result[1], want_lse)
 
 
 def test_mla_decode_attn_sink_is_the_ops():

@@ -453,19 +453,20 @@ def test_gpu_errors_back_to_back(gpu_inputs):
 @pytest.mark.gpu
 def test_gpu_wrappers_leave_overlap_to_the_op(gpu_inputs):
     """The public wrappers do not check out= against the inputs themselves: on CUDA the binding does,
-    raising the ValueError and message they raised; the input under out stays unwritten."""
+    raising the ValueError and message they raised; the inputs under out stay unwritten."""
     d, p, m = gpu_inputs["mla_decode_out"], gpu_inputs["mla_prefill_out"], gpu_inputs["merge_attn_states_out"]
     d, p = {**d, **output_over(d, "q", "out")}, {**p, **output_over(p, "v", "out")}
-    before = d["q"].clone()
+    before = [t.clone() for t in (d["q"], p["v"], m["out_a"])]
     with pytest.raises(ValueError, match="out shares memory with q"):
-        mla_attn.mla_decode(d["q"], d["kv_cache"], d["block_table"], d["cache_seqlens"], softmax_scale=0.1, out=d["out"])
+        mla_attn.mla_decode(d["q"], d["kv_cache"], d["block_table"], d["cache_seqlens"], softmax_scale=0.1,
+                            out=d["out"])
     with pytest.raises(ValueError, match="out shares memory with v"):
         mla_attn.mla_prefill(p["q"], p["k"], p["v"], p["cu_seqlens_q"], p["cu_seqlens_k"], 5, 7, softmax_scale=0.1,
                              causal=True, k_pe=p["k_pe"], out=p["out"])
     with pytest.raises(ValueError, match="out shares part of out_a's memory"):
         mla_attn.merge_attn_states(m["out_a"], m["lse_a"], m["out_b"], m["lse_b"], out=one_row_on(m["out_a"]))
     torch.cuda.synchronize()
-    assert torch.equal(d["q"], before)
+    assert all(torch.equal(t, b) for t, b in zip((d["q"], p["v"], m["out_a"]), before))
 
 
 # ------------------------------------------------------------------------------------------ CPU cases

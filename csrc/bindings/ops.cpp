@@ -45,8 +45,8 @@ TORCH_LIBRARY(mla_attn, m) {
   //   attn_sink: fp32 [h_q] (natural log): out of head h scaled by exp(lse) / (exp(lse) + exp(attn_sink[h]))
   //            (lse itself unchanged; +inf gives 0, -inf no effect), applied where the final rows are
   //            normalised (the split kernels' epilogues, the combine)
-  // mla_decode_out writes out and lse in place; lse may be None (the op then keeps the LSE to itself,
-  // which spares a caller that does not read it an allocation per call).
+  // mla_decode_out writes out and lse in place; lse may be None: the op then allocates the LSE the
+  // kernels write in C++ and keeps it (a caller that does not read it makes no tensor for it).
   m.def(
       "mla_decode(Tensor q, Tensor? q_pe, Tensor kv_cache, Tensor block_table, Tensor cache_seqlens, "
       "Tensor? cu_seqlens_q, int max_seqlen_q, float softmax_scale, bool causal, "

@@ -1,7 +1,9 @@
 """Argument checks of every mla_attn op, in one place. The public wrappers run them before calling
 torch.ops.mla_attn.*, and the CPU kernels (_ops.py) run the static ones, so a bad argument raises the
 same exception with the same message on either path; the CUDA kernels check again in C++ (there a
-TORCH_CHECK raises RuntimeError, a TORCH_CHECK_VALUE ValueError).
+TORCH_CHECK raises RuntimeError, a TORCH_CHECK_VALUE ValueError). An output's overlap with the inputs
+(check_*_outputs) is left to the ops, CPU and CUDA alike, which check it on every call (mla_sparse_decode
+checks it in its wrapper too).
 
 Exception rule, the same for every op:
   * TypeError: an argument of the wrong kind: its Python type, a tensor's dtype or a tensor's device.

@@ -82,7 +82,7 @@ def mla_decode(q: Tensor, kv_cache: Tensor, block_table: Tensor, cache_seqlens: 
               attn_sink=None if attn_sink is None else attn_sink.contiguous())
     if out is None:
         out, lse = torch.ops.mla_attn.mla_decode(*args, **kw)
-    else:  # the op allocates no lse where the caller does not want it back
+    else:  # no lse from Python where the caller does not want it back: the op makes its own
         lse = q.new_empty(q.shape[:-1], dtype=torch.float32) if return_lse else None
         torch.ops.mla_attn.mla_decode_out(*args, out, lse, **kw)
     return (out, lse) if return_lse else out

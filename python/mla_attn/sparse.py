@@ -220,10 +220,11 @@ def mla_sparse_decode(q: Tensor, kv_cache: Tensor, indices: Tensor, *, softmax_s
         # More query tokens than one schedule takes (a long prefill): pieces, each scheduled on its own.
         if out_rows is None:
             out_rows = torch.empty(rows, 1, h_q, D_V, dtype=q.dtype, device=q.device)
-        lse = torch.empty(rows, 1, h_q, dtype=torch.float32, device=q.device)
+        lse = torch.empty(rows, 1, h_q, dtype=torch.float32, device=q.device) if return_lse else None
         for r0 in range(0, rows, MAX_SCHEDULED_REQUESTS):
             r1 = min(rows, r0 + MAX_SCHEDULED_REQUESTS)
-            attend(r0, r1, _schedules.get(r1 - r0, topk, h_q, q.device), out_rows[r0:r1], lse[r0:r1])
+            attend(r0, r1, _schedules.get(r1 - r0, topk, h_q, q.device), out_rows[r0:r1],
+                   None if lse is None else lse[r0:r1])
     out = out_rows.view(q.shape[:-1] + (D_V,)) if out is None else out
     return (out, lse.view(q.shape[:-1])) if return_lse else out
 
