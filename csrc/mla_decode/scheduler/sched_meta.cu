@@ -227,6 +227,11 @@ __device__ __forceinline__ WalkNode warp_node(const Pos* incl, int batch, Pos to
 
 // One warp walks parts of cost C from request 0 and writes the first num_sm_parts part starts to
 // starts[] (total past the last part); returns whether the walk took every request within them.
+// may_give_up: the caller needs the starts only if the walk fits, so it stops as soon as it cannot: a
+// part moves its start by at most C (C is at least every request's cost on a whole-request walk), so
+// from x with `placed` parts behind, total - x > (num_sm_parts - placed) C leaves too few parts. A
+// walk that does not fit then gives up the issue slots it shares with the others early (most do, a
+// few parts in) instead of walking num_sm_parts parts.
 // The warp resolves the chain's node and writes its parts; where the chain moved by few requests
 // (dense: many nodes to come close together) it then takes the next 32 nodes at once: each lane
 // computes its node, pointer doubling over the window gives every lane the last chain node at or
@@ -234,15 +239,16 @@ __device__ __forceinline__ WalkNode warp_node(const Pos* incl, int batch, Pos to
 // (resolved by the warp next if the lane could not). Windows stop once one moves the chain by few nodes.
 template <typename Pos>
 __device__ __forceinline__ bool walk_parts(const Pos* incl, int batch, Pos total, int num_sm_parts, Pos C, bool whole,
-                                           long long* starts) {
+                                           bool may_give_up, long long* starts) {
   const int lane = threadIdx.x % 32;
   const Pos piece = whole ? 0 : C - kFixedSplitCost;
   const PieceDivider<Pos> divider(piece);
   int node = 0, placed = 0;  // the chain's current node and the parts before it
   bool windows = true;  // off once a window moved the chain by few nodes (catches too far apart)
   while (node < batch && placed < num_sm_parts) {
-    const WalkNode head = warp_node(incl, batch, total, C, whole, divider, node);
     const Pos s_head = node > 0 ? incl[node - 1] : 0;
+    if (may_give_up && total - s_head > (long long)(num_sm_parts - placed) * C) return false;
+    const WalkNode head = warp_node(incl, batch, total, C, whole, divider, node);
     for (int j = lane; j < min(head.parts, num_sm_parts - placed); j += 32) starts[placed + j] = s_head + j * piece;
     placed += head.parts;
     const bool dense = head.next - node <= kNodeScan;
@@ -361,11 +367,12 @@ __global__ void __launch_bounds__(kMetadataThreads, 1)
       C = capacity_lo + (warp - kFirstCapacityWalk);
     }
     long long* starts = walk_starts + warp * P;
+    const bool may_give_up = warp != kUpperWalk;  // the upper end's starts serve even when it does not fit
     bool fits = false;
     if (C >= 0) {
       fits = prefix_in_smem && total <= kMaxNarrowTotal
-                 ? walk_parts<int>(incl32, batch, int(total), P, int(C), whole, starts)
-                 : walk_parts<long long>(incl, batch, total, P, C, whole, starts);
+                 ? walk_parts<int>(incl32, batch, int(total), P, int(C), whole, may_give_up, starts)
+                 : walk_parts<long long>(incl, batch, total, P, C, whole, may_give_up, starts);
     }
     if (lane == 0 && fits) atomicOr(&walks_that_fit, 1u << warp);
   }
