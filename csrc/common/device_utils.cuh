@@ -68,6 +68,16 @@ __device__ __forceinline__ void poll_wait(const uint64_t* bar, uint32_t phase) {
       ::"r"(smem_addr(bar)), "r"(phase) : "memory");
 }
 
+// A 4-byte shared-memory flag written with release and read with acquire semantics (CTA scope).
+__device__ __forceinline__ void st_release_shared(int* flag, int v) {
+  asm volatile("st.release.cta.shared::cta.b32 [%0], %1;" ::"r"(smem_addr(flag)), "r"(v) : "memory");
+}
+__device__ __forceinline__ int ld_acquire_shared(const int* flag) {
+  int v;
+  asm volatile("ld.acquire.cta.shared::cta.b32 %0, [%1];" : "=r"(v) : "r"(smem_addr(flag)) : "memory");
+  return v;
+}
+
 // Stores 4 bytes at a shared-window address.
 __device__ __forceinline__ void st_shared_4(uint32_t addr, uint32_t v) {
   asm volatile("st.shared.b32 [%0], %1;" ::"r"(addr), "r"(v) : "memory");

@@ -185,6 +185,9 @@ __device__ void consume_narrow_tiles(const DecodeParams& p, typename Traits::Sha
       if (iteration % kMathWarpgroups != warpgroup) continue;
       const int stage = iteration % Traits::kStages;
       const uint32_t phase = (iteration / Traits::kStages) & 1;
+      // The warpgroups take tiles in turn, so the stage's previous use may be another's: until the
+      // producer has begun this fill, a parity wait below could pass on that older phase.
+      wait_for_stage_fill<Traits>(ss, stage, iteration);
       uint8_t* tile = reinterpret_cast<uint8_t*>(ss.kv[stage]);
       const uint32_t tile_addr = static_cast<uint32_t>(__cvta_generic_to_shared(tile));
       // -- Tail tile: zero the key rows past the sequence end (never loaded, or slots past L), so
@@ -705,6 +708,7 @@ struct NarrowKernel {
   __device__ __forceinline__ static void init_barriers(SharedStorage& ss) {
     if constexpr (Traits::kRowStaged) init_row_ring<Traits>(ss, 4);
     else init_kv_ring<Traits, kGather>(ss, 4);
+    if (threadIdx.x < Traits::kStages) ss.kv_fill[threadIdx.x] = -1;
   }
   template <bool kGather>
   __device__ __forceinline__ static void produce(const DecodeParams& p, const DecodeTma& tma, SharedStorage& ss,

@@ -128,6 +128,7 @@ struct NarrowTraits {
     uint64_t kv_full[kStages][kSlabs];
     uint64_t kv_empty[kStages];  // the 4 warps of the warpgroup that consumed the tile are done
     uint64_t key_copied[kStages];  // row-staged: bit k, key k of the block was copied
+    int kv_fill[kStages];  // the iteration the producer last began to fill the stage with (kv_producer.cuh)
   };
   static constexpr int kSmemBytes = int(sizeof(SharedStorage));
   static_assert(kSmemBytes + 1024 <= 227 * 1024, "shared memory map exceeds the sm_90 limit");

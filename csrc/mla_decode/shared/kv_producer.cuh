@@ -65,6 +65,30 @@ struct BlockCopies {
 template <typename Traits>
 inline constexpr bool kStagesRows = requires { requires Traits::kRowStaged; };
 
+// Stage fills recorded for kernels whose math warpgroups take a ring's tiles in turn (Traits::SharedStorage
+// has kv_fill[kStages]: the narrow kernel, tile i to warpgroup i % kMathWarpgroups and stage i % kStages).
+// There the uses of one stage go to different warpgroups, and one may wait for use n + 2 of a stage while
+// use n + 1 has not landed: a parity wait cannot tell use n + 2 from use n (same parity), so it passed on
+// the old bytes, released the stage early, and the ring's barriers lost their phases (wrong results, hangs,
+// launch failures, under load at page 16). Thread 0 of the producer records the iteration it fills a stage
+// with once the stage is free, i.e. once use n + 1's consumer has released it (so it had landed); the
+// consumer of an iteration waits for that record before its parity waits (wait_for_stage_fill).
+template <typename Traits>
+inline constexpr bool kRecordsStageFills = requires(typename Traits::SharedStorage& ss) { ss.kv_fill[0]; };
+
+template <typename Traits>
+__device__ __forceinline__ void record_stage_fill(typename Traits::SharedStorage& ss, int stage, int iteration) {
+  if constexpr (kRecordsStageFills<Traits>) {
+    if (threadIdx.x % 128 == 0) mla_common::st_release_shared(&ss.kv_fill[stage], iteration);
+  }
+}
+
+template <typename Traits>
+__device__ __forceinline__ void wait_for_stage_fill(typename Traits::SharedStorage& ss, int stage, int iteration) {
+  while (mla_common::ld_acquire_shared(&ss.kv_fill[stage]) != iteration) {
+  }
+}
+
 // A key row's block-table entry: the page id of its page, or its cache slot (kv_slots).
 __device__ __forceinline__ int table_entry(const DecodeParams& p, const DecodeTma& tma, const int* table, int key) {
   return p.kv_slots ? table[key] : table[tma.page_size.divide(key)];
@@ -289,6 +313,7 @@ __device__ void produce_kv_tiles(const DecodeParams& p, const DecodeTma& tma,
     if (iteration >= Traits::kStages) {
       cutlass::arch::ClusterBarrier::wait(&ss.kv_empty[stage], ((iteration / Traits::kStages) - 1) & 1);
     }
+    record_stage_fill<Traits>(ss, stage, iteration);
   };
   if constexpr (kGather) {
     for_each_gathered_block<Traits>(p, tma, range, m_block, lane, [&](const GatheredRows<Traits>& rows, int iteration) {

@@ -53,6 +53,7 @@ __device__ void produce_staged_rows(const DecodeParams& p, const DecodeTma& tma,
     if (iteration >= Traits::kStages) {  // the consumers are done with the stage
       cutlass::arch::ClusterBarrier::wait(&ss.kv_empty[stage], ((iteration / Traits::kStages) - 1) & 1);
     }
+    record_stage_fill<Traits>(ss, stage, iteration);
     const uint32_t copied = __ballot_sync(0xffffffffu, copies);  // bits 0-15: this warp's rows
     const uint32_t full = mla_common::smem_addr(&ss.kv_full[stage][0]);
     if (lane == 0) {  // the stage is free: its key_copied too; the arrival publishes this store
