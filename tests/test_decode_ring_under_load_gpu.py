@@ -1,0 +1,70 @@
+"""The narrow kernel's stage ring under load: its math warpgroups take tiles in turn, so the uses of one
+stage go to different warpgroups, and a warpgroup may reach use n + 2 of a stage while use n + 1 is
+still landing (kv_producer.cuh, record_stage_fill). Small cases never get there; a memory-bound batch
+with TMA latencies of a loaded GPU does, in some replays. Each replay after a spin kernel (the GPU idle,
+then every CTA loading at once) must reproduce the first replay bit for bit, and the first must match
+the float32 reference on the requests it checks: a tile read from an older fill gives other bits, a ring
+whose barriers lost their phases hangs (the pytest timeout of CI's GPU job) or fails the launch."""
+import pytest
+import torch
+
+import mla_attn
+from mla_attn.kv_cache import quantize_fp8
+from mla_attn.reference import mla_decode_ref
+
+pytestmark = pytest.mark.gpu
+
+BATCH, KEYS, REPLAYS, CHECKED_REQUESTS = 128, 16384, 40, 4
+
+
+def _paged_fp8_cache(batch, keys, page_size, gen):
+    """Requests of `keys` keys each on shuffled pages of an FP8 cache (k_scale 0.02, values ~ N(0, 1))."""
+    pages_per_request = keys // page_size
+    num_pages = batch * pages_per_request
+    k_scale = torch.tensor([0.02], device="cuda")
+    kv = quantize_fp8(torch.randn(num_pages, page_size, 1, 576, device="cuda", generator=gen), k_scale)
+    table = torch.randperm(num_pages, device="cuda", generator=gen).to(torch.int32).view(batch, pages_per_request)
+    return kv, table, k_scale
+
+
+@pytest.mark.parametrize("kernel,h_q,page_size", [
+    ("narrow16", 16, 16), ("narrow16_3wg", 16, 16), ("narrow16_3wg", 16, 64),
+    ("narrow16_3wg", 16, 8),  # rows gathered whole by bulk copy (the row-staged form)
+    ("narrow32", 32, 16),
+])
+def test_narrow_ring_replays_under_load(kernel, h_q, page_size):
+    gen = torch.Generator(device="cuda").manual_seed(page_size * 1000 + h_q)
+    kv, table, k_scale = _paged_fp8_cache(BATCH, KEYS, page_size, gen)
+    lens = torch.full((BATCH,), KEYS, dtype=torch.int32, device="cuda")
+    q = torch.randn(BATCH, 1, h_q, 576, device="cuda", generator=gen, dtype=torch.bfloat16)
+    scale = 576 ** -0.5
+    md = mla_attn.get_decode_metadata(lens, h_q, s_q=1)
+    out = torch.empty(BATCH, 1, h_q, 512, device="cuda", dtype=torch.bfloat16)
+
+    def step():
+        mla_attn.mla_decode(q, kv, table, lens, softmax_scale=scale, k_scale=k_scale, metadata=md, out=out,
+                            _kernel=kernel)
+
+    step()
+    graph = torch.cuda.CUDAGraph()
+    with torch.cuda.graph(graph):
+        step()
+    graph.replay()
+    first = out.clone()
+    # The first requests against the reference on their dequantised pages (2x the error of bf16 math).
+    c = CHECKED_REQUESTS
+    sub_kv = kv[table[:c].flatten().long()].float() * k_scale
+    sub_table = torch.arange(sub_kv.shape[0], device="cuda", dtype=torch.int32).view(c, -1)
+    ref, _ = mla_decode_ref(q[:c], sub_kv, sub_table, lens[:c], softmax_scale=scale, causal=False)
+    low, _ = mla_decode_ref(q[:c], sub_kv, sub_table, lens[:c], softmax_scale=scale, causal=False,
+                            dtype=torch.bfloat16)
+    err = (first[:c].float() - ref).abs().max().item()
+    bound = 2 * (low.float() - ref).abs().max().item() + 1e-3
+    assert err <= bound, f"first replay: max |err| {err:.3e} > {bound:.3e}"
+    differ = 0
+    for _ in range(REPLAYS):
+        torch.cuda._sleep(40000)
+        graph.replay()
+        differ += int(not torch.equal(out, first))
+    torch.cuda.synchronize()
+    assert differ == 0, f"{differ} of {REPLAYS} replays differ from the first"
