@@ -1,10 +1,11 @@
 """The narrow kernel's stage ring under load: its math warpgroups take tiles in turn, so the uses of one
 stage go to different warpgroups, and a warpgroup may reach use n + 2 of a stage while use n + 1 is
-still landing (kv_producer.cuh, record_stage_fill). Small cases never get there; a memory-bound batch
-with TMA latencies of a loaded GPU does, in some replays. Each replay after a spin kernel (the GPU idle,
-then every CTA loading at once) must reproduce the first replay bit for bit, and the first must match
-the float32 reference on the requests it checks: a tile read from an older fill gives other bits, a ring
-whose barriers lost their phases hangs (the pytest timeout of CI's GPU job) or fails the launch."""
+still landing (kv_producer.cuh, record_stage_fill). Small cases rarely get there; a memory-bound batch
+under the TMA latencies of a loaded GPU does (before the fix, the first replay of these cases already
+went wrong or failed on an H100). Each replay after a spin kernel (the GPU idle, then every CTA loading at
+once) must reproduce the first bit for bit, and the first must match the float32 reference on the
+requests it checks: a tile read from an older fill gives other bits; a ring whose barriers lost their
+phases hangs or fails the launch."""
 import pytest
 import torch
 
