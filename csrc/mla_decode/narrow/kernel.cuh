@@ -185,9 +185,10 @@ __device__ void consume_narrow_tiles(const DecodeParams& p, typename Traits::Sha
       if (iteration % kMathWarpgroups != warpgroup) continue;
       const int stage = iteration % Traits::kStages;
       const uint32_t phase = (iteration / Traits::kStages) & 1;
-      // The warpgroups take tiles in turn, so the stage's previous use may be another's: until the
-      // producer has begun this fill, a parity wait below could pass on that older phase.
-      wait_for_stage_fill<Traits>(ss, stage, iteration);
+      // The warpgroups take tiles in turn, so where the stages do not divide among them the stage's
+      // previous use is another's: until the producer has begun this fill, a parity wait below could
+      // pass on that older phase.
+      if constexpr (kRecordsStageFills<Traits>) wait_for_stage_fill<Traits>(ss, stage, iteration);
       uint8_t* tile = reinterpret_cast<uint8_t*>(ss.kv[stage]);
       const uint32_t tile_addr = static_cast<uint32_t>(__cvta_generic_to_shared(tile));
       // -- Tail tile: zero the key rows past the sequence end (never loaded, or slots past L), so
@@ -702,8 +703,8 @@ struct NarrowKernel {
   static constexpr int kThreads = Traits::kThreads, kMathWarpgroups = Traits::kMathWarpgroups;
   static constexpr int kMathRegisters = Traits::kMathRegisters, kProducerRegisters = kNarrowProducerRegisters;
 
-  // kv_empty: the 4 warps of the warpgroup that consumed a tile arrive. Row-staged: whole rows by
-  // bulk copy (shared/row_copies.cuh).
+  // kv_empty: the 4 warps of the warpgroup that consumed a tile arrive; kv_fill: no fill yet (-1).
+  // Row-staged: whole rows by bulk copy (shared/row_copies.cuh).
   template <bool kGather>
   __device__ __forceinline__ static void init_barriers(SharedStorage& ss) {
     if constexpr (Traits::kRowStaged) init_row_ring<Traits>(ss, 4);

@@ -56,6 +56,9 @@ struct NarrowTraits {
   static constexpr int kStages = !kFp8Kv ? 2 : kDsMlaFp8 ? 4 : kNarrowStages;
   static_assert(kRows == 16 || kRows == 32, "N of the MMAs");
   static constexpr int kMathWarpgroups = kMathWarpgroups_;
+  // Tile i goes to warpgroup i % kMathWarpgroups and stage i % kStages: unless the stages divide among
+  // the warpgroups, a stage's uses go to different ones (kv_producer.cuh, record_stage_fill).
+  static constexpr bool kStagesChangeHands = kStages % kMathWarpgroups != 0;
   static_assert(kMathWarpgroups == 2 || (kMathWarpgroups == 3 && kRows == 16 && kFp8Kv), "O^T must fit in registers");
   static constexpr int kMathThreads = kMathWarpgroups * 128;
   static constexpr int kThreads = kMathThreads + 128;  // + the producer warpgroup
@@ -128,7 +131,7 @@ struct NarrowTraits {
     uint64_t kv_full[kStages][kSlabs];
     uint64_t kv_empty[kStages];  // the 4 warps of the warpgroup that consumed the tile are done
     uint64_t key_copied[kStages];  // row-staged: bit k, key k of the block was copied
-    int kv_fill[kStages];  // the iteration the producer last began to fill the stage with (kv_producer.cuh)
+    int kv_fill[kStages];  // kStagesChangeHands: the iteration the producer last began to fill the stage with
   };
   static constexpr int kSmemBytes = int(sizeof(SharedStorage));
   static_assert(kSmemBytes + 1024 <= 227 * 1024, "shared memory map exceeds the sm_90 limit");

@@ -228,10 +228,12 @@ __device__ __forceinline__ WalkNode warp_node(const Pos* incl, int batch, Pos to
 // One warp walks parts of cost C from request 0 and writes the first num_sm_parts part starts to
 // starts[] (total past the last part); returns whether the walk took every request within them.
 // may_give_up: the caller needs the starts only if the walk fits, so it stops as soon as it cannot: a
-// part moves its start by at most C (C is at least every request's cost on a whole-request walk), so
-// from x with `placed` parts behind, total - x > (num_sm_parts - placed) C leaves too few parts. A
-// walk that does not fit then gives up the issue slots it shares with the others early (most do, a
-// few parts in) instead of walking num_sm_parts parts.
+// part moves its start by at most C (a split walk's cuts by C - kFixedSplitCost; a whole-request capacity
+// walk's C is at least every request's cost), so from x with `placed` parts behind, total - x >
+// (num_sm_parts - placed) C leaves too few parts. A walk that does not fit then gives up the issue
+// slots it shares with the others early (most do, a few parts in) instead of walking num_sm_parts
+// parts. Not the upper end's walk: its starts serve even when it does not fit, and as a whole-request
+// walk (deterministic) its C may be below a request's cost, so a part can move by more than C.
 // The warp resolves the chain's node and writes its parts; where the chain moved by few requests
 // (dense: many nodes to come close together) it then takes the next 32 nodes at once: each lane
 // computes its node, pointer doubling over the window gives every lane the last chain node at or

@@ -5,7 +5,7 @@
 //   Kernel::kThreads            (kMathWarpgroups + 1) x 128; also the launch bounds
 //   Kernel::kMathWarpgroups     the producer is warpgroup kMathWarpgroups
 //   Kernel::kMathRegisters, kProducerRegisters      the setmaxnreg split
-//   Kernel::init_barriers<kGather>(ss)   thread 0 initialises the mbarriers (the shell syncs the CTA after)
+//   Kernel::init_barriers<kGather>(ss)   initialises the mbarriers and any ring state (the shell syncs the CTA after)
 //   Kernel::produce<kGather>(params, tma, ss, range, warp)   warp: 0..3 within the producer warpgroup
 //   Kernel::consume<kGather>(params, tma, ss, range, warpgroup)
 // mla_decode_split_kernel_by_part runs one of two such policies per CTA.

@@ -65,8 +65,9 @@ struct BlockCopies {
 template <typename Traits>
 inline constexpr bool kStagesRows = requires { requires Traits::kRowStaged; };
 
-// Stage fills recorded for kernels whose math warpgroups take a ring's tiles in turn (Traits::SharedStorage
-// has kv_fill[kStages]: the narrow kernel, tile i to warpgroup i % kMathWarpgroups and stage i % kStages).
+// Stage fills recorded for kernels whose math warpgroups take a ring's tiles in turn and whose stages do not
+// divide among them (Traits::kStagesChangeHands, with SharedStorage::kv_fill[kStages]: the narrow kernel's
+// e4m3 forms, tile i to warpgroup i % kMathWarpgroups and stage i % kStages, 5 stages for 2 or 3 warpgroups).
 // There the uses of one stage go to different warpgroups, and one may wait for use n + 2 of a stage while
 // use n + 1 has not landed: a parity wait cannot tell use n + 2 from use n (same parity), so it passed on
 // the old bytes, released the stage early, and the ring's barriers lost their phases (wrong results, hangs,
@@ -74,7 +75,7 @@ inline constexpr bool kStagesRows = requires { requires Traits::kRowStaged; };
 // with once the stage is free, i.e. once use n + 1's consumer has released it (so it had landed); the
 // consumer of an iteration waits for that record before its parity waits (wait_for_stage_fill).
 template <typename Traits>
-inline constexpr bool kRecordsStageFills = requires(typename Traits::SharedStorage& ss) { ss.kv_fill[0]; };
+inline constexpr bool kRecordsStageFills = requires { requires Traits::kStagesChangeHands; };
 
 template <typename Traits>
 __device__ __forceinline__ void record_stage_fill(typename Traits::SharedStorage& ss, int stage, int iteration) {
@@ -301,8 +302,9 @@ __device__ __forceinline__ void init_kv_ring(typename Traits::SharedStorage& ss,
 // barrier per stage. Runs on each of the producer's four warps: TMA boxes and gathered fp8 rows for
 // slabs warp, warp + 4, warp + 8 (TMA issue from one thread is serial, and page 16 needs 4 copies x 9
 // slabs per tile); gathered 16-bit rows whole, a quarter of the block's rows per warp.
-// Traits: kStages, kFp8Kv, MmaElement (of the 16-bit tile), SharedStorage (kv_full [kStages][kSlabs], kv_empty [kStages])
-// and kv_copy_dst(ss, stage, slab, row): where rows [row, row + rows_per_copy) of a slab land.
+// Traits: kStages, kFp8Kv, MmaElement (of the 16-bit tile), SharedStorage (kv_full [kStages][kSlabs], kv_empty [kStages],
+// kv_fill [kStages] where the fills are recorded) and kv_copy_dst(ss, stage, slab, row): where rows
+// [row, row + rows_per_copy) of a slab land.
 // kGather (DecodeTma::gather): rows gathered one by one instead of TMA boxes of 16-64 rows.
 template <typename Traits, bool kGather>
 __device__ void produce_kv_tiles(const DecodeParams& p, const DecodeTma& tma,
