@@ -85,6 +85,20 @@ def output_over(a, name, output, second_storage=False):
             .view(like.dtype).view(like.shape)}
 
 
+def page_257(cache):
+    """A cache of one page of 257 rows, like `cache` otherwise: past the largest page size."""
+    return torch.zeros((1, 257) + tuple(cache.shape[2:]), dtype=cache.dtype, device=cache.device)
+
+
+SINK_MESSAGE = r"attn_sink must be a contiguous float32 tensor of shape \[h_q\] on q's device"
+
+
+def sink(a, *, heads=None, dtype=torch.float32, step=1):
+    """An attn_sink for the decode inputs `a`: [heads (h_q)] of dtype, every step-th value of a buffer."""
+    heads = a["q"].shape[-2] if heads is None else heads
+    return torch.zeros(heads * step, dtype=dtype, device=a["q"].device)[::step]
+
+
 def strided_last(t):
     return t.transpose(-1, -2).contiguous().transpose(-1, -2)
 
@@ -182,6 +196,10 @@ GPU_CASES = [
     ("mla_decode_fp8", lambda a: dict(k_scale=a["k_scale"].double()), R,
      r"k_scale must be a float32 tensor of shape \[1\] on q's device"),
     ("mla_decode_fp8", lambda a: dict(k_scale=a["k_scale"].cpu()), R, r"k_scale must be a float32 tensor"),
+    ("mla_decode_fp8", lambda a: dict(k_scale=a["k_scale"].view(1, 1)), R,
+     r"k_scale must be a float32 tensor of shape \[1\]"),
+    ("mla_decode_fp8", lambda a: dict(fp8_mma=True, q_scale=a["k_scale"].view(())), R,
+     r"q_scale must be a float32 tensor of shape \[1\]"),
     ("mla_decode_fp8", lambda a: dict(q_scale=a["k_scale"]), R, r"q_scale is only valid with fp8_mma=True"),
     ("mla_decode_fp8", lambda a: dict(fp8_mma=True, q_scale=a["k_scale"].double()), R,
      r"q_scale must be a float32 tensor of shape \[1\] on q's device"),
@@ -189,7 +207,13 @@ GPU_CASES = [
     ("mla_decode", lambda a: dict(kv_cache=a["kv_cache"][:, :, None].expand(-1, -1, 2, -1)), R,
      r"kv_cache must be \[pages, page_size, 576\] or \[pages, page_size, 1, 576\]"),
     ("mla_decode", lambda a: dict(kv_cache=a["kv_cache"][..., :512]), R, r"kv_cache last dim must be 576, contiguous"),
-    ("mla_decode", lambda a: dict(kv_cache=a["kv_cache"][:, :0]), R, r"page_size must be in \[1, 256\]"),
+    ("mla_decode", lambda a: dict(kv_cache=a["kv_cache"][:, :0]), R, r"page_size must be in \[1, 256\], got 0"),
+    ("mla_decode", lambda a: dict(kv_cache=page_257(a["kv_cache"])), R, r"page_size must be in \[1, 256\], got 257"),
+    ("mla_decode", lambda a: dict(block_table=a["block_table"][0]), R, r"block_table must be \[B, max_pages\]"),
+    ("mla_decode", lambda a: dict(attn_sink=sink(a, dtype=torch.float64)), R, SINK_MESSAGE),
+    ("mla_decode", lambda a: dict(attn_sink=sink(a, heads=a["q"].shape[-2] + 1)), R, SINK_MESSAGE),
+    ("mla_decode", lambda a: dict(attn_sink=sink(a, step=2)), R, SINK_MESSAGE),
+    ("mla_decode", lambda a: dict(attn_sink=sink(a).cpu()), R, SINK_MESSAGE),
     # page ids are clamped to num_pages - 1 (a slot list over no page is empty: test_sparse_gpu.py)
     ("mla_decode", lambda a: dict(kv_cache=a["kv_cache"][:0]), R, r"kv_cache must hold at least one page, got 0"),
     ("mla_decode_ds", lambda a: dict(kv_cache=a["kv_cache"][:0]), R, r"kv_cache must hold at least one page, got 0"),
@@ -278,7 +302,9 @@ GPU_CASES = [
      r"k_scale is not used with a ds_mla_fp8 kv_cache \(its scales are in the rows\)"),
     ("gather_kv_cache", lambda a: dict(kv_cache=a["kv_cache"][..., :512]), R,
      r"kv_cache must be \[num_pages, page_size, 576\] or \[num_pages, page_size, 1, 576\], contiguous"),
-    ("gather_kv_cache", lambda a: dict(kv_cache=a["kv_cache"][:, :0]), R, r"kv_cache page_size must be >= 1"),
+    ("gather_kv_cache", lambda a: dict(kv_cache=a["kv_cache"][:, :0]), R, r"page_size must be in \[1, 256\], got 0"),
+    ("gather_kv_cache", lambda a: dict(kv_cache=page_257(a["kv_cache"])), R, r"page_size must be in \[1, 256\], got 257"),
+    ("write_kv_cache", lambda a: dict(kv_cache=page_257(a["kv_cache"])), R, r"page_size must be in \[1, 256\], got 257"),
     ("gather_kv_cache", lambda a: dict(kv_cache=shifted(a["kv_cache"])), R, r"kv_cache must be 16-byte aligned"),
     ("gather_kv_cache", lambda a: dict(kv_cache=padded(a["kv_cache"])), R,
      r"kv_cache stride\(1\) must be a multiple of 16 bytes"),
@@ -288,6 +314,8 @@ GPU_CASES = [
     ("gather_kv_cache", lambda a: dict(kv_cache=a["kv_cache"].to(FP8)), R,
      r"a float8_e4m3fn kv_cache needs k_scale \(float32, shape \[1\]\)"),
     ("gather_kv_cache", lambda a: dict(kv_cache=a["kv_cache"].to(FP8), k_scale=torch.ones(2, device="cuda")), R,
+     r"k_scale must be a float32 tensor of shape \[1\]"),
+    ("gather_kv_cache", lambda a: dict(kv_cache=a["kv_cache"].to(FP8), k_scale=torch.ones((), device="cuda")), R,
      r"k_scale must be a float32 tensor of shape \[1\]"),
     ("gather_kv_cache", lambda a: dict(kv_cache=a["kv_cache"].to(FP8), k_scale=torch.ones(1)), R,
      r"all tensors must be on cuda:\d+, got one on cpu"),
@@ -479,6 +507,10 @@ CPU_CASES = [
     ("mla_decode", lambda a: dict(block_table=a["block_table"].long()), T, r"block_table must be int32"),
     ("mla_decode", lambda a: dict(q=a["q"][..., :512]), V, r"q must be \[B, s_q, h_q, 576\]"),
     ("mla_decode", lambda a: dict(kv_cache=a["kv_cache"][:, :0]), V, r"page_size must be in \[1, 256\]"),
+    ("mla_decode", lambda a: dict(kv_cache=page_257(a["kv_cache"])), V, r"page_size must be in \[1, 256\], got 257"),
+    ("mla_decode", lambda a: dict(attn_sink=sink(a, step=2)), V, r"attn_sink must be contiguous, got stride 2"),
+    ("write_kv_cache", lambda a: dict(kv_cache=page_257(a["kv_cache"])), V, r"page_size must be in \[1, 256\], got 257"),
+    ("gather_kv_cache", lambda a: dict(kv_cache=page_257(a["kv_cache"])), V, r"page_size must be in \[1, 256\], got 257"),
     ("mla_decode", lambda a: dict(kv_cache=a["kv_cache"][:0]), V, r"kv_cache must hold at least one page, got 0"),
     ("mla_decode", lambda a: dict(q=padded(a["q"])), V, r"q: stride\(1\) = 2308 elements is not a multiple of 16"),
     ("mla_decode", lambda a: dict(block_table=a["block_table"][:1]), V, r"block_table has 1 rows but cache_seqlens has 2"),

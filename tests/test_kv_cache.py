@@ -150,6 +150,28 @@ def test_gather_cpu_vs_loop(case, extra_rows):
     assert not got.isnan().any() and (got[int(cu[-1]):] == 0).all()
 
 
+@pytest.mark.parametrize("cache_dtype", [torch.bfloat16, FP8], ids=["bf16", "fp8"])
+@pytest.mark.parametrize("page_size", [1, 3, 8, 16, 24, 32, 64, 100, 128, 256])
+def test_write_and_gather_at_every_page_size(page_size, cache_dtype, device):
+    """Every page size decode takes (a slot is page * page_size + row): against the loops, on either
+    device (poisoned rows past each length and in unused pages)."""
+    k_scale = _scale(cache_dtype)
+    on = {"device": device}
+    cache, bt, cu, n = make_gather_case([37, 0, 300, 1], page_size, cache_dtype, seed=page_size)
+    got = mla_attn.gather_kv_cache(cache.to(**on), bt.to(**on), cu.to(**on), n,
+                                   k_scale=None if k_scale is None else k_scale.to(**on))
+    want = gather_loop(cache, bt, cu, n, k_scale, torch.bfloat16)
+    assert torch.equal(_bits(got.cpu()), _bits(want))
+    written = make_cache(cache.shape[0], page_size, cache_dtype)
+    kv_c, k_pe = make_tokens(40, torch.bfloat16, seed=page_size)
+    slots = make_slots(40, cache.shape[0] * page_size, seed=page_size)
+    want = write_loop(kv_c, k_pe, written, slots, k_scale)
+    written = written.to(**on)
+    mla_attn.write_kv_cache(kv_c.to(**on), k_pe.to(**on), written, slots.to(**on),
+                            k_scale=None if k_scale is None else k_scale.to(**on))
+    assert torch.equal(_bits(written.cpu()), _bits(want))
+
+
 def test_gather_truncated_and_empty_batch():
     cache, bt, cu, _ = make_gather_case(LENS, 16, torch.bfloat16)
     got = mla_attn.gather_kv_cache(cache, bt, cu, 50)  # fewer rows than cached tokens: a prefix
@@ -260,8 +282,10 @@ WRITE_ERRORS = [
     (dict(kv_c=torch.zeros(6, 513, dtype=torch.bfloat16)[:, :512]), ValueError, r"kv_c: stride\(0\) = 513"),
     (dict(slot_mapping=torch.full((6,), 48)), ValueError, r"slot_mapping\[0\] = 48 is past the cache's .* 48 slots"),
     # value checks (on CPU by default): a zero, negative or non-finite scale would fill the cache with +-448
-    (dict(kv_cache=CACHE.to(FP8), k_scale=torch.zeros(1)), ValueError, r"k_scale must be finite and > 0, got 0.0"),
-    (dict(kv_cache=CACHE.to(FP8), k_scale=torch.tensor([-1.0])), ValueError, r"k_scale must be finite and > 0"),
+    (dict(kv_cache=CACHE.to(FP8), k_scale=torch.zeros(1)), ValueError,
+     r"k_scale must be finite and >= 1.175e-38 \(a normal float32\), got 0.0"),
+    (dict(kv_cache=CACHE.to(FP8), k_scale=torch.tensor([-1.0])), ValueError, r"k_scale must be finite and >="),
+    (dict(kv_cache=CACHE.to(FP8), k_scale=torch.tensor([1e-39])), ValueError, r"k_scale must be finite and >="),
     (dict(slot_mapping=torch.tensor([3, -1, 7, -1, 3, 5])), ValueError, r"slot_mapping names slot 3 more than once"),
 ]
 
@@ -297,7 +321,7 @@ GATHER_ERRORS = [
     (dict(cu_seqlens=torch.tensor([0, 49, 50], dtype=torch.int32)), ValueError,
      r"block_table\[0, 2\] = 2147483647 is not a page id in \[0, 6\)"),
     (dict(cu_seqlens=torch.tensor([0, 65, 66], dtype=torch.int32)), ValueError, r"request 0 has 65 tokens"),
-    (dict(kv_cache=GC.to(FP8), k_scale=torch.tensor([float("nan")])), ValueError, r"k_scale must be finite and > 0"),
+    (dict(kv_cache=GC.to(FP8), k_scale=torch.tensor([float("nan")])), ValueError, r"k_scale must be finite and >="),
 ]
 
 

@@ -152,11 +152,11 @@ def test_fp8_cache_errors():
     for bad, exc in ((0.5, TypeError), (scale.double(), TypeError), (scale.expand(2), ValueError)):
         with pytest.raises(exc, match=r"q_scale must be a float32 tensor of shape \[1\]"):
             call(_with(C, kv_cache=fp8), k_scale=scale, fp8_mma=True, q_scale=bad)
-    for bad in (0.0, -0.5, float("inf")):  # value check (on CPU by default): it divides Q
-        with pytest.raises(ValueError, match="q_scale must be finite and > 0"):
+    for bad in (0.0, -0.5, float("inf"), 1e-39):  # value check (on CPU by default): it divides Q (1e-39: denormal)
+        with pytest.raises(ValueError, match="q_scale must be finite and >="):
             call(_with(C, kv_cache=fp8), k_scale=scale, fp8_mma=True, q_scale=torch.tensor([bad]))
-    for bad in (0.0, -0.5, float("nan")):  # value check (on CPU by default): it scales the scores
-        with pytest.raises(ValueError, match="k_scale must be finite and > 0"):
+    for bad in (0.0, -0.5, float("nan"), 1e-39):  # value check (on CPU by default): it scales the scores
+        with pytest.raises(ValueError, match="k_scale must be finite and >="):
             call(_with(C, kv_cache=fp8), k_scale=torch.tensor([bad]))
 
 

@@ -67,6 +67,17 @@ inline void check_softmax_scale(double softmax_scale) {
               softmax_scale);
 }
 
+// Page sizes every op takes (PAGE_SIZE_MIN/MAX of python/mla_attn/_constants.py): the cache ops refuse
+// a cache that decode would refuse later.
+inline void check_page_size(int64_t page_size) {
+  TORCH_CHECK(page_size >= 1 && page_size <= 256, "mla_attn: page_size must be in [1, 256], got ", page_size);
+}
+
+// A scale the kernels read on the device (k_scale, q_scale): float32 [1], the shape the wrappers take.
+inline bool is_scale_tensor(const at::Tensor& t) {
+  return t.scalar_type() == at::kFloat && t.dim() == 1 && t.size(0) == 1;
+}
+
 // An output written by the kernels needs a distinct address per element, or threads race on one:
 // each dim's stride must exceed the span of the dims with smaller strides (the wrappers' rule;
 // at::assert_no_internal_overlap finds stride-0 dims only).

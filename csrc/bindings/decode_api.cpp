@@ -76,17 +76,18 @@ void mla_decode_cuda_impl(const Tensor& q, const std::optional<Tensor>& q_pe, co
   TORCH_CHECK(fp8_kv == k_scale.has_value(), "mla_attn: k_scale is required with, and only valid with, a float8_e4m3fn kv_cache");
   TORCH_CHECK(fp8_kv || !fp8_mma, "mla_attn: fp8_mma needs a float8_e4m3fn kv_cache");
   if (fp8_kv) {
-    TORCH_CHECK(k_scale->scalar_type() == at::kFloat && k_scale->numel() == 1 && k_scale->device() == q.device(),
+    TORCH_CHECK(is_scale_tensor(*k_scale) && k_scale->device() == q.device(),
                 "mla_attn: k_scale must be a float32 tensor of shape [1] on q's device");
   }
   TORCH_CHECK(fp8_mma || !q_scale.has_value(), "mla_attn: q_scale is only valid with fp8_mma=True");
   if (q_scale.has_value()) {
-    TORCH_CHECK(q_scale->scalar_type() == at::kFloat && q_scale->numel() == 1 && q_scale->device() == q.device(),
+    TORCH_CHECK(is_scale_tensor(*q_scale) && q_scale->device() == q.device(),
                 "mla_attn: q_scale must be a float32 tensor of shape [1] on q's device");
   }
   if (attn_sink.has_value()) {
     TORCH_CHECK(attn_sink->scalar_type() == at::kFloat && attn_sink->dim() == 1 &&
-                    attn_sink->size(0) == q.size(-2) && attn_sink->stride(0) == 1 && attn_sink->device() == q.device(),
+                    attn_sink->size(0) == q.size(-2) &&
+                    (attn_sink->size(0) == 1 || attn_sink->stride(0) == 1) && attn_sink->device() == q.device(),
                 "mla_attn: attn_sink must be a contiguous float32 tensor of shape [h_q] on q's device");
   }
   const int64_t q_dim = q.size(-1);
@@ -114,7 +115,7 @@ void mla_decode_cuda_impl(const Tensor& q, const std::optional<Tensor>& q_pe, co
   TORCH_CHECK(kv_cache.size(-1) == row_elements && kv_cache.stride(-1) == 1, "mla_attn: kv_cache last dim must be ",
               row_elements, ds_kv ? " (ds_mla_fp8)" : "", ", contiguous");
   const int64_t page_size = kv_cache.size(1);
-  TORCH_CHECK(page_size >= 1 && page_size <= 256, "mla_attn: page_size must be in [1, 256]");
+  check_page_size(page_size);
   TORCH_CHECK(kv_cache.size(0) * page_size < (int64_t(1) << 31), "mla_attn: the cache must hold fewer than 2^31 slots");
   // Page ids are clamped to [0, num_pages - 1]; a slot list (kv_slots) over no page has no key at all.
   TORCH_CHECK(kv_slots || kv_cache.size(0) >= 1, "mla_attn: kv_cache must hold at least one page, got 0");

@@ -46,7 +46,7 @@ const float* check_cache(const Tensor& kv_cache, const std::optional<Tensor>& k_
                   kv_cache.size(-1) == row && kv_cache.stride(-1) == 1,
               "mla_attn: kv_cache must be [num_pages, page_size, ", row, "] or [num_pages, page_size, 1, ", row,
               "], contiguous in the last dim; got ", kv_cache.sizes());
-  TORCH_CHECK(kv_cache.size(1) >= 1, "mla_attn: kv_cache page_size must be >= 1");
+  mla_bindings::check_page_size(kv_cache.size(1));
   // 8-element chunks: 16-byte aligned rows (8-byte for fp8); ds_mla_fp8 rows take 16-byte stores
   const int64_t align = format == CacheFormat::kDsMlaFp8 ? 16 : 8 * kv_cache.element_size();
   mla_bindings::check_aligned(kv_cache, "kv_cache", align);
@@ -61,7 +61,7 @@ const float* check_cache(const Tensor& kv_cache, const std::optional<Tensor>& k_
     return nullptr;
   }
   TORCH_CHECK(k_scale.has_value(), "mla_attn: a float8_e4m3fn kv_cache needs k_scale (float32, shape [1])");
-  TORCH_CHECK(k_scale->scalar_type() == at::kFloat && k_scale->numel() == 1,
+  TORCH_CHECK(mla_bindings::is_scale_tensor(*k_scale),
               "mla_attn: k_scale must be a float32 tensor of shape [1]");
   mla_bindings::check_same_device({*k_scale}, like);
   return k_scale->data_ptr<float>();

@@ -44,7 +44,7 @@ _PREFILL_MAX_GRID = 65535  # requests and heads: the prefill grid's z and y (csr
 # flushes denormals to 0)
 _LOG2E = math.log2(math.e)
 _MAX_SOFTMAX_SCALE = float(torch.finfo(torch.float32).max) / _LOG2E
-_MIN_SCALE_LOG2 = float(torch.finfo(torch.float32).tiny)
+_FLOAT32_TINY = float(torch.finfo(torch.float32).tiny)
 # decode kernels that run one cache kind only, and the query rows (max_seqlen_q * h_q) the narrow ones take
 _FP8_ONLY_KERNELS = ("narrow16_3wg", "narrow32", "fp8mma")
 _HALF_ONLY_KERNELS = ("seesaw", "seesaw_steady", "rows64_seesaw")
@@ -255,7 +255,7 @@ def check_softmax_scale(softmax_scale: object) -> None:
     if not isinstance(softmax_scale, numbers.Real) or isinstance(softmax_scale, bool):
         raise TypeError(f"softmax_scale must be a number, got {type(softmax_scale).__name__}")
     # the range first: a huge int does not convert to float for the product (False for NaN)
-    if not (0 < softmax_scale <= _MAX_SOFTMAX_SCALE and softmax_scale * _LOG2E >= _MIN_SCALE_LOG2):
+    if not (0 < softmax_scale <= _MAX_SOFTMAX_SCALE and softmax_scale * _LOG2E >= _FLOAT32_TINY):
         raise ValueError(f"softmax_scale must be a finite number > 0 (also as float32 times log2(e)), got "
                          f"{softmax_scale}")
 
@@ -284,13 +284,19 @@ def check_kv_cache_shape(kv_cache: Tensor, row: int = D_QK) -> None:
                          f"got shape {tuple(kv_cache.shape)}")
 
 
+def check_cache_page_size(kv_cache: Tensor) -> None:
+    """A page size every op takes: the cache ops refuse what decode would refuse later."""
+    page_size = kv_cache.shape[1]
+    if not PAGE_SIZE_MIN <= page_size <= PAGE_SIZE_MAX:
+        raise ValueError(f"page_size must be in [{PAGE_SIZE_MIN}, {PAGE_SIZE_MAX}], got {page_size}")
+
+
 def check_decode_cache_geometry(kv_cache: Tensor) -> None:
     """A cache the decode kernels read: its shape, a page size they take, and slot ids (page * page_size
     + row) that fit 32 bits."""
     check_kv_cache_shape(kv_cache, DS_ROW_BYTES if kv_cache.dtype == torch.uint8 else D_QK)
+    check_cache_page_size(kv_cache)
     page_size = kv_cache.shape[1]
-    if not PAGE_SIZE_MIN <= page_size <= PAGE_SIZE_MAX:
-        raise ValueError(f"page_size must be in [{PAGE_SIZE_MIN}, {PAGE_SIZE_MAX}], got {page_size}")
     if kv_cache.shape[0] * page_size > INT32_MAX:
         raise ValueError(f"the cache must hold fewer than 2^31 slots (num_pages x page_size), got "
                          f"{kv_cache.shape[0]} x {page_size}")
@@ -350,11 +356,12 @@ def check_q_scale(q_scale: Optional[Tensor], fp8_mma: bool, q: Tensor) -> None:
 
 def check_scale_value(name: str, scale: Optional[Tensor]) -> None:
     """Value check of k_scale / q_scale (host sync on GPU): the kernels fold it into the score scale,
-    which must be finite and > 0."""
+    which must be finite and > 0, and fp8_mma divides by q_scale: a denormal scale is 0 to their fast
+    math (1 / q_scale = inf, then NaN outputs), so it must be a normal float32."""
     if scale is not None:
         value = float(scale)
-        if not (math.isfinite(value) and value > 0):
-            raise ValueError(f"{name} must be finite and > 0, got {value}")
+        if not (math.isfinite(value) and value >= _FLOAT32_TINY):
+            raise ValueError(f"{name} must be finite and >= {_FLOAT32_TINY:.4g} (a normal float32), got {value}")
 
 
 def check_block_table_values(block_table: Tensor, lens: Tensor, num_pages: Optional[int], page_size: int) -> None:
@@ -737,8 +744,7 @@ def _check_cache(kv_cache: Tensor, k_scale: Optional[Tensor], kv_format: Optiona
                         f"{kv_cache.dtype}")
     fmt = check_kv_format(kv_cache, kv_format)
     check_kv_cache_shape(kv_cache, DS_ROW_BYTES if fmt == "ds_mla_fp8" else D_QK)
-    if kv_cache.shape[1] < 1:
-        raise ValueError("kv_cache page_size must be >= 1")
+    check_cache_page_size(kv_cache)
     check_device("kv_cache", kv_cache, like_name, like)
     check_layout("kv_cache", kv_cache)
     check_k_scale(kv_cache, k_scale)
@@ -1101,6 +1107,8 @@ def check_attn_sink(attn_sink: Optional[Tensor], h_q: int, like: Tensor) -> None
         raise TypeError(f"attn_sink must be float32, got {attn_sink.dtype}")
     if tuple(attn_sink.shape) != (h_q,):
         raise ValueError(f"attn_sink must be [h_q] = [{h_q}], got shape {tuple(attn_sink.shape)}")
+    if h_q > 1 and attn_sink.stride(0) != 1:
+        raise ValueError(f"attn_sink must be contiguous, got stride {attn_sink.stride(0)}")
     check_device("attn_sink", attn_sink, "q", like)
 
 

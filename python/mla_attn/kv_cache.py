@@ -89,7 +89,7 @@ def write_kv_cache(kv_c: Tensor, k_pe: Tensor, kv_cache: Tensor, slot_mapping: T
     page_size(, 1), 656] ("ds_mla_fp8": per-128-value power-of-two scales in the rows, no k_scale).
     kv_format None infers the format from the cache; a given one must match it. slot_mapping int64 [T]:
     slot = page * page_size + offset; slot < 0 skips the token. Valid slots must be distinct. Last dims
-    contiguous, other strides free (16-byte aligned).
+    contiguous, other strides free (16-byte aligned); page_size 1..256 (what decode takes).
     """
     check.memoized(_write_static_checks, kv_c, k_pe, kv_cache, slot_mapping, k_scale, kv_format, validate)
     if check.want_value_checks(validate, kv_c.device):
