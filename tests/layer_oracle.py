@@ -11,9 +11,9 @@ import random
 import torch
 
 import mla_attn
-from mla_attn.kv_cache import quantize_fp8
+from mla_attn.kv_cache import dequantize_ds_mla_fp8, quantize_ds_mla_fp8, quantize_fp8
 
-D_CACHE = 576
+D_CACHE, D_LATENT, DS_ROW_BYTES = 576, 512, 656
 
 
 def init_weights(layer, seed):
@@ -74,10 +74,10 @@ class Oracle:
         z = torch.complex(x[..., :half].double(), x[..., half:].double()) * rot
         return torch.cat([z.real, z.imag], -1).to(x.dtype)
 
-    def step(self, requests, cached=None, k_scale=None):
+    def step(self, requests, cached=None, round_trip=None):
         """requests: [(name, hidden [n_new, hidden])] in batch order. Returns the output [T, hidden].
-        cached (FP8 cache): per request, how many leading tokens the layer reads back from the cache;
-        their latent and roped k_pe go through the cache's e4m3 encoding (k_scale) first."""
+        cached (FP8 caches): per request, how many leading tokens the layer reads back from the cache;
+        their latent and roped k_pe go through round_trip (the cache's encoding and back) first."""
         c, h = self.cfg, self.cfg.num_heads
         outs = []
         for r, (name, x_new) in enumerate(requests):
@@ -98,8 +98,8 @@ class Oracle:
             if cached is not None and cached[r]:
                 m = cached[r]
                 latent, k_pe = latent.clone(), k_pe.clone()
-                latent[:m] = (quantize_fp8(latent[:m], k_scale).double() * k_scale).to(self.dtype)
-                k_pe[:m] = (quantize_fp8(k_pe[:m], k_scale).double() * k_scale).to(self.dtype)
+                latent_m, k_pe_m = round_trip(latent[:m], k_pe[:m])
+                latent[:m], k_pe[:m] = latent_m.to(self.dtype), k_pe_m.to(self.dtype)
             kv = self._lin("kv_b_proj", latent).view(N, h, -1)
             k = torch.cat([kv[..., : c.qk_nope_head_dim], k_pe.expand(N, h, -1)], -1)
             v = kv[..., c.qk_nope_head_dim:]
@@ -110,11 +110,27 @@ class Oracle:
         return torch.cat(outs)
 
 
+def fp8_round_trip(k_scale):
+    """(latent, k_pe) -> what a float8_e4m3fn cache with k_scale gives back."""
+    return lambda latent, k_pe: (quantize_fp8(latent, k_scale).double() * k_scale,
+                                 quantize_fp8(k_pe, k_scale).double() * k_scale)
+
+
+def ds_mla_fp8_round_trip(latent, k_pe):
+    """(latent, k_pe) -> what a ds_mla_fp8 cache gives back (its writer takes the layer's bf16 tokens)."""
+    rows = dequantize_ds_mla_fp8(quantize_ds_mla_fp8(latent.bfloat16(), k_pe.bfloat16()))
+    return rows[:, :D_LATENT], rows[:, None, D_LATENT:]
+
+
 class PagedCache:
-    """A NaN-poisoned paged latent cache with per-request page lists taken from a shuffled free list."""
+    """A NaN-poisoned paged latent cache with per-request page lists taken from a shuffled free list.
+    A uint8 (ds_mla_fp8) cache is all ones bytes: NaN in each part of a row (e4m3, fp32 scales, bf16)."""
 
     def __init__(self, num_pages, page_size, dtype, device, seed):
-        self.kv = torch.full((num_pages, page_size, D_CACHE), float("nan"), dtype=dtype, device=device)
+        if dtype == torch.uint8:
+            self.kv = torch.full((num_pages, page_size, DS_ROW_BYTES), 255, dtype=dtype, device=device)
+        else:
+            self.kv = torch.full((num_pages, page_size, D_CACHE), float("nan"), dtype=dtype, device=device)
         self.page_size = page_size
         self.free = list(range(num_pages))
         random.Random(seed).shuffle(self.free)
@@ -131,12 +147,16 @@ class PagedCache:
 
 
 def run_scenario(layer, steps, *, page_size, num_pages, device, decode_threshold, hidden_seed=0, check=None,
-                 k_scale=None, **build_kw):
+                 kv_format="model", k_scale=None, sparse=False, **build_kw):
     """Runs `steps` (lists of (request, new tokens), decodes listed first) through `layer` and the
-    oracles; calls check(step, got, want_fp64, want_lowp) after each step. k_scale (fp32 [1]): the
-    cache is float8_e4m3fn, and the oracles see the cached tokens through its encoding."""
+    oracles; calls check(step, got, want_fp64, want_lowp) after each step. kv_format (write_kv_cache's):
+    "model" (the layer's dtype), "fp8" (float8_e4m3fn, k_scale fp32 [1]) or "ds_mla_fp8"; with an FP8
+    one the oracles see the tokens the layer reads back from the cache through its encoding: a dense
+    decode reads all its keys, a dense prefill its context, a sparse (indices=) token all its keys."""
     cfg, dtype = layer.config, next(layer.parameters()).dtype
-    cache_dtype = dtype if k_scale is None else torch.float8_e4m3fn
+    cache_dtype = {"model": dtype, "fp8": torch.float8_e4m3fn, "ds_mla_fp8": torch.uint8}[kv_format]
+    round_trip = {"model": None, "fp8": fp8_round_trip(k_scale),
+                  "ds_mla_fp8": ds_mla_fp8_round_trip}[kv_format]
     cache = PagedCache(num_pages, page_size, cache_dtype, device, seed=hidden_seed)
     exact, lowp = Oracle(layer, torch.float64), Oracle(layer, dtype)
     g = torch.Generator().manual_seed(hidden_seed)
@@ -148,8 +168,8 @@ def run_scenario(layer, steps, *, page_size, num_pages, device, decode_threshold
         got = layer(torch.cat(xs), cache.kv, batch, k_scale=k_scale)
         reqs = [(name, x) for (name, _), x in zip(step, xs)]
         cached = None
-        if k_scale is not None:  # decodes read all their keys from the cache, prefills only the context
-            cached = [c + n if r < batch.num_decodes else c for r, ((_, n), c) in enumerate(zip(step, ctx))]
-        want = exact.step(reqs, cached, k_scale)
-        check(i, batch, got, want, lowp.step(reqs, cached, k_scale))
+        if round_trip is not None:
+            cached = [c + n if sparse or r < batch.num_decodes else c for r, ((_, n), c) in enumerate(zip(step, ctx))]
+        want = exact.step(reqs, cached, round_trip)
+        check(i, batch, got, want, lowp.step(reqs, cached, round_trip))
     return cache

@@ -137,10 +137,10 @@ def _flashmla_cos_diff(out, ref):
 @pytest.mark.parametrize("seed", range(6))
 def test_flashmla_accuracy_bar_many_splits(dtype, seed):
     """FlashMLA's dense-decoding bar (out: every element within 8e-4 or 2/128 relative, cosine
-    difference < 5e-6, against a float32 reference rounded to q's dtype) where 16-bit partials broke it:
-    one request of one query row and 4096 keys, split into ~64 parts, q and cache ~ N(0, 0.01) clamped
-    (nearly uniform attention: each split's output is ~8x the final one, so a partial's rounding
-    counts 8x). Its data recipe, on paged, NaN-poisoned storage."""
+    difference < 5e-6, against a float32 reference rounded to q's dtype; lse within 8/65536 relative)
+    where 16-bit partials broke it: one request of one query row and 4096 keys, split into ~64 parts,
+    q and cache ~ N(0, 0.01) clamped (nearly uniform attention: each split's output is ~8x the final
+    one, so a partial's rounding counts 8x). Its data recipe, on paged, NaN-poisoned storage."""
     g = torch.Generator().manual_seed(seed)
     L, page = 4096, 64
     q = (torch.randn(1, 1, 1, 576, generator=g) / 10).clamp(-1, 1).to(dtype)
@@ -151,14 +151,18 @@ def test_flashmla_accuracy_bar_many_splits(dtype, seed):
     lens = torch.tensor([L], dtype=torch.int32)
     scale = 576**-0.5
     k = kv[table[0].long()].reshape(L, 576).float()
-    ref = (torch.softmax((q.reshape(1, 576).float() @ k.T) * scale, dim=-1) @ k[:, :512]).to(dtype)
+    scores = (q.reshape(1, 576).float() @ k.T) * scale
+    ref, ref_lse = (torch.softmax(scores, dim=-1) @ k[:, :512]).to(dtype), torch.logsumexp(scores, dim=-1)
     md = mla_attn.get_decode_metadata(lens.cuda(), 1, s_q=1, causal=False)
     assert md.req_splits[0, 0].item() > 32, "the case must split the request into many parts"
-    out = mla_attn.mla_decode(q.cuda(), kv.cuda(), table.cuda(), lens.cuda(), softmax_scale=scale, causal=False,
-                              metadata=md).cpu().reshape(1, 512)
+    out, lse = mla_attn.mla_decode(q.cuda(), kv.cuda(), table.cuda(), lens.cuda(), softmax_scale=scale, causal=False,
+                                   metadata=md, return_lse=True)
+    out, lse = out.cpu().reshape(1, 512), lse.cpu().reshape(1)
     err = (out.float() - ref.float()).abs()
     assert ((err < 8e-4) | (err / (ref.float().abs() + 1e-6) < 2.01 / 128)).all()
     assert _flashmla_cos_diff(out, ref) < 5e-6
+    lse_err = (lse - ref_lse).abs()
+    assert ((lse_err <= 1e-6) | (lse_err <= 8.01 / 65536 * ref_lse.abs())).all(), f"lse err {lse_err.max():.3e}"
 
 
 @pytest.mark.parametrize("lens,s_q,h_q", [([3000, 0, 77, 1024], 1, 16), ([5000, 129, 0], 2, 128), ([40000], 1, 128),
@@ -251,7 +255,7 @@ def test_metadata_matches_cpu_schedule_extremes():
     block edges and up to INT32_MAX (costs past 2^31, one long request among short ones), total costs
     on either side of the bound below which the walks run in 32 bits (sched_meta.cu: kMaxNarrowTotal),
     and batches whose prefix sums need more than 48 KiB of shared memory (12000) or live in req_splits
-    (50000)."""
+    (50000); negative lengths; up to 1024 parts."""
     g = torch.Generator().manual_seed(3)
     num_sms = device_num_sms("cuda")
     edges = torch.tensor([0, 1, 63, 64, 65, 2**31 - 65, 2**31 - 64, 2**31 - 1], dtype=torch.int32)
@@ -277,13 +281,19 @@ def test_metadata_matches_cpu_schedule_extremes():
               (torch.randint(0, 5000, (128,), generator=g, dtype=torch.int32), range(1, num_sms + 1, 5))]
     cases += [(torch.full((batch,), length, dtype=torch.int32), range(1, num_sms + 1, 3))
               for batch, length in ((128, 1024), (128, 2048), (256, 2048), (128, 16384), (700, 64))]
-    for (lens, parts_list), det in itertools.product(cases, (False, True)):
+    # Negative lengths (no keys; value checks are off on the GPU by default).
+    cases += [(torch.tensor([-5, 100, -2**31, 0, 3000], dtype=torch.int32), (1, 2, num_sms))]
+    # More parts than this GPU's SMs, up to the bound (kMaxSmParts): the part scan in chunks of 512 threads.
+    wide = [(lens, parts, 1024) for lens, parts in
+            ((torch.randint(0, 20000, (300,), generator=g, dtype=torch.int32), (513, 1024)),
+             (torch.randint(0, 300, (2000,), generator=g, dtype=torch.int32), (1, 600, 1024)))]
+    for (lens, parts_list, sms), det in itertools.product([c + (num_sms,) for c in cases] + wide, (False, True)):
         for parts in parts_list:
             tile_sched, req_splits = torch.ops.mla_attn.get_decode_metadata(lens.cuda(), None, 1, 16, True, parts,
-                                                                            num_sms, deterministic=det)
-            tile_cpu, splits_cpu = schedule_cpu(lens, None, 1, 16, parts, num_sms, det)
-            assert torch.equal(tile_sched.cpu(), tile_cpu), (len(lens), parts, det)
-            assert torch.equal(req_splits.cpu(), splits_cpu), (len(lens), parts, det)
+                                                                            sms, deterministic=det)
+            tile_cpu, splits_cpu = schedule_cpu(lens, None, 1, 16, parts, sms, det)
+            assert torch.equal(tile_sched.cpu(), tile_cpu), (len(lens), parts, sms, det)
+            assert torch.equal(req_splits.cpu(), splits_cpu), (len(lens), parts, sms, det)
 
 
 def _part_blocks_at_least(tile_sched, parts):

@@ -9,6 +9,8 @@ from cases import make_decode_case
 from conftest import FP8, capture_decode_step, check_decode, decode_kernels_for, run_decode, to_device
 from fp8_cases import to_ds_case, to_fp8_case
 
+from mla_attn.metadata import DecodeMetadata, device_num_sms
+
 pytestmark = pytest.mark.gpu
 
 PAGE_SIZES = [1, 3, 8, 16, 24, 32, 64, 100, 128, 256]
@@ -17,12 +19,14 @@ PAGE_SIZES = [1, 3, 8, 16, 24, 32, 64, 100, 128, 256]
 LENS = [1, 77, 0, 1000, 4097]
 
 
-def _params():
+def _params(page_sizes=PAGE_SIZES):
     params = []
-    for page_size in PAGE_SIZES:
+    for page_size in page_sizes:
         for cache_dtype in (torch.bfloat16, FP8, torch.uint8):
             for h_q, s_q in ((16, 1), (64, 2)):
                 for kernel in [None] + decode_kernels_for(cache_dtype, h_q * s_q):
+                    if kernel == "rows64_seesaw" and page_size % 16:
+                        continue  # runs as rows64 on gathered rows (dispatch.h: decode_kernel_that_runs)
                     name = {torch.bfloat16: "bf16", FP8: "fp8", torch.uint8: "ds_mla_fp8"}[cache_dtype]
                     params.append(pytest.param(page_size, cache_dtype, h_q, s_q, kernel,
                                                id=f"ps{page_size}-{name}-h{h_q}s{s_q}-{kernel}"))
@@ -39,6 +43,25 @@ def test_page_size(page_size, cache_dtype, h_q, s_q, kernel):
     case = to_device(case)
     out, lse = run_decode(case, True, _kernel=kernel)
     check_decode(case, True, out, lse, kernel)
+
+
+@pytest.mark.parametrize("page_size,cache_dtype,h_q,s_q,kernel", _params([1, 24, 64, 256]))
+def test_page_size_long_segments(page_size, cache_dtype, h_q, s_q, kernel):
+    """Segments of hundreds of blocks (schedules of 1 and 3 parts): each stage ring turns over many
+    times and the seesaw kernel runs its steady loop, at gathered and TMA page sizes alike."""
+    case = make_decode_case([40000, 77], s_q, h_q, page_size, seed=page_size + h_q + 1)
+    if cache_dtype == FP8:
+        case = to_fp8_case(case)
+    elif cache_dtype == torch.uint8:
+        case = to_ds_case(case)
+    case = to_device(case)
+    num_sms = device_num_sms("cuda")
+    for parts in (1, 3):
+        tile_sched, req_splits = torch.ops.mla_attn.get_decode_metadata(
+            case["cache_seqlens"], None, s_q, h_q, True, parts, num_sms)
+        md = DecodeMetadata(tile_sched, req_splits, parts, s_q, h_q, True)
+        out, lse = run_decode(case, True, metadata=md, _kernel=kernel)
+        check_decode(case, True, out, lse, kernel)
 
 
 @pytest.mark.parametrize("cache_dtype", [torch.bfloat16, FP8, torch.uint8], ids=["bf16", "fp8", "ds_mla_fp8"])
@@ -72,7 +95,7 @@ def test_one_page_cache_with_any_page_stride(page_size, cache_dtype):
 @pytest.mark.parametrize("page_size", [1, 24, 64])
 def test_cuda_graph_replay_with_new_tables(page_size):
     """A captured decode (metadata included) replays with the cache's pages moved (a new block table
-    and cache contents) and new lengths."""
+    and cache contents) and new lengths, NaN in every slot past them."""
     case = to_device(make_decode_case([300, 2000, 5], 1, 128, page_size, seed=page_size))
     static = dict(case, kv_cache=case["kv_cache"].clone(), block_table=case["block_table"].clone(),
                   cache_seqlens=case["cache_seqlens"].clone())
@@ -86,8 +109,14 @@ def test_cuda_graph_replay_with_new_tables(page_size):
         moved[perm] = case["kv_cache"]  # page j now lives at perm[j]
         table = case["block_table"].long()
         inside = (table >= 0) & (table < num_pages)
+        table = torch.where(inside, perm[table.clamp(0, num_pages - 1)], table)
+        keys = torch.arange(table.shape[1] * page_size, device="cuda")
+        for b, n in enumerate(lens):  # the new length's tail in the request's pages (the table's tail is not)
+            pages = table[b, keys[n:] // page_size]
+            mine = (pages >= 0) & (pages < num_pages)
+            moved[pages[mine], keys[n:][mine] % page_size] = float("nan")
         new = dict(case, kv_cache=moved, cache_seqlens=torch.tensor(lens, dtype=torch.int32, device="cuda"),
-                   block_table=torch.where(inside, perm[table.clamp(0, num_pages - 1)], table).to(torch.int32))
+                   block_table=table.to(torch.int32))
         for key in ("kv_cache", "block_table", "cache_seqlens"):
             static[key].copy_(new[key])
         out.fill_(float("nan"))

@@ -39,8 +39,9 @@ def check_close(step, batch, got, want, want_lowp, factor):
     assert err <= factor * base + 2e-3, f"step {step}: max err {err:.3e} vs bf16 oracle {base:.3e}"
 
 
+@pytest.mark.parametrize("page_size", [1, 3, 16])
 @pytest.mark.parametrize("name", list(CONFIGS))
-def test_layer_matches_unabsorbed_cpu(name):
+def test_layer_matches_unabsorbed_cpu(name, page_size):
     cfg = CONFIGS[name]
     layer = MLAAttention(cfg, dtype=torch.bfloat16)
     init_weights(layer, seed=1)
@@ -53,7 +54,8 @@ def test_layer_matches_unabsorbed_cpu(name):
         # error; a 5% softmax-scale error or swapped RoPE pairing gives > 3x, so 1.5x still catches them.
         check_close(i, batch, got, want, lowp, factor=1.5)
 
-    run_scenario(layer, STEPS_CPU, page_size=16, num_pages=64, device="cpu", decode_threshold=8, check=check)
+    run_scenario(layer, STEPS_CPU, page_size=page_size, num_pages=1024 // page_size, device="cpu", decode_threshold=8,
+                 check=check)
     # the scenario exercised every path
     assert routes[0] == (1, 2, False) and routes[2] == (4, 2, True) and routes[4] == (6, 0, False)
 
@@ -165,7 +167,7 @@ STEPS_GPU = [
 
 @pytest.mark.gpu
 @pytest.mark.parametrize("name,heads", [("q_lora", 16), ("q_lora", 128), ("q_proj_neox_yarn", 5)])
-@pytest.mark.parametrize("page_size", [16, 64])
+@pytest.mark.parametrize("page_size", [1, 16, 64, 100])
 def test_layer_matches_unabsorbed_gpu(name, heads, page_size):
     cfg = dataclasses.replace(CONFIGS[name], num_heads=heads, hidden_size=1024)
     layer = MLAAttention(cfg, dtype=torch.bfloat16)
@@ -182,19 +184,21 @@ def test_layer_matches_unabsorbed_gpu(name, heads, page_size):
                  decode_threshold=64, check=check, hidden_seed=heads)
 
 
-def _fp8_layer_check(layer, steps, device, page_size, num_pages, decode_threshold, factor, hidden_seed=0):
-    """FP8 cache: the oracles see every token the layer reads back from the cache through the cache's
-    e4m3 encoding (decodes: all keys; prefills: the context), so only the attention arithmetic is
-    compared, as for a 16-bit cache."""
+def _fp8_layer_check(layer, steps, device, page_size, num_pages, decode_threshold, factor, hidden_seed=0,
+                     kv_format="fp8", sparse=False):
+    """FP8 cache (kv_format "fp8" with k_scale 0.05, or "ds_mla_fp8"): the oracles see every token the
+    layer reads back from the cache through the cache's encoding (decodes: all keys; prefills: the
+    context; sparse: all keys), so only the attention arithmetic is compared, as for a 16-bit cache."""
     errs = []
 
     def check(i, batch, got, want, lowp):
         errs.append(((got.double() - want).abs().max().item(), (lowp.double() - want).abs().max().item()))
         check_close(i, batch, got, want, lowp, factor=factor)
 
-    k_scale = torch.tensor([0.05], dtype=torch.float32, device=device)
+    k_scale = torch.tensor([0.05], dtype=torch.float32, device=device) if kv_format == "fp8" else None
     run_scenario(layer, steps, page_size=page_size, num_pages=num_pages, device=device,
-                 decode_threshold=decode_threshold, check=check, k_scale=k_scale, hidden_seed=hidden_seed)
+                 decode_threshold=decode_threshold, check=check, kv_format=kv_format, k_scale=k_scale,
+                 sparse=sparse, hidden_seed=hidden_seed)
     return errs
 
 
@@ -203,6 +207,14 @@ def test_layer_fp8_cache_cpu():
     init_weights(layer, seed=1)
     # Same bound as the 16-bit CPU test; measured here: 0.6-1.1x the bf16 oracle's error per step.
     _fp8_layer_check(layer, STEPS_CPU, "cpu", 16, 64, 8, factor=1.5)
+
+
+@pytest.mark.parametrize("page_size", [1, 16])
+def test_layer_ds_mla_fp8_cache_cpu(page_size):
+    """DeepSeek-V3.2's cache under dense attention: decode reads it, prefill gathers its context."""
+    layer = MLAAttention(CONFIGS["q_lora"], dtype=torch.bfloat16)
+    init_weights(layer, seed=1)
+    _fp8_layer_check(layer, STEPS_CPU, "cpu", page_size, 64 * 16 // page_size, 8, factor=1.5, kv_format="ds_mla_fp8")
 
 
 def test_layer_fp8_oracle_catches_a_wrong_scale():
@@ -239,10 +251,12 @@ def test_layer_fp8_mma_cpu():
 
 
 @pytest.mark.gpu
+@pytest.mark.parametrize("kv_format", ["fp8", "ds_mla_fp8"])
 @pytest.mark.parametrize("heads,page_size", [(16, 64), (128, 16)])
-def test_layer_fp8_cache_gpu(heads, page_size):
+def test_layer_fp8_cache_gpu(heads, page_size, kv_format):
     cfg = dataclasses.replace(CONFIGS["q_lora"], num_heads=heads, hidden_size=1024)
     layer = MLAAttention(cfg, dtype=torch.bfloat16)
     init_weights(layer, seed=2)
     layer.cuda()
-    _fp8_layer_check(layer, STEPS_GPU, "cuda", page_size, 4 * 8192 // page_size, 64, factor=2, hidden_seed=heads)
+    _fp8_layer_check(layer, STEPS_GPU, "cuda", page_size, 4 * 8192 // page_size, 64, factor=2, hidden_seed=heads,
+                     kv_format=kv_format)

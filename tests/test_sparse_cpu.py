@@ -6,8 +6,8 @@ import math
 import pytest
 import torch
 from cases import make_decode_case
-from serving_utils import RecordOps
-from sparse_cases import FP8, check_sparse, make_sparse_case, run_sparse, valid_first
+from serving_utils import RecordOps, opcheck_all
+from sparse_cases import FP8, check_sparse, make_sparse_case, run_sparse, to_device, valid_first
 
 import mla_attn
 from mla_attn.reference import mla_decode_ref, mla_sparse_ref
@@ -121,9 +121,8 @@ def test_sparse_decode_matches_reference(lead, h_q, topk, page_size, dtype, leng
 
 @pytest.mark.parametrize("lead,topk,page_size,kv_4d", [((3, 2), 70, 16, False), ((4,), 130, 1, True)])
 def test_sparse_decode_ds_mla_fp8_cache(lead, topk, page_size, kv_4d):
-    """DeepSeek-V3.2's 656-byte rows: the listed rows are dequantised into pages of 64 (topk not a
-    multiple of 64: the last page is part zeros), then decoded; the reference reads the dequantised
-    cache."""
+    """DeepSeek-V3.2's 656-byte rows (topk not a multiple of 64, page 1 and 16, both cache ranks),
+    against the reference on the dequantised cache."""
     case = make_sparse_case(lead, 8, topk, page_size, lengths=True, sink="finite", kv_4d=kv_4d, ds_fp8=True, seed=3)
     assert case["kv_cache"].dtype == torch.uint8
     out = torch.full(lead + (8, 512), float("nan"), dtype=torch.bfloat16)
@@ -163,6 +162,23 @@ def test_indices_valid_skips_the_compaction(lead, h_q, topk, page_size, dtype, l
         want = run_sparse(case)
     assert compact in ops.calls
     assert torch.equal(got[0], want[0]) and torch.equal(got[1], want[1])
+
+
+def opcheck_sparse_call(kind, device):
+    """opcheck of the ops one sparse decode dispatches (mla_decode with kv_slots and attn_sink; the
+    compaction, or skip_invalid_slots on a ds_mla_fp8 cache), with its arguments, and of mla_decode_out.
+    Not a float8_e4m3fn cache: opcheck's schema test multiplies its tensors, which torch cannot in e4m3."""
+    case = make_sparse_case((3, 2), 4, 24, 16, lengths=True, sink="finite", ds_fp8=kind == "ds_fp8", seed=13)
+    with RecordOps() as ops:
+        run_sparse(to_device(case, device))
+    names = {"mla_decode", "get_decode_metadata"} | ({"compact_sparse_indices"} if kind == "bf16" else set())
+    assert {op._schema.name for op in ops.calls} == {"mla_attn::" + n for n in names}
+    assert opcheck_all(ops.calls) == names | {"mla_decode_out"}
+
+
+@pytest.mark.parametrize("kind", ["bf16", "ds_fp8"])
+def test_opcheck_of_a_sparse_call(kind):
+    opcheck_sparse_call(kind, "cpu")
 
 
 @pytest.mark.parametrize("kind", ["bf16", "ds_fp8"])
@@ -425,6 +441,18 @@ def test_layer_sparse_with_every_key_is_dense_attention(vouch):
         check_close(i, batch, got, want, lowp, factor=1.5)
 
     run_scenario(layer, STEPS_CPU, page_size=16, num_pages=64, device="cpu", decode_threshold=8, check=check)
+
+
+@pytest.mark.parametrize("kv_format", ["fp8", "ds_mla_fp8"])
+def test_layer_sparse_over_an_fp8_cache(kv_format):
+    """MLAAttention(indices=) naming every causal key of an FP8 cache (DeepSeek-V3.2's is ds_mla_fp8):
+    dense attention over the keys as the cache gives them back."""
+    from layer_oracle import init_weights
+    from test_layer import CONFIGS, STEPS_CPU, _fp8_layer_check
+    layer = mla_attn.MLAAttention(CONFIGS["q_lora"], dtype=torch.bfloat16)
+    init_weights(layer, seed=1)
+    with_all_keys_indexer(layer, vouch=False)
+    _fp8_layer_check(layer, STEPS_CPU, "cpu", 16, 64, 8, factor=1.5, kv_format=kv_format, sparse=True)
 
 
 def test_empty_cache_gives_empty_rows():

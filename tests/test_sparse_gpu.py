@@ -164,6 +164,28 @@ def test_sparse_decode_ds_mla_fp8_cache(lead, h_q, topk, page_size, lengths, sin
     assert torch.equal(graph_out, out)
 
 
+DS_MORE_CASES = [((5,), 1, 300, 1, torch.float16, True), ((2, 2), 8, 640, 16, torch.bfloat16, True),
+                 ((3,), 128, 500, 3, torch.float16, False), ((4,), 32, 900, 64, torch.float16, True)]
+DS_MORE_PARAMS = [pytest.param(*c, kernel) for c in DS_MORE_CASES
+                  for kernel in [None] + decode_kernels_for(torch.uint8, c[1])]
+
+
+@pytest.mark.parametrize("lead,h_q,topk,page_size,dtype,split_pe,kernel", DS_MORE_PARAMS)
+def test_sparse_decode_ds_mla_fp8_cache_fp16_and_split_q(lead, h_q, topk, page_size, dtype, split_pe, kernel):
+    """A ds_mla_fp8 cache under fp16 queries, q_pe given apart, and 1 or 8 heads."""
+    case = to_device(make_sparse_case(lead, h_q, topk, page_size, dtype=dtype, lengths=True, sink="finite",
+                                      split_pe=split_pe, ds_fp8=True, seed=topk + h_q), "cuda")
+    out = poisoned_out(case)
+    _, lse = run_sparse(case, out=out, _kernel=kernel)
+    check_sparse(case, out, lse)
+
+
+@pytest.mark.parametrize("kind", ["bf16", "ds_fp8"])
+def test_opcheck_of_a_sparse_call(kind):
+    from test_sparse_cpu import opcheck_sparse_call
+    opcheck_sparse_call(kind, "cuda")
+
+
 def test_functional_form_and_no_lse():
     case = sparse_case((4, 2), 16, 2048, 64, torch.bfloat16, True, "finite", False, False, False)
     out, lse = run_sparse(case)

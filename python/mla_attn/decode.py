@@ -64,7 +64,9 @@ def mla_decode(q: Tensor, kv_cache: Tensor, block_table: Tensor, cache_seqlens: 
     attn_sink (float32 [h_q], optional): a sink logit per head, as mla_sparse_decode's: out is scaled by
     exp(lse) / (exp(lse) + exp(sink)) (+inf: out 0, -inf: no effect); lse is the attention's own.
     _kernel (private, for tests and benchmarks): run this split kernel (metadata.DECODE_KERNELS)
-    instead of the one the dispatch chooses; ValueError if it cannot run the call.
+    instead of the one the dispatch chooses; ValueError if it cannot run the call. rows64_seesaw
+    reads TMA boxes only and runs its 64-row half alone (rows64) where rows are gathered (page sizes
+    not a multiple of 16) or with deterministic=True.
     """
     max_seqlen_q = check.memoized(
         _static_checks, q, q_pe, kv_cache, block_table, cache_seqlens, cu_seqlens_q, max_seqlen_q, softmax_scale,

@@ -104,8 +104,8 @@ class MLAAttention(nn.Module):
                 topk_length: Optional[Tensor] = None, indices_valid: bool = False,
                 sparse_metadata: Optional[ops.SparseDecodeMetadata] = None, fp8_mma: bool = False) -> Tensor:
         """hidden_states [T, hidden] in batch order (decode tokens first); kv_cache [num_pages,
-        page_size, 576] in the layer's dtype, or float8_e4m3fn with k_scale (fp32 [1]), or (with
-        indices only) uint8 [num_pages, page_size, 656] in DeepSeek-V3.2's ds_mla_fp8 layout, written
+        page_size, 576] in the layer's dtype, or float8_e4m3fn with k_scale (fp32 [1]), or uint8
+        [num_pages, page_size, 656] in DeepSeek-V3.2's ds_mla_fp8 layout (dense or sparse), written
         in place; batch: this step's MLABatch. Returns [T, hidden].
         indices int32 [T, topk] (sparse attention): the cache slots (page * page_size + row) each token
         attends to, this step's own tokens included (they are written to the cache first); -1 and
