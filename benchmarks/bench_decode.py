@@ -13,7 +13,9 @@ For every config:
        warm = median over replays each preceded by a ~20 us spin kernel (no memory traffic);
      replays per config are bounded by a time budget (--rep-ms per mode, scaled down when the
      whole-run budget --time-budget-s runs short);
-  4. time mla_attn.get_decode_metadata eagerly (CUDA events around the host call, median of 20).
+  4. time mla_attn.get_decode_metadata eagerly (CUDA events around the host call, median of 20) and
+     in a graph of 20 calls, and a step's first layer (metadata, then the decode: one graph, timed
+     with the others) beside FlashMLA's call with a fresh schedule object, which does the same.
 Ceilings of the same run: HBM streaming read (Triton kernel if importable, else torch.sum) and a
 bf16 8192^3 matmul.
 
@@ -274,13 +276,17 @@ class Ours:
             return dec(q, kv, table, lens, softmax_scale=SCALE, causal=causal, return_lse=True,
                        metadata=md, k_scale=k_scale, fp8_mma=fp8_mma)
 
+        def step_fn():  # what the first layer of a step runs: the schedule, then the decode
+            return dec(q, kv, table, lens, softmax_scale=SCALE, causal=causal, return_lse=True,
+                       metadata=self.metadata(p, c), k_scale=k_scale, fp8_mma=fp8_mma)
+
         info = dict(num_sm_parts=int(md.num_sm_parts))
         try:
             rs = md.req_splits.cpu()
             info["max_splits"] = int(rs[:, 0].max()) if rs.numel() else 0
         except Exception:
             pass
-        return dict(eager=eager, graph_fn=graph_fn, info=info, keep=(md, buf))
+        return dict(eager=eager, graph_fn=graph_fn, step_fn=step_fn, info=info, keep=(md, buf))
 
 
 class FlashInferFA3:
@@ -359,10 +365,13 @@ class FlashMLA:
         q, kv, table, lens = p["q"], p["kv"], p["table"], p["lens"]
         meta, _ = self.get_mla_metadata()  # filled by the first call (the eager check), then reused
 
-        def run():
-            out, lse = self.fwd(q, kv, table, lens, D_V, meta, None, softmax_scale=SCALE, causal=c["s_q"] > 1)
+        def run(sched=meta):
+            out, lse = self.fwd(q, kv, table, lens, D_V, sched, None, softmax_scale=SCALE, causal=c["s_q"] > 1)
             return out, lse.transpose(1, 2)  # lse [b, h_q, s_q] -> [b, s_q, h_q]
-        return dict(eager=run, graph_fn=run, info={}, keep=(meta,))
+
+        def step_fn():  # a fresh schedule object: the call makes its metadata, then decodes
+            return run(self.get_mla_metadata()[0])
+        return dict(eager=run, graph_fn=run, step_fn=step_fn, info={}, keep=(meta,))
 
 
 # ----------------------------------------------------------------------------------------------
@@ -438,11 +447,20 @@ def run_kernels(kerns, p, c, ref, timer, rep_ms):
     (GraphTimer.time_interleaved), so that no kernel is favoured by its place in the order."""
     checked = [check_kernel(k, p, c, ref) for k in kerns]
     timed = [(r, gp[0]) for r, gp in checked if gp is not None]
+    steps = []  # kernels whose step_fn makes the metadata and decodes: a step's first layer
+    for r, gp in checked:
+        if gp is not None and "step_fn" in gp[1]:
+            try:
+                steps.append((r, capture(gp[1]["step_fn"])[0]))
+            except Exception:
+                r["step_error"] = traceback.format_exc()[-1500:]
     try:
-        times = timer.time_interleaved([g for _, g in timed], rep_ms)
+        times = timer.time_interleaved([g for _, g in timed] + [g for _, g in steps], rep_ms)
         after = nvml_sample()  # clock and power once all of them were timed (together)
         for (r, _), t in zip(timed, times):
             r.update(t, nvml_after=after)
+        for (r, _), t in zip(steps, times[len(timed):]):
+            r["step_cold_us"], r["step_warm_us"] = t["cold_us"], t["warm_us"]
     except Exception:
         for r, _ in timed:
             r["error"], r["ok"] = traceback.format_exc()[-3000:], False
@@ -465,12 +483,14 @@ def live_best(row):
     return min(times) if times else None
 
 
-def live_cells(row, cold):
+def live_cells(row, cold, step):
     fm = row.get("flashmla") or {}
     fm_cold = fm.get("cold_us") if fm.get("ok") else None
+    fm_step = fm.get("step_cold_us") if fm.get("ok") else None
     best = live_best(row)
     return (f"{fmt(fm_cold)} | {fmt(fm_cold / cold if (fm_cold and cold) else None, '{:.2f}')} | "
-            f"{fmt(best / cold if (best and cold) else None, '{:.2f}')} | ")
+            f"{fmt(best / cold if (best and cold) else None, '{:.2f}')} | "
+            f"{fmt(fm_step)} | {fmt(fm_step / step if (fm_step and step) else None, '{:.2f}')} | ")
 
 
 def write_outputs(results, out_dir):
@@ -493,17 +513,21 @@ def write_outputs(results, out_dir):
                  "read first). TB/s and TFLOP/s from cold. FI = FlashInfer fa3 (live, this run). "
                  "x FI = FI cold / ours cold; x static = best peer time of the static table in bench_decode.py (another H200, another run) / ours "
                  "(> 1: ours faster). md us = get_decode_metadata, eager, CUDA events around the host call; "
-                 "md graph us = its GPU time per call in a CUDA graph of 20 calls.")
+                 "md graph us = its GPU time per call in a CUDA graph of 20 calls; step us = a step's first "
+                 "layer: get_decode_metadata then the decode, one CUDA graph, cold (the other layers reuse "
+                 "the metadata: cold us).")
     lines.append("")
     fmla = any(row.get("flashmla") for row in results["rows"])
     if fmla:
         lines.append("FMLA = FlashMLA SM90 dense decode (live, this run; --flashmla); x live best = the faster "
-                     "correct one of FI and FMLA / ours.")
+                     "correct one of FI and FMLA / ours. FMLA step us = its call with a fresh schedule object "
+                     "(it makes its metadata, then decodes), one CUDA graph, cold; x FMLA step = that / step us.")
         lines.append("")
     lines.append("| config | ok | rel L2 | max abs | lse err | cold us | warm us | TB/s | TFLOP/s | md us | md graph us "
-                 "| FI cold us | FI ok | x FI | " + ("FMLA cold us | x FMLA | x live best | " if fmla else "")
+                 "| step us | FI cold us | FI ok | x FI | "
+                 + ("FMLA cold us | x FMLA | x live best | FMLA step us | x FMLA step | " if fmla else "")
                  + "static best (us) | x static |")
-    lines.append("|---" * (19 if fmla else 16) + "|")
+    lines.append("|---" * (22 if fmla else 17) + "|")
     for row in results["rows"]:
         o = row.get("ours", {})
         fi = row.get("flashinfer_fa3")
@@ -512,8 +536,8 @@ def write_outputs(results, out_dir):
         if "error" in o and cold is None:
             err = o["error"].strip().splitlines()[-1][:80].replace("|", "/")
             lines.append(f"| {row['cfg']} | ERROR | {err} | | | | | | | {fmt(row.get('md_us'))} | "
-                         f"{fmt(row.get('md_graph_us'))} | "
-                         f"{fmt(fi.get('cold_us') if fi else None)} | | | | |")
+                         f"{fmt(row.get('md_graph_us'))} | | "
+                         f"{fmt(fi.get('cold_us') if fi else None)} | | | " + ("| | | | | " if fmla else "") + "| |")
             continue
         ok = "ok" if o.get("ok") else "FAIL"
         fi_cold = fi.get("cold_us") if fi else None
@@ -525,8 +549,9 @@ def write_outputs(results, out_dir):
             f"{fmt(o.get('lse_max_abs'), '{:.1e}')} | {fmt(cold)} | {fmt(o.get('warm_us'))} | "
             f"{fmt(row['bytes'] / cold / 1e6 if cold else None, '{:.2f}')} | "
             f"{fmt(row['flops'] / cold / 1e6 if cold else None, '{:.0f}')} | {fmt(row.get('md_us'))} | "
-            f"{fmt(row.get('md_graph_us'))} | "
-            f"{fmt(fi_cold)} | {fi_ok} | {fmt(x_fi, '{:.2f}')} | " + (live_cells(row, cold) if fmla else "") +
+            f"{fmt(row.get('md_graph_us'))} | {fmt(o.get('step_cold_us'))} | "
+            f"{fmt(fi_cold)} | {fi_ok} | {fmt(x_fi, '{:.2f}')} | "
+            + (live_cells(row, cold, o.get('step_cold_us')) if fmla else "") +
             f"{(st[0] + ' ' + format(st[1], '.1f')) if st else '-'} | {fmt(x_st, '{:.2f}')} |")
     rat_fi = [r["flashinfer_fa3"]["cold_us"] / r["ours"]["cold_us"] for r in results["rows"]
               if r.get("ours", {}).get("cold_us") and (r.get("flashinfer_fa3") or {}).get("cold_us")]
@@ -544,6 +569,12 @@ def write_outputs(results, out_dir):
         lines.append(f"Geo-mean x live best (FI, FMLA) / ours: "
                      f"{math.exp(sum(map(math.log, rat_live)) / len(rat_live)):.3f} over {len(rat_live)} configs; "
                      f"{sum(x >= 0.95 for x in rat_live)} at >= 0.95.")
+    rat_step = [(r.get("flashmla") or {})["step_cold_us"] / r["ours"]["step_cold_us"] for r in results["rows"]
+                if r.get("ours", {}).get("step_cold_us") and (r.get("flashmla") or {}).get("ok")
+                and (r.get("flashmla") or {}).get("step_cold_us")]
+    if rat_step:
+        lines.append(f"Geo-mean x FMLA step (metadata + decode, FlashMLA / ours): "
+                     f"{math.exp(sum(map(math.log, rat_step)) / len(rat_step)):.3f} over {len(rat_step)} configs.")
     if rat_st:
         lines.append(f"Geo-mean x static best anchor / ours: "
                      f"{math.exp(sum(map(math.log, rat_st)) / len(rat_st)):.3f} over {len(rat_st)} configs.")
