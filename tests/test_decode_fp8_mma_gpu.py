@@ -8,7 +8,7 @@ the unquantized values here."""
 import pytest
 import torch
 from cases import make_decode_case
-from conftest import check_fp8_mma, decode_case, run_decode, to_device
+from conftest import capture_graph, check_fp8_mma, decode_case, run_decode, to_device
 from fp8_cases import to_fp8_case
 
 import mla_attn
@@ -73,6 +73,29 @@ def test_fp8_mma_with_a_per_tensor_q_scale(lens, s_q, h_q, page_size, varlen, sp
     check_fp8_mma(case, True, out, lse)
     per_row, _ = run(case, True)
     assert not torch.equal(out, per_row)
+
+
+def test_fp8_mma_q_scale_saturates_and_is_read_on_each_replay():
+    """A q_scale below amax(q) / 448 saturates Q at +-448 * q_scale (the documented clamp): the result
+    is the reference on the clamped Q. A captured call reads the scale's value on every replay."""
+    case = decode_case([1023, 300], 1, 128, 64, False, False, torch.bfloat16, fp8=True)
+    q_scale = (case["q"].abs().amax().float() / 448 / 4).reshape(1)  # |q| above a quarter of the max saturates
+    out, lse = run(case, True, q_scale=q_scale)
+    bound = 448 * q_scale
+    clamped = {k: v for k, v in case.items() if k != "references"}  # decode_case memoizes the references
+    clamped["q"] = torch.maximum(torch.minimum(case["q"].float(), bound), -bound).to(case["q"].dtype)
+    assert not torch.equal(clamped["q"], case["q"])
+    check_fp8_mma(clamped, True, out, lse)
+
+    static_scale = q_scale.clone()
+    graph, (graph_out, _) = capture_graph(lambda: run(case, True, q_scale=static_scale))
+    for scale in (q_scale * 4, q_scale):
+        static_scale.copy_(scale)
+        graph_out.fill_(float("nan"))
+        graph.replay()
+        torch.cuda.synchronize()
+        eager, _ = run(case, True, q_scale=scale)
+        assert torch.equal(graph_out, eager)
 
 
 def test_fp8_mma_deterministic_is_bit_identical():
