@@ -286,7 +286,7 @@ def test_metadata_matches_cpu_schedule_extremes():
     # More parts than this GPU's SMs, up to the bound (kMaxSmParts): the part scan in chunks of 512 threads.
     wide = [(lens, parts, 1024) for lens, parts in
             ((torch.randint(0, 20000, (300,), generator=g, dtype=torch.int32), (513, 1024)),
-             (torch.randint(0, 300, (2000,), generator=g, dtype=torch.int32), (1, 600, 1024)))]
+             (torch.randint(0, 20000, (2000,), generator=g, dtype=torch.int32), (1, 600, 1024)))]
     for (lens, parts_list, sms), det in itertools.product([c + (num_sms,) for c in cases] + wide, (False, True)):
         for parts in parts_list:
             tile_sched, req_splits = torch.ops.mla_attn.get_decode_metadata(lens.cuda(), None, 1, 16, True, parts,

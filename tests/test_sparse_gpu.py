@@ -181,7 +181,7 @@ def test_sparse_decode_ds_mla_fp8_cache_fp16_and_split_q(lead, h_q, topk, page_s
 
 
 @pytest.mark.parametrize("kind", ["bf16", "ds_fp8"])
-def test_opcheck_of_a_sparse_call(kind):
+def test_opcheck_of_a_sparse_call(kind, schedule_cache):  # empty: the call makes its schedule
     from test_sparse_cpu import opcheck_sparse_call
     opcheck_sparse_call(kind, "cuda")
 
