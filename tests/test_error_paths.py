@@ -343,8 +343,10 @@ GPU_CASES = [
     ("gather_kv_cache", lambda a: dict(cu_seqlens=a["cu_seqlens"][:2]), R, r"cu_seqlens must be \[B \+ 1\]"),
     ("gather_kv_cache", lambda a: dict(num_tokens=-1), R, r"num_tokens must be >= 0"),
     ("gather_kv_cache", lambda a: dict(kv_cache=torch.zeros(1, 1, 576, dtype=torch.bfloat16, device="cuda")
-                                       .expand(1, 2**32, 576)), R,  # page_size 2^32 was 0 as an int
+                                       .expand(2**32, 1, 576)), R,  # 2^32 pages: 0 as an int
      r"kv_cache must have at most 2\^31 - 1 pages of at most 2\^31 - 1 rows"),
+    ("gather_kv_cache", lambda a: dict(kv_cache=torch.zeros(1, 1, 576, dtype=torch.bfloat16, device="cuda")
+                                       .expand(1, 2**32, 576)), R, r"page_size must be in \[1, 256\], got 4294967296"),
     ("gather_kv_cache", lambda a: dict(out_dtype=torch.int8), R, r"out_dtype must be bfloat16, float16 or float32"),
     # merge_api.cpp
     ("merge_attn_states", lambda a: dict(out_a=a["out_a"].double()), R,

@@ -127,7 +127,7 @@ Tensor gather_kv_cache_cuda(const Tensor& kv_cache, const Tensor& block_table, c
   const int64_t batch = block_table.size(0);
   TORCH_CHECK(cu_seqlens.dim() == 1 && cu_seqlens.size(0) == batch + 1, "mla_attn: cu_seqlens must be [B + 1]");
   TORCH_CHECK(num_tokens >= 0, "mla_attn: num_tokens must be >= 0");
-  // The kernel takes both as ints (an expanded cache may claim more; page_size 2^32 became 0, a divisor).
+  // The kernel takes both as ints (an expanded cache may claim more pages; check_cache bounds page_size).
   TORCH_CHECK(kv_cache.size(0) <= INT32_MAX && kv_cache.size(1) <= INT32_MAX,
               "mla_attn: kv_cache must have at most 2^31 - 1 pages of at most 2^31 - 1 rows, got ", kv_cache.sizes());
   TORCH_CHECK(batch < INT32_MAX && block_table.size(1) <= INT32_MAX,  // an expanded table may claim more
