@@ -234,8 +234,10 @@ void mla_decode_cuda_impl(const Tensor& q, const std::optional<Tensor>& q_pe, co
   DecodeTma tma;
   // The 64-row kernel's fp8 forms copy whole rows at every page size: no map.
   const bool rows_only = ds_kv || (fp8_kv && kernel == DecodeKernel::kRows64);
-  const char* tma_error =
-      make_kv_tma(p, fp8_kv || ds_kv ? TmaElement::kFp8 : bf16 ? TmaElement::kBf16 : TmaElement::kFp16, rows_only, &tma);
+  const bool row_groups = fp8_kv && (kernel == DecodeKernel::kNarrow16 || kernel == DecodeKernel::kNarrow16x3 ||
+                                     kernel == DecodeKernel::kNarrow32);
+  const char* tma_error = make_kv_tma(p, fp8_kv || ds_kv ? TmaElement::kFp8 : bf16 ? TmaElement::kBf16 : TmaElement::kFp16,
+                                      rows_only, row_groups, &tma);
   TORCH_CHECK(tma_error == nullptr, "mla_attn: ", tma_error ? tma_error : "");
   tma.q_by_tma = decode_kernel_wants_q_by_tma(kernel, problem) &&
                  make_q_tma(p, varlen ? q.size(0) : q.size(1), varlen ? 1 : batch,

@@ -12,8 +12,10 @@ struct half_t;
 namespace mla_decode {
 
 // Builds the TMA descriptor for the paged cache (element: the cache's type; rows_only: a kernel that
-// gathers every row, the 64-row kernel's fp8 forms); returns an error message or nullptr.
-const char* make_kv_tma(const DecodeParams& params, mla_common::TmaElement element, bool rows_only, DecodeTma* tma);
+// gathers every row, the 64-row kernel's fp8 forms; row_groups: boxes of 16 keys x all 576 fp8 columns,
+// the narrow kernel's fp8 form); returns an error message or nullptr.
+const char* make_kv_tma(const DecodeParams& params, mla_common::TmaElement element, bool rows_only, bool row_groups,
+                        DecodeTma* tma);
 
 // Builds the Q maps of `tma` (q of [num_batches, num_tokens, h_q, ..], 16-bit elements) for the
 // seesaw kernel; returns whether they could be made (h_q a multiple of 64, TMA-compatible strides),

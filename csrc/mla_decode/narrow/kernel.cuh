@@ -65,7 +65,9 @@ __device__ __forceinline__ int q_column(int d) {
   return d - r + ((r / 4) % 4) * 16 + (r / 16) * 2 + ((r / 2) % 2) * 8;
 }
 
-template <typename Traits>
+// kRowGroups: the fp8 TMA tiles arrive by 16-key row groups (Traits::kRowGroupTiles; not where the
+// 32-row kernel gathers), one kv_full barrier per stage.
+template <typename Traits, bool kRowGroups>
 __device__ void consume_narrow_tiles(const DecodeParams& p, typename Traits::SharedStorage& ss,
                                      const PartRange& range, int warpgroup) {
   using Element = typename Traits::Element;
@@ -213,12 +215,18 @@ __device__ void consume_narrow_tiles(const DecodeParams& p, typename Traits::Sha
           warpgroup_sync();
         }
       } else if (valid_keys < kBlockN) {
-        for (int slab = 0; slab < kSlabs; ++slab) cutlass::arch::ClusterBarrier::wait(&ss.kv_full[stage][slab], phase);
+        for (int slab = 0; slab < (kRowGroups ? 1 : kSlabs); ++slab) {
+          cutlass::arch::ClusterBarrier::wait(&ss.kv_full[stage][slab], phase);
+        }
         constexpr int kChunksPerSlabRow = Traits::kSlabRowBytes / 16, kChunksPerRow = kSlabs * kChunksPerSlabRow;
         for (int i = tid; i < (kBlockN - valid_keys) * kChunksPerRow; i += 128) {
           const int row = valid_keys + i / kChunksPerRow, chunk = i % kChunksPerRow;
-          mla_common::st_shared_zero16(tile + (chunk / kChunksPerSlabRow) * Traits::kSlabBytes +
-                                       row * Traits::kSlabRowBytes + (chunk % kChunksPerSlabRow) * 16);
+          const int slab = chunk / kChunksPerSlabRow, slab_chunk = chunk % kChunksPerSlabRow;
+          if constexpr (Traits::kFp8Kv) {
+            mla_common::st_shared_zero16(tile + fp8_tile_offset<kRowGroups>(slab, row, slab_chunk));
+          } else {
+            mla_common::st_shared_zero16(tile + slab * Traits::kSlabBytes + row * Traits::kSlabRowBytes + slab_chunk * 16);
+          }
         }
         cutlass::arch::fence_view_async_shared();  // before TMA (async proxy) reuses the stage
         warpgroup_sync();
@@ -252,7 +260,7 @@ __device__ void consume_narrow_tiles(const DecodeParams& p, typename Traits::Sha
               const int t = mla_common::opaque(tid);
               addr = tile_addr + Traits::staged_slot(32 * pair + t % 32) * kRowStride + m * kTmaColumns + t / 32 * 16;
             } else {
-              addr = tile_addr + m * kFp8SlabBytes + fp8_slab_offset(32 * pair + lane, warp);
+              addr = tile_addr + fp8_tile_offset<kRowGroups>(m, 32 * pair + lane, warp);
             }
             mla_common::ldsm_x4_trans(addr, raw_v[m][pair]);
           }
@@ -310,10 +318,9 @@ __device__ void consume_narrow_tiles(const DecodeParams& p, typename Traits::Sha
             }
             return;
           }
-          cutlass::arch::ClusterBarrier::wait(&ss.kv_full[stage][slab], phase);
-          const uint32_t slab_addr = tile_addr + slab * kFp8SlabBytes;
-          raw_k[slab][0] = mla_common::ld_shared_16(slab_addr + fp8_slab_offset(16 * warp + g, c));
-          raw_k[slab][1] = mla_common::ld_shared_16(slab_addr + fp8_slab_offset(16 * warp + g + 8, c));
+          cutlass::arch::ClusterBarrier::wait(&ss.kv_full[stage][kRowGroups ? 0 : slab], phase);
+          raw_k[slab][0] = mla_common::ld_shared_16(tile_addr + fp8_tile_offset<kRowGroups>(slab, 16 * warp + g, c));
+          raw_k[slab][1] = mla_common::ld_shared_16(tile_addr + fp8_tile_offset<kRowGroups>(slab, 16 * warp + g + 8, c));
         };
 #pragma unroll
         for (int slab = 0; slab < kAheadK; ++slab) load_k(slab);
@@ -720,7 +727,7 @@ struct NarrowKernel {
   template <bool kGather>
   __device__ __forceinline__ static void consume(const DecodeParams& p, const DecodeTma&, SharedStorage& ss,
                                                  const PartRange& range, int warpgroup) {
-    consume_narrow_tiles<Traits>(p, ss, range, warpgroup);
+    consume_narrow_tiles<Traits, Traits::kRowGroupTiles && !kGather>(p, ss, range, warpgroup);
   }
 };
 

@@ -41,6 +41,10 @@ struct NarrowTraits {
   static constexpr bool kDsMlaFp8 = kDsMlaFp8_;
   static_assert(kRowStaged || !kDsMlaFp8, "ds_mla_fp8 rows are row-staged");
   static constexpr bool kGatherOnly = kRowStaged;  // no TMA map (shared/launch.cuh)
+  // fp8 TMA form: a tile arrives by 16-key row groups, all nine slabs of a group in one copy (at most 4
+  // copies per tile at any page size against 36 slab copies at page 16; one kv_full barrier per stage;
+  // shared/fp8_dequant.cuh: fp8_tile_offset). The 32-row kernel's cp.async gather stages slabs.
+  static constexpr bool kRowGroupTiles = kFp8Kv && !kRowStaged;
   static constexpr bool kTmaOnly = !kRowStaged && kRows_ == 16;
   // A operands loaded into registers by the math threads (fp8: converted there) rather than read by
   // the WGMMAs from the stage.

@@ -5,7 +5,8 @@
 // Slab s (64 of the 576 columns) of a staged tile is [64 rows][64 B] at s * kFp8SlabBytes; the TMA
 // map's 64-byte swizzle stores 16-byte chunk k of row r at chunk k ^ ((r >> 1) & 3), so that 8
 // consecutive rows at one logical chunk (an ldmatrix of V^T) and 8 rows x 4 chunks (LDS of K) hit
-// distinct banks. Needs each slab 512-byte aligned.
+// distinct banks. Needs each slab 512-byte aligned. The narrow kernel's TMA tiles are laid out by 16-key
+// row groups instead (fp8_tile_offset).
 #pragma once
 #include <cuda_bf16.h>
 #include <cuda_fp16.h>
@@ -20,6 +21,25 @@ constexpr int kFp8SlabBytes = kBlockN * kTmaColumns;  // 64 rows x 64 one-byte c
 // Byte offset of 16-byte chunk `chunk` (0..3) of row `row` within a staged slab.
 __device__ __forceinline__ int fp8_slab_offset(int row, int chunk) {
   return row * kTmaColumns + ((chunk ^ ((row >> 1) & 3)) << 4);
+}
+
+// A tile staged by 16-key row groups (the narrow kernel's TMA form, one copy per group: shared/
+// kv_producer.cuh): group g = row / 16 at g * kFp8GroupBytes holds slab s as [16 rows][64 B] at
+// s * kFp8GroupSlabBytes. Each such piece starts on 1024 bytes, so the 64-byte swizzle puts a chunk
+// where fp8_slab_offset does.
+constexpr int kFp8GroupRows = 16;
+constexpr int kFp8GroupSlabBytes = kFp8GroupRows * kTmaColumns;
+constexpr int kFp8GroupBytes = kSlabs * kFp8GroupSlabBytes;
+
+// Byte offset of 16-byte chunk `chunk` of slab `slab` of key row `row` in a staged fp8 tile: by slabs,
+// or by row groups (kRowGroups).
+template <bool kRowGroups>
+__device__ __forceinline__ int fp8_tile_offset(int slab, int row, int chunk) {
+  if constexpr (kRowGroups) {
+    return (row / kFp8GroupRows) * kFp8GroupBytes + slab * kFp8GroupSlabBytes + fp8_slab_offset(row % kFp8GroupRows, chunk);
+  } else {
+    return slab * kFp8SlabBytes + fp8_slab_offset(row, chunk);
+  }
 }
 
 // Four e4m3 values (first lowest) -> f16x2 of values 0, 1 (`lo`) and of values 2, 3 (`hi`). Exact.

@@ -49,6 +49,17 @@ struct BlockCopies {
                                                                      num_copies * rows * kBytesPerSlabRow);
     }
   }
+  // Row groups (kRowGroupTiles; 16 rows per copy): copy c brings all nine slabs of rows [16 c, 16 c + 16)
+  // to the group's place in the tile, and lane 0 posts the tile's bytes on the stage's one barrier.
+  __device__ void copy_row_groups(const DecodeTma& tma, typename Traits::SharedStorage& ss, int stage, int lane) const {
+    if (lane == 0) {
+      cutlass::arch::ClusterTransactionBarrier::arrive_and_expect_tx(&ss.kv_full[stage][0], num_copies * kFp8GroupBytes);
+    }
+    if (lane < num_copies) {
+      SM90_TMA_LOAD_4D::copy(&tma.kv, &ss.kv_full[stage][0], uint64_t(TMA::CacheHintSm90::EVICT_FIRST),
+                             reinterpret_cast<uint8_t*>(ss.kv[stage]) + lane * kFp8GroupBytes, 0, row_in_page, 0, page);
+    }
+  }
   // Each lane issues its copy of slab `slab`; each 64-column slab completes its own barrier, so
   // QK can start on a slab while the others are in flight.
   __device__ void copy(const DecodeTma& tma, typename Traits::SharedStorage& ss, int stage, int slab, int lane) const {
@@ -59,6 +70,11 @@ struct BlockCopies {
     }
   }
 };
+
+// Whether Traits' TMA tiles arrive by 16-key row groups (Traits::kRowGroupTiles: the narrow kernel's fp8
+// form; DecodeTma::kv is then the row-group map, make_kv_tma).
+template <typename Traits>
+inline constexpr bool kTilesByRowGroups = requires { requires Traits::kRowGroupTiles; };
 
 // Whether Traits stages whole key rows with one kv_full barrier per stage (Traits::kRowStaged, the
 // 64-row kernel's fp8 forms; kernels without the member do not).
@@ -301,7 +317,8 @@ __device__ __forceinline__ void init_kv_ring(typename Traits::SharedStorage& ss,
 // Issues the K-tile loads of this CTA's schedule into a ring of Traits::kStages stages, one kv_empty
 // barrier per stage. Runs on each of the producer's four warps: TMA boxes and gathered fp8 rows for
 // slabs warp, warp + 4, warp + 8 (TMA issue from one thread is serial, and page 16 needs 4 copies x 9
-// slabs per tile); gathered 16-bit rows whole, a quarter of the block's rows per warp.
+// slabs per tile); gathered 16-bit rows whole, a quarter of the block's rows per warp. Tiles by row
+// groups (kTilesByRowGroups, at most 4 copies): warp 0 alone.
 // Traits: kStages, kFp8Kv, MmaElement (of the 16-bit tile), SharedStorage (kv_full [kStages][kSlabs], kv_empty [kStages],
 // kv_fill [kStages] where the fills are recorded) and kv_copy_dst(ss, stage, slab, row): where rows
 // [row, row + rows_per_copy) of a slab land.
@@ -326,6 +343,14 @@ __device__ void produce_kv_tiles(const DecodeParams& p, const DecodeTma& tma,
       } else {
         rows.template copy_slabs<3, kProducerWarps, 2>(p, ss, stage, warp, warp == 0 ? 3 : 2, lane);  // slabs warp, warp + 4 (, 8)
       }
+    });
+  } else if constexpr (kTilesByRowGroups<Traits>) {
+    if (warp != 0) return;  // <= 4 copies per tile: one warp issues them all
+    for_each_scheduled_block(p, range, m_block, [&](const Segment& seg, const int* pages, int blk, int iteration) {
+      const int stage = iteration % Traits::kStages;
+      const auto copies = BlockCopies<Traits>::plan(p, tma, pages, seg, blk, lane);
+      wait_free(stage, iteration);
+      copies.copy_row_groups(tma, ss, stage, lane);
     });
   } else {
     for_each_scheduled_block(p, range, m_block, [&](const Segment& seg, const int* pages, int blk, int iteration) {
