@@ -74,9 +74,10 @@ def replays_under_load(kernel, h_q, page_size):
 
 
 @pytest.mark.parametrize("kernel,h_q,page_size", [
-    ("narrow16", 16, 16), ("narrow16_3wg", 16, 16), ("narrow16_3wg", 16, 64),
+    # TMA tiles by 16-key row groups, their pages 16 to 64 rows
+    ("narrow16", 16, 16), ("narrow16", 16, 64), ("narrow16_3wg", 16, 16), ("narrow16_3wg", 16, 32),
+    ("narrow16_3wg", 16, 64), ("narrow32", 32, 16), ("narrow32", 32, 64),
     ("narrow16_3wg", 16, 8),  # rows gathered whole by bulk copy (the row-staged form)
-    ("narrow32", 32, 16),
     ("narrow32", 32, 8),  # slab rows gathered by cp.async
 ])
 def test_narrow_ring_replays_under_load(kernel, h_q, page_size):

@@ -29,6 +29,8 @@ constexpr int kNarrowStages = 5;
 constexpr int kNarrowProducerRegisters = 24;
 constexpr int kTmaColumns = 64;      // one 128-byte swizzle atom of bf16/fp16
 constexpr int kSlabs = kHeadDimK / kTmaColumns;  // a K tile arrives as 9 slabs, each with a barrier
+// The narrow kernel's fp8 TMA tiles arrive by row groups instead: all nine slabs of 16 keys per copy.
+constexpr int kFp8GroupRows = 16;
 constexpr int kMaxSmParts = 1024;    // bound on num_sm_parts (split count of a request)
 constexpr int kFixedSplitCost = 5;   // scheduler: cost of a split in blocks (metadata.py: FIXED_COST)
 constexpr int kNoSplitSlack = 2;     // scheduler: whole requests if no worse by this (metadata.py: NO_SPLIT_SLACK)

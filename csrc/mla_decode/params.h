@@ -87,10 +87,11 @@ struct DecodeTma {
   // Otherwise (gather) the producer warps copy each key row by cp.async into the same swizzled
   // stage layout (shared/kv_producer.cuh).
   bool gather;
+  bool row_groups;  // kv is the row-group map (below): the narrow kernel checks it is given the form it reads
   // 3-D (576, page_size, num_pages), box (64, rows_per_copy, 1), 128-byte swizzle (fp8: 64-byte); the narrow
   // kernel's fp8 form: 4-D (64, page_size, 9 slabs, num_pages), box (64, 16, 9, 1), 64-byte swizzle.
   CUtensorMap kv;
-  int rows_per_copy_log2;  // rows_per_copy = gcd(page_size, 64): 16, 32 or 64
+  int rows_per_copy_log2;  // rows_per_copy = gcd(page_size, 64): 16, 32 or 64; row groups: 16
   FastDivisor page_size;   // key -> (page index, row in page); a slot -> (page, row) with kv_slots
   // Q tiles by TMA (seesaw kernel, h_q a multiple of 64: a q-tile is 64 heads of one token): 4-D
   // (dims, h_q, tokens, batch) maps of q_nope (512 dims) and q_pe (64), box (64, 64, 1, 1), 128-byte

@@ -25,14 +25,16 @@ const char* make_kv_tma(const DecodeParams& p, mla_common::TmaElement element, b
   // A TMA copy of fewer than 16 rows (or one per key of a sparse list) would cost more to issue than
   // to gather the rows (by cp.async; the 64-row kernel's fp8 forms copy every row whole: rows_only).
   tma->gather = rows_only || p.kv_slots || p.page_size % 16 != 0;
+  tma->row_groups = row_groups && !tma->gather;
   if (tma->gather) return nullptr;
   if (row_groups) {
+    if (element != mla_common::TmaElement::kFp8) return "row-group tiles are an fp8 cache's";
     // (64 columns, keys, 9 slabs, pages): a box of 16 keys x 9 slabs lands as [slab][key][64 B], the
     // layout of a row group (shared/fp8_dequant.cuh: fp8_tile_offset).
-    tma->rows_per_copy_log2 = 4;
+    tma->rows_per_copy_log2 = __builtin_ctz(kFp8GroupRows);
     const uint64_t dims[4] = {uint64_t(kTmaColumns), uint64_t(p.page_size), uint64_t(kSlabs), uint64_t(p.num_pages)};
     const uint64_t strides[3] = {uint64_t(p.kv_token_stride), uint64_t(kTmaColumns), uint64_t(p.kv_page_stride)};
-    const uint32_t box[4] = {uint32_t(kTmaColumns), 16, uint32_t(kSlabs), 1};
+    const uint32_t box[4] = {uint32_t(kTmaColumns), uint32_t(kFp8GroupRows), uint32_t(kSlabs), 1};
     return mla_common::encode_tma(&tma->kv, element, 4, p.kv, dims, strides, box);
   }
   // A copy never crosses a page: rows_per_copy divides page_size (a multiple of 16) and 64.

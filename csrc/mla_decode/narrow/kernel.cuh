@@ -15,7 +15,8 @@
 // fragments from (a 16-bit row's as they are).
 //
 // Warpgroup roles (W = Traits::kMathWarpgroups, 2 or 3 (16 rows, batch > 1); (W + 1) x 128 threads):
-//   WG W  producer: its 4 warps issue the TMA copies (shared/kv_producer.cuh), slabs w, w + 4, w + 8.
+//   WG W  producer: its 4 warps issue the TMA copies (shared/kv_producer.cuh), slabs w, w + 4, w + 8;
+//         fp8 tiles by row groups (all nine slabs of 16 keys per copy, <= 4 per tile): warp 0.
 //   WG 0..W-1 math: KV tiles go round-robin between them by global tile index, and each keeps its
 //         own softmax state and full O^T [512, kRows]: no hand-off per tile. At the end of a request
 //         the states are merged through shared memory (the Q buffer) into warpgroups 0 and 1, which
@@ -318,6 +319,8 @@ __device__ void consume_narrow_tiles(const DecodeParams& p, typename Traits::Sha
             }
             return;
           }
+          // Row groups: one barrier for the tile, so only slab 0's wait waits; the later ones return at
+          // once but keep these loads in place, as in the row-staged form above.
           cutlass::arch::ClusterBarrier::wait(&ss.kv_full[stage][kRowGroups ? 0 : slab], phase);
           raw_k[slab][0] = mla_common::ld_shared_16(tile_addr + fp8_tile_offset<kRowGroups>(slab, 16 * warp + g, c));
           raw_k[slab][1] = mla_common::ld_shared_16(tile_addr + fp8_tile_offset<kRowGroups>(slab, 16 * warp + g + 8, c));

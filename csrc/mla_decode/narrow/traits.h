@@ -45,6 +45,9 @@ struct NarrowTraits {
   // copies per tile at any page size against 36 slab copies at page 16; one kv_full barrier per stage;
   // shared/fp8_dequant.cuh: fp8_tile_offset). The 32-row kernel's cp.async gather stages slabs.
   static constexpr bool kRowGroupTiles = kFp8Kv && !kRowStaged;
+  static_assert(!kRowGroupTiles || kBlockN * kHeadDimK == (kBlockN / kFp8GroupRows) * kFp8GroupBytes,
+                "a tile is whole row groups");
+  static_assert(kFp8GroupSlabBytes % 512 == 0, "each row group's slab starts a 64-byte swizzle pattern");
   static constexpr bool kTmaOnly = !kRowStaged && kRows_ == 16;
   // A operands loaded into registers by the math threads (fp8: converted there) rather than read by
   // the WGMMAs from the stage.
@@ -132,7 +135,7 @@ struct NarrowTraits {
     int last_key[kRows];                           // last visible key of each query row (causal)
     float score_scale[kRows];  // softmax_scale log2(e) k_scale / (the power of two Q row r was stored times)
     float k_scale;                                 // *params.k_scale, 1 for a 16-bit cache (epilogue)
-    uint64_t kv_full[kStages][kSlabs];
+    uint64_t kv_full[kStages][kSlabs];  // row-group tiles: [stage][0] only
     uint64_t kv_empty[kStages];  // the 4 warps of the warpgroup that consumed the tile are done
     uint64_t key_copied[kStages];  // row-staged: bit k, key k of the block was copied
     int kv_fill[kStages];  // kStagesChangeHands: the iteration the producer last began to fill the stage with

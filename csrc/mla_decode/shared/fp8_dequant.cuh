@@ -27,7 +27,6 @@ __device__ __forceinline__ int fp8_slab_offset(int row, int chunk) {
 // kv_producer.cuh): group g = row / 16 at g * kFp8GroupBytes holds slab s as [16 rows][64 B] at
 // s * kFp8GroupSlabBytes. Each such piece starts on 1024 bytes, so the 64-byte swizzle puts a chunk
 // where fp8_slab_offset does.
-constexpr int kFp8GroupRows = 16;
 constexpr int kFp8GroupSlabBytes = kFp8GroupRows * kTmaColumns;
 constexpr int kFp8GroupBytes = kSlabs * kFp8GroupSlabBytes;
 

@@ -1,6 +1,6 @@
-// The producer of the decode kernels: walks a CTA's schedule and loads its K tiles, slab by slab,
-// into a ring of Traits::kStages stages: by TMA where keys come in runs of >= 16 rows of one page
-// (BlockCopies), else row by row by cp.async into the same swizzled layout (GatheredRows: page sizes
+// The producer of the decode kernels: walks a CTA's schedule and loads its K tiles, slab by slab
+// (the narrow kernel's fp8 tiles: by 16-key row groups), into a ring of Traits::kStages stages: by TMA
+// where keys come in runs of >= 16 rows of one page (BlockCopies), else row by row by cp.async into the same swizzled layout (GatheredRows: page sizes
 // that are not a multiple of 16, the sparse key lists of kv_slots). The 64-row kernel's fp8 forms copy
 // whole rows instead (shared/row_copies.cuh).
 #pragma once
@@ -319,9 +319,9 @@ __device__ __forceinline__ void init_kv_ring(typename Traits::SharedStorage& ss,
 // slabs warp, warp + 4, warp + 8 (TMA issue from one thread is serial, and page 16 needs 4 copies x 9
 // slabs per tile); gathered 16-bit rows whole, a quarter of the block's rows per warp. Tiles by row
 // groups (kTilesByRowGroups, at most 4 copies): warp 0 alone.
-// Traits: kStages, kFp8Kv, MmaElement (of the 16-bit tile), SharedStorage (kv_full [kStages][kSlabs], kv_empty [kStages],
-// kv_fill [kStages] where the fills are recorded) and kv_copy_dst(ss, stage, slab, row): where rows
-// [row, row + rows_per_copy) of a slab land.
+// Traits: kStages, kFp8Kv, MmaElement (of the 16-bit tile), SharedStorage (kv_full [kStages][kSlabs] (row
+// groups: [stage][0] only), kv_empty [kStages], kv_fill [kStages] where the fills are recorded) and
+// kv_copy_dst(ss, stage, slab, row): where rows [row, row + rows_per_copy) of a slab land (slab copies).
 // kGather (DecodeTma::gather): rows gathered one by one instead of TMA boxes of 16-64 rows.
 template <typename Traits, bool kGather>
 __device__ void produce_kv_tiles(const DecodeParams& p, const DecodeTma& tma,

@@ -11,6 +11,7 @@
 #include "mla_decode/decode.h"
 #include "mla_decode/params.h"
 #include "mla_decode/shared/kernel_shell.cuh"
+#include "mla_decode/shared/kv_producer.cuh"
 
 namespace mla_decode {
 
@@ -47,6 +48,9 @@ cudaError_t launch_split_and_combine(const DecodeParams& params, const DecodeTma
   if constexpr (kIsByPart<Kernel>) {
     if (tma.gather) return cudaErrorInvalidValue;  // dispatch.h: decode_kernel_that_runs sends those to rows64
   }
+  // The cache map must have the form the kernel reads (row groups: the narrow kernel's fp8 tiles;
+  // the host asks make_kv_tma for it by the kernel it chose).
+  if (!tma.gather && tma.row_groups != kTilesByRowGroups<typename Kernel::Traits>) return cudaErrorInvalidValue;
   const auto kernel = [&] {
     using Traits = typename Kernel::Traits;
     if constexpr (kIsByPart<Kernel>) {
