@@ -87,7 +87,7 @@ struct DecodeTma {
   // Otherwise (gather) the producer warps copy each key row by cp.async into the same swizzled
   // stage layout (shared/kv_producer.cuh).
   bool gather;
-  bool row_groups;  // kv is the row-group map (below): the narrow kernel checks it is given the form it reads
+  bool row_groups;  // kv is the row-group map (below); the launch checks that the kernel reads that form
   // 3-D (576, page_size, num_pages), box (64, rows_per_copy, 1), 128-byte swizzle (fp8: 64-byte); the narrow
   // kernel's fp8 form: 4-D (64, page_size, 9 slabs, num_pages), box (64, 16, 9, 1), 64-byte swizzle.
   CUtensorMap kv;

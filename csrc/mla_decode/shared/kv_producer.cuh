@@ -1,7 +1,8 @@
 // The producer of the decode kernels: walks a CTA's schedule and loads its K tiles, slab by slab
 // (the narrow kernel's fp8 tiles: by 16-key row groups), into a ring of Traits::kStages stages: by TMA
-// where keys come in runs of >= 16 rows of one page (BlockCopies), else row by row by cp.async into the same swizzled layout (GatheredRows: page sizes
-// that are not a multiple of 16, the sparse key lists of kv_slots). The 64-row kernel's fp8 forms copy
+// where keys come in runs of >= 16 rows of one page (BlockCopies), else row by row by cp.async into
+// the same swizzled layout (GatheredRows: page sizes that are not a multiple of 16, the sparse key
+// lists of kv_slots). The 64-row kernel's fp8 forms copy
 // whole rows instead (shared/row_copies.cuh).
 #pragma once
 #include <cute/tensor.hpp>
