@@ -82,6 +82,9 @@ DECODE_CASES = [  # (lens, s_q, h_q, page_size, varlen, split_pe) for make_decod
     ([1500, 900, 64], 64, 128, 64, True, True),
     ([700, 10], 512, 8, 256, True, False),
     ([300, 0, 70, 1], 2, 8, 16, True, False),  # varlen at <= 16 rows (the narrow kernel), 0-token requests
+    # <= 8 rows, split: the narrow kernels' fp32 partials (TMA pages; gathered rows, varlen, q_pe split)
+    ([20000, 5, 3000], 1, 8, 64, False, False),
+    ([9000], 2, 2, 3, True, True),
 ]
 
 

@@ -147,6 +147,22 @@ def capture_decode_step(case, out):
     return graph, lse
 
 
+def poisoned_past_lengths(kv_cache, block_table, lens):
+    """A copy of a paged cache with NaN in every slot of request b's pages at or past lens[b]: what a
+    replay with shorter lengths must not read (the keys the longer lengths left there)."""
+    kv = kv_cache.clone()
+    num_pages, page_size = kv.shape[0], kv.shape[1]
+    table = block_table.long()
+    keys = torch.arange(table.shape[1] * page_size, device=kv.device)
+    # e4m3 has no NaN scalar to assign from: its NaN byte, 0x7f, through a uint8 view
+    slots, nan = (kv.view(torch.uint8), 0x7F) if kv.dtype == FP8 else (kv, float("nan"))
+    for b, n in enumerate(lens):
+        pages = table[b, keys[n:] // page_size]
+        mine = (pages >= 0) & (pages < num_pages)
+        slots[pages[mine], keys[n:][mine] % page_size] = nan
+    return kv
+
+
 def _check_empty_rows(ref_lse, out, lse):
     assert torch.isfinite(out).all(), "non-finite output"
     empty = torch.isinf(ref_lse)

@@ -11,7 +11,8 @@ q's dtype) makes its bound looser, not ours. The e4m3-MMA kernel (fp8mma) has it
 import pytest
 import torch
 from cases import DECODE_CASES, make_decode_case
-from conftest import FP8, check_decode, decode_case, decode_case_params, decode_kernels_for, run_decode, to_device
+from conftest import (FP8, check_decode, decode_case, decode_case_params, decode_kernels_for, poisoned_past_lengths,
+                      run_decode, to_device)
 from fp8_cases import to_fp8_case
 
 import mla_attn
@@ -103,13 +104,16 @@ def test_fp8_cuda_graph_replay_with_new_lengths_and_two_runs_identical():
         return run_decode(case, True, metadata=md, out=out)
 
     first = step()[0].clone()
+    out.fill_(float("nan"))
     assert torch.equal(step()[0], first), "two runs must be bit-identical"
     torch.cuda.synchronize()
     graph = torch.cuda.CUDAGraph()
     with torch.cuda.graph(graph):
         _, lse = step()
+    written = case["kv_cache"].clone()
     for new in ([100, 2000, 999, 1], [0, 64, 65, 99]):
         lens.copy_(torch.tensor(new, dtype=torch.int32))
+        case["kv_cache"].copy_(poisoned_past_lengths(written, case["block_table"], new))
         out.fill_(float("nan"))
         graph.replay()
         torch.cuda.synchronize()

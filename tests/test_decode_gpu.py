@@ -9,7 +9,7 @@ import pytest
 import torch
 from cases import DECODE_CASES, make_decode_case
 from conftest import (FP8, capture_decode_step, check_unit_scale, decode_case, decode_case_params,
-                      decode_kernels_for, decode_reference, run_decode, to_device)
+                      decode_kernels_for, decode_reference, poisoned_past_lengths, run_decode, to_device)
 
 import mla_attn
 from mla_attn.metadata import DECODE_KERNELS, DecodeMetadata, ScheduleRow, device_num_sms, schedule_cpu
@@ -433,8 +433,10 @@ def test_cuda_graph_replay_with_new_lengths():
     lens = case["cache_seqlens"]
     out = torch.empty(4, 1, 16, 512, device="cuda", dtype=torch.bfloat16)
     graph, lse = capture_decode_step(case, out)
+    written = case["kv_cache"].clone()
     for new in ([100, 2000, 999, 1], [0, 64, 65, 99]):  # never longer than the pages allocated
         lens.copy_(torch.tensor(new, dtype=torch.int32))
+        case["kv_cache"].copy_(poisoned_past_lengths(written, case["block_table"], new))
         out.fill_(float("nan"))
         graph.replay()
         torch.cuda.synchronize()

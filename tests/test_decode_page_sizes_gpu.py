@@ -6,7 +6,8 @@ float32 reference. NaN sits in every slot past each length and in unused pages
 import pytest
 import torch
 from cases import make_decode_case
-from conftest import FP8, capture_decode_step, check_decode, decode_kernels_for, run_decode, to_device
+from conftest import (FP8, capture_decode_step, check_decode, decode_kernels_for, poisoned_past_lengths, run_decode,
+                      to_device)
 from fp8_cases import to_ds_case, to_fp8_case
 
 from mla_attn.metadata import DecodeMetadata, device_num_sms
@@ -110,12 +111,7 @@ def test_cuda_graph_replay_with_new_tables(page_size):
         table = case["block_table"].long()
         inside = (table >= 0) & (table < num_pages)
         table = torch.where(inside, perm[table.clamp(0, num_pages - 1)], table)
-        keys = torch.arange(table.shape[1] * page_size, device="cuda")
-        for b, n in enumerate(lens):  # the new length's tail in the request's pages (the table's tail is not)
-            pages = table[b, keys[n:] // page_size]
-            mine = (pages >= 0) & (pages < num_pages)
-            moved[pages[mine], keys[n:][mine] % page_size] = float("nan")
-        new = dict(case, kv_cache=moved, cache_seqlens=torch.tensor(lens, dtype=torch.int32, device="cuda"),
+        new = dict(case, kv_cache=poisoned_past_lengths(moved, table, lens), cache_seqlens=torch.tensor(lens, dtype=torch.int32, device="cuda"),
                    block_table=table.to(torch.int32))
         for key in ("kv_cache", "block_table", "cache_seqlens"):
             static[key].copy_(new[key])

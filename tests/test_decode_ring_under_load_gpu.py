@@ -52,8 +52,10 @@ def replays_under_load(kernel, h_q, page_size):
     graph = torch.cuda.CUDAGraph()
     with torch.cuda.graph(graph):
         step()
+    out.fill_(float("nan"))  # every replay starts from NaN: a row it leaves unwritten shows
     graph.replay()
     first = out.clone()
+    assert torch.isfinite(first).all(), "the first replay left rows unwritten"
     # The first requests against the reference on their dequantised pages (2x the error of bf16 math).
     c = CHECKED_REQUESTS
     sub_kv = kv[table[:c].flatten().long()].float() * k_scale
@@ -66,6 +68,7 @@ def replays_under_load(kernel, h_q, page_size):
     assert err <= bound, f"first replay: max |err| {err:.3e} > {bound:.3e}"
     differ = 0
     for _ in range(REPLAYS):
+        out.fill_(float("nan"))
         torch.cuda._sleep(40000)
         graph.replay()
         differ += int(not torch.equal(out, first))
