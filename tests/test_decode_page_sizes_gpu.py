@@ -111,8 +111,8 @@ def test_cuda_graph_replay_with_new_tables(page_size):
         table = case["block_table"].long()
         inside = (table >= 0) & (table < num_pages)
         table = torch.where(inside, perm[table.clamp(0, num_pages - 1)], table)
-        new = dict(case, kv_cache=poisoned_past_lengths(moved, table, lens), cache_seqlens=torch.tensor(lens, dtype=torch.int32, device="cuda"),
-                   block_table=table.to(torch.int32))
+        new = dict(case, kv_cache=poisoned_past_lengths(moved, table, lens), block_table=table.to(torch.int32),
+                   cache_seqlens=torch.tensor(lens, dtype=torch.int32, device="cuda"))
         for key in ("kv_cache", "block_table", "cache_seqlens"):
             static[key].copy_(new[key])
         out.fill_(float("nan"))

@@ -246,7 +246,8 @@ def test_unchecked_page_ids_clamp_on_cpu(page):
     hold finite keys of their own (the case's last page is an unused, NaN one), so a clamp to any other
     page gives other numbers."""
     kv = KV.clone()
-    kv[0] = kv[-1] = torch.randn(kv.shape[1:], generator=torch.Generator().manual_seed(page % 997))
+    g = torch.Generator().manual_seed(page % 997)
+    kv[0], kv[-1] = torch.randn(kv.shape[1:], generator=g), torch.randn(kv.shape[1:], generator=g)
     case = _with(C, kv_cache=kv)
     got = call(_with(case, block_table=_bt_with(C, 1, 0, page)), validate=False)
     want = call(_with(case, block_table=_bt_with(C, 1, 0, min(max(page, 0), KV.shape[0] - 1))))
