@@ -424,7 +424,7 @@ def test_next_kernel_sees_the_output(lens):
 def test_two_runs_bit_identical():
     case = to_device(make_decode_case([5000, 3000, 20], 2, 64, 32, seed=11))
     a = run_decode(case, True)
-    b = run_decode(case, True)
+    b = run_decode(case, True, out=torch.full_like(a[0], float("nan")))  # a run that writes nothing shows
     assert torch.equal(a[0], b[0]) and torch.equal(a[1], b[1])
 
 
