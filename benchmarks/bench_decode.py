@@ -246,9 +246,10 @@ def compare(out, lse, ref_out, ref_lse, fp8_mma=False):
 class Ours:
     name = "mla_attn"
 
-    def __init__(self):
+    def __init__(self, kernel=None):
         import mla_attn
         self.m = mla_attn
+        self.kernel = kernel  # mla_decode's private _kernel=: None is the dispatch's choice
         try:
             self.build_info = mla_attn.build_info()
         except Exception as e:  # pragma: no cover
@@ -270,15 +271,15 @@ class Ours:
             junk = torch.full(q.shape[:-1], float("nan"), dtype=torch.float32, device=q.device)
             del junk
             return dec(q, kv, table, lens, softmax_scale=SCALE, causal=causal, return_lse=True,
-                       metadata=md, out=buf, k_scale=k_scale, fp8_mma=fp8_mma)
+                       metadata=md, out=buf, k_scale=k_scale, fp8_mma=fp8_mma, _kernel=self.kernel)
 
         def graph_fn():
             return dec(q, kv, table, lens, softmax_scale=SCALE, causal=causal, return_lse=True,
-                       metadata=md, k_scale=k_scale, fp8_mma=fp8_mma)
+                       metadata=md, k_scale=k_scale, fp8_mma=fp8_mma, _kernel=self.kernel)
 
         def step_fn():  # what the first layer of a step runs: the schedule, then the decode
             return dec(q, kv, table, lens, softmax_scale=SCALE, causal=causal, return_lse=True,
-                       metadata=self.metadata(p, c), k_scale=k_scale, fp8_mma=fp8_mma)
+                       metadata=self.metadata(p, c), k_scale=k_scale, fp8_mma=fp8_mma, _kernel=self.kernel)
 
         info = dict(num_sm_parts=int(md.num_sm_parts))
         try:
@@ -501,7 +502,8 @@ def write_outputs(results, out_dir):
     lines = []
     info = results["info"]
     lines.append(f"# mla_attn decode benchmark ({info.get('gpu')}, torch {info.get('torch')}, "
-                 f"FlashInfer {info.get('flashinfer', 'n/a')}, KV cache {info['args'].get('kv_dtype', 'bf16')})")
+                 f"FlashInfer {info.get('flashinfer', 'n/a')}, KV cache {info['args'].get('kv_dtype', 'bf16')}"
+                 + (f", mla_attn kernel forced: {info['args']['kernel']}" if info["args"].get("kernel") else "") + ")")
     lines.append("")
     if ce:
         lines.append(f"Ceilings (this run): HBM read {ce.get('read_TBps', 0):.2f} TB/s "
@@ -602,6 +604,9 @@ def add_args(ap):
     ap.add_argument("--kv-dtype", default="bf16", choices=("bf16", "fp8", "fp8_mma"),
                     help="fp8: float8_e4m3fn cache with k_scale (FlashInfer is not run); TB/s counts 1 byte "
                          "per cached value. fp8_mma: the same with mla_decode(fp8_mma=True)")
+    ap.add_argument("--kernel", default=None,
+                    help="force one decode kernel (mla_decode's private _kernel=, e.g. rows64, seesaw) on every "
+                         "config; a config the kernel cannot run is reported as an error")
     ap.add_argument("--no-ceilings", action="store_true")
     ap.add_argument("--rep-ms", type=float, default=100.0, help="timing budget per mode per kernel (ms)")
     ap.add_argument("--time-budget-s", type=float, default=None,
@@ -633,7 +638,7 @@ def run(args, extra_kernels=()):
     log(json.dumps(info, indent=1))
 
     try:
-        ours = Ours()
+        ours = Ours(args.kernel)
         info["mla_attn_build_info"] = ours.build_info
     except Exception:
         sys.exit("cannot import mla_attn:\n" + traceback.format_exc())
