@@ -262,24 +262,24 @@ class Ours:
         causal = c["s_q"] > 1
         md = self.metadata(p, c)
         q, kv, table, lens, k_scale, fp8_mma = p["q"], p["kv"], p["table"], p["lens"], p["k_scale"], p["fp8_mma"]
-        dec = self.m.mla_decode
         buf = torch.empty(q.shape[:-1] + (D_V,), dtype=q.dtype, device=q.device)
+
+        def dec(**kw):
+            return self.m.mla_decode(q, kv, table, lens, softmax_scale=SCALE, causal=causal, return_lse=True,
+                                     k_scale=k_scale, fp8_mma=fp8_mma, _kernel=self.kernel, **kw)
 
         def eager():
             buf.fill_(float("nan"))
             # lse is allocated by the op: leave a NaN block of its size in the caching allocator
             junk = torch.full(q.shape[:-1], float("nan"), dtype=torch.float32, device=q.device)
             del junk
-            return dec(q, kv, table, lens, softmax_scale=SCALE, causal=causal, return_lse=True,
-                       metadata=md, out=buf, k_scale=k_scale, fp8_mma=fp8_mma, _kernel=self.kernel)
+            return dec(metadata=md, out=buf)
 
         def graph_fn():
-            return dec(q, kv, table, lens, softmax_scale=SCALE, causal=causal, return_lse=True,
-                       metadata=md, k_scale=k_scale, fp8_mma=fp8_mma, _kernel=self.kernel)
+            return dec(metadata=md)
 
         def step_fn():  # what the first layer of a step runs: the schedule, then the decode
-            return dec(q, kv, table, lens, softmax_scale=SCALE, causal=causal, return_lse=True,
-                       metadata=self.metadata(p, c), k_scale=k_scale, fp8_mma=fp8_mma, _kernel=self.kernel)
+            return dec(metadata=self.metadata(p, c))
 
         info = dict(num_sm_parts=int(md.num_sm_parts))
         try:
