@@ -27,6 +27,7 @@ ratio measured in this same run.
 usage: python benchmarks/bench_decode.py [--quick] [--configs main|ext|all] [--only SUBSTR,..]
                                          [--out DIR] [--no-flashinfer] [--no-ceilings]
                                          [--flashmla SO:PKG_ROOT]  (a FlashMLA build, timed beside)
+                                         [--kernel NAME] [--kernels K1,K2]  (forced decode kernels)
 """
 import argparse
 import json
@@ -246,10 +247,14 @@ def compare(out, lse, ref_out, ref_lse, fp8_mma=False):
 class Ours:
     name = "mla_attn"
 
-    def __init__(self, kernel=None):
+    def __init__(self, kernel=None, beside=False):
         import mla_attn
         self.m = mla_attn
         self.kernel = kernel  # mla_decode's private _kernel=: None is the dispatch's choice
+        # --kernels: a forced kernel timed beside the dispatch's choice (its own row key, no step timing)
+        self.beside = beside
+        if beside:
+            self.name = f"mla_attn[{kernel}]"
         try:
             self.build_info = mla_attn.build_info()
         except Exception as e:  # pragma: no cover
@@ -287,7 +292,10 @@ class Ours:
             info["max_splits"] = int(rs[:, 0].max()) if rs.numel() else 0
         except Exception:
             pass
-        return dict(eager=eager, graph_fn=graph_fn, step_fn=step_fn, info=info, keep=(md, buf))
+        prep = dict(eager=eager, graph_fn=graph_fn, info=info, keep=(md, buf))
+        if not self.beside:
+            prep["step_fn"] = step_fn
+        return prep
 
 
 class FlashInferFA3:
@@ -580,6 +588,28 @@ def write_outputs(results, out_dir):
     if rat_st:
         lines.append(f"Geo-mean x static best anchor / ours: "
                      f"{math.exp(sum(map(math.log, rat_st)) / len(rat_st)):.3f} over {len(rat_st)} configs.")
+    forced = [k for k in (results["info"]["args"].get("kernels") or "").split(",") if k]
+    if forced:
+        lines.append("")
+        lines.append("Forced kernels (--kernels), timed in the same interleaved replays as mla_attn above (the "
+                     "dispatch's choice unless --kernel): cold / warm us, x = mla_attn's cold / this cold (> 1: "
+                     "the forced kernel is faster); ERR: the kernel cannot run the config or failed its check.")
+        lines.append("")
+        lines.append("| config | mla_attn cold / warm us | "
+                     + " | ".join(f"{k} cold / warm us | x" for k in forced) + " |")
+        lines.append("|---|---|" + "---|---|" * len(forced))
+        for row in results["rows"]:
+            o = row.get("ours", {})
+            cells = []
+            for k in forced:
+                r = row.get(f"mla_attn[{k}]") or {}
+                if r.get("ok") and r.get("cold_us"):
+                    x = o.get("cold_us") / r["cold_us"] if o.get("cold_us") else None
+                    cells.append(f"{fmt(r['cold_us'])} / {fmt(r.get('warm_us'))} | {fmt(x, '{:.3f}')}")
+                else:
+                    cells.append("ERR | -")
+            lines.append(f"| {row['cfg']} | {fmt(o.get('cold_us'))} / {fmt(o.get('warm_us'))} | "
+                         + " | ".join(cells) + " |")
     if results.get("errors"):
         lines.append("")
         lines.append("Errors: " + "; ".join(f"{k}: {str(v).strip().splitlines()[-1][:160]}"
@@ -607,6 +637,9 @@ def add_args(ap):
     ap.add_argument("--kernel", default=None,
                     help="force one decode kernel (mla_decode's private _kernel=, e.g. rows64, seesaw) on every "
                          "config; a config the kernel cannot run is reported as an error")
+    ap.add_argument("--kernels", default="",
+                    help="comma list of decode kernels each also timed forced, beside the dispatch's choice in the "
+                         "same interleaved replays (an A/B of kernels in one run); JSON rows under mla_attn[NAME]")
     ap.add_argument("--no-ceilings", action="store_true")
     ap.add_argument("--rep-ms", type=float, default=100.0, help="timing budget per mode per kernel (ms)")
     ap.add_argument("--time-budget-s", type=float, default=None,
@@ -670,7 +703,8 @@ def run(args, extra_kernels=()):
 
     timer = GraphTimer()
     cfgs = select_configs(args.configs, args.quick, args.only)
-    kerns = [ours] + ([fi] if fi else []) + list(extra_kernels)
+    forced = [Ours(k, beside=True) for k in args.kernels.split(",") if k]
+    kerns = [ours] + forced + ([fi] if fi else []) + list(extra_kernels)
     log(f"{len(cfgs)} configs, kernels: {[k.name for k in kerns]}")
     for ci, c in enumerate(cfgs):
         elapsed = time.time() - t0
