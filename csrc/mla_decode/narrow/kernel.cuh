@@ -599,25 +599,33 @@ __device__ void consume_narrow_tiles(const DecodeParams& p, typename Traits::Sha
     named_barrier_sync<int(NarrowBarrier::kMergeStats), kMathThreads>();
     const bool is_partial = p.req_splits[2 * seg.b] > 1;
     const int slot = p.req_splits[2 * seg.b + 1] + seg.split;
-#pragma unroll
-    for (int j = 0; j < kCols; ++j) {
-      const int col = col_of(j);
-      float wg_sum[kMathWarpgroups], wg_max[kMathWarpgroups], max_all = -INFINITY;
+    // The merged (max, sum) of query row `col` over the warpgroups' states in shared memory.
+    struct RowMerge {
+      float max_all, total, own_factor;  // own_factor: 2^(this warpgroup's max - max_all)
+    };
+    auto merge_row = [&](int col) {
+      RowMerge r{-INFINITY, 0.f, 0.f};
+      float wg_sum[kMathWarpgroups], wg_max[kMathWarpgroups];
       for (int w = 0; w < kMathWarpgroups; ++w) {
         wg_max[w] = ss.run_max[w][col];
         wg_sum[w] = ss.col_stat[w][0][col] + ss.col_stat[w][1][col] + ss.col_stat[w][2][col] + ss.col_stat[w][3][col];
-        max_all = fmaxf(max_all, wg_max[w]);
+        r.max_all = fmaxf(r.max_all, wg_max[w]);
       }
-      float total = 0.f, own_factor = 0.f;
       for (int w = 0; w < kMathWarpgroups; ++w) {
-        const float factor = wg_max[w] == -INFINITY ? 0.f : exp2f(wg_max[w] - max_all);
-        total += factor * wg_sum[w];
-        if (w == warpgroup) own_factor = factor;
+        const float factor = wg_max[w] == -INFINITY ? 0.f : exp2f(wg_max[w] - r.max_all);
+        r.total += factor * wg_sum[w];
+        if (w == warpgroup) r.own_factor = factor;
       }
-      const bool empty = total == 0.f;  // no visible key in this split
-      // This warpgroup's share of the normalised output: O_w 2^(m_w - m) k_scale / sum (+ the sink's term).
-      const float denominator = is_partial ? total : denominator_with_sink(p, col, max_all, total);
-      own_factor = empty ? 0.f : own_factor * ss.k_scale / denominator;
+      return r;
+    };
+#pragma unroll
+    for (int j = 0; j < kCols; ++j) {
+      const int col = col_of(j);
+      const RowMerge r = merge_row(col);
+      // This warpgroup's share of the normalised output: O_w 2^(m_w - m) k_scale / sum (+ the sink's
+      // term); 0 where no key of the split is visible to the row.
+      const float denominator = is_partial ? r.total : denominator_with_sink(p, col, r.max_all, r.total);
+      const float own_factor = r.total == 0.f ? 0.f : r.own_factor * ss.k_scale / denominator;
 #pragma unroll
       for (int m = 0; m < kMTiles; ++m) {
 #pragma unroll
@@ -625,8 +633,19 @@ __device__ void consume_narrow_tiles(const DecodeParams& p, typename Traits::Sha
           if (col_index(e) == j) tOrO(e, m, 0) *= own_factor;
         }
       }
-      if (warpgroup == 0 && warp == 0 && g == 0 && col < rows_in_request) {
-        const float lse = empty ? (is_partial ? -INFINITY : INFINITY) : (max_all + __log2f(total)) * float(M_LN2);
+    }
+    // The LSE of each query row, by the four threads that hold a warp's columns: a loop, not unrolled
+    // like the scaling above (which indexes registers by column). This epilogue runs once per request
+    // as straight-line code, and its instruction fetch, not its arithmetic, is what a warp waits on
+    // (docs/design-decisions.md). Before the hand-offs' barriers: past them, the other warpgroup may
+    // start the next request, whose load_q resets run_max.
+    if (warpgroup == 0 && warp == 0 && g == 0) {
+#pragma unroll 1
+      for (int j = 0; j < kCols; ++j) {
+        const int col = col_of(j);
+        if (col >= rows_in_request) continue;
+        const RowMerge r = merge_row(col);
+        const float lse = r.total == 0.f ? (is_partial ? -INFINITY : INFINITY) : (r.max_all + __log2f(r.total)) * float(M_LN2);
         const int t = col / p.num_heads_q, h = col % p.num_heads_q;
         if (is_partial) {
           p.partial_lse[int64_t(slot) * p.num_q_tiles * kBlockM + col] = lse;
@@ -668,18 +687,23 @@ __device__ void consume_narrow_tiles(const DecodeParams& p, typename Traits::Sha
       if (i + 1 == kHandoffs || writer(i + 1) != r) named_barrier_sync<int(NarrowBarrier::kMerge), kMathThreads>();
     }
 
-    // ---- Store this warpgroup's dims [256 wg, 256 wg + 256).
+    // ---- Store this warpgroup's dims [256 wg, 256 wg + 256). The parts of the rows' addresses that
+    // do not depend on the row come first, and a row's token and head come from a float reciprocal
+    // instead of an integer division (~25 instructions per row of straight-line code): exact, since
+    // (r + 0.5) / h_q lies at least 0.5 / h_q from an integer, far beyond the rounding error at r < 32.
+    const float inv_heads = 1.f / float(p.num_heads_q);
+    Element* const out_request = static_cast<Element*>(p.out) + seg.b * p.out_batch_stride + seg.first_token * p.out_token_stride;
+    const int64_t partial_first_row = int64_t(slot) * p.num_q_tiles * kBlockM;
 #pragma unroll
     for (int j = 0; j < kCols; ++j) {
-      const int row = mla_common::opaque(col_of(j));  // opaque: its divisions are not hoisted and held
+      const int row = mla_common::opaque(col_of(j));  // opaque: its address is not hoisted and held
       if (row >= rows_in_request) continue;
-      const int t = row / p.num_heads_q, h = row % p.num_heads_q;
+      const int t = int((float(row) + 0.5f) * inv_heads), h = row - t * p.num_heads_q;
       // A partial row in q's dtype, or in fp32 (p.partials_fp32): the same offset in elements.
-      const int64_t partial_offset = (int64_t(slot) * p.num_q_tiles * kBlockM + row) * kHeadDimV;
+      const int64_t partial_offset = (partial_first_row + row) * kHeadDimV;
       Element* partial_row = static_cast<Element*>(p.partial_out) + partial_offset;
       float* partial_row_fp32 = static_cast<float*>(p.partial_out) + partial_offset;
-      Element* out_row = static_cast<Element*>(p.out) + seg.b * p.out_batch_stride +
-                         (seg.first_token + t) * p.out_token_stride + h * p.out_head_stride;
+      Element* out_row = out_request + t * p.out_token_stride + h * p.out_head_stride;
 #pragma unroll
       for (int m = 0; m < kMTiles; ++m) {
         if (m / kHalf != warpgroup) continue;  // static m: O stays in registers
