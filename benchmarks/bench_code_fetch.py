@@ -16,14 +16,13 @@ usage: python benchmarks/bench_code_fetch.py [--out benchmarks/results] [--reps 
 import argparse
 import json
 import os
-import statistics
 import sys
 
 import torch
 
 sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
 import bench_decode as bd  # noqa: E402  same folder: data and configs
-from _timing import SPIN_CYCLES, GraphTimer, capture, smi  # noqa: E402
+from _timing import GraphTimer, capture, smi  # noqa: E402
 
 import mla_attn  # noqa: E402
 
@@ -51,22 +50,8 @@ def decode_call(p, c, kernel):
 
 def cold_warm_us(timer, fn, reps):
     graph, _ = capture(fn)
-    res = {}
-    for mode in ("cold", "warm"):
-        events = []
-        for _ in range(reps):
-            s, e = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
-            if mode == "cold":
-                timer.flush()
-            else:
-                torch.cuda._sleep(SPIN_CYCLES)
-            s.record()
-            graph.replay()
-            e.record()
-            events.append((s, e))
-        torch.cuda.synchronize()
-        res[mode] = statistics.median(s.elapsed_time(e) * 1e3 for s, e in events)
-    return res
+    t = timer.time(graph, rep_ms=0, min_reps=reps, max_reps=reps)
+    return {"cold": t["cold_us"], "warm": t["warm_us"]}
 
 
 def main():

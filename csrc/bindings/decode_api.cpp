@@ -210,6 +210,9 @@ void mla_decode_cuda_impl(const Tensor& q, const std::optional<Tensor>& q_pe, co
   p.page_size = int(page_size);
   p.batch = int(batch);
   p.num_heads_q = int(heads);
+  const FastDivisor heads_divisor = make_fast_divisor(p.num_heads_q);
+  p.heads_multiplier = heads_divisor.multiplier;
+  p.heads_shift = uint8_t(heads_divisor.shift);
   p.max_seqlen_q = int(max_seqlen_q);
   p.scale_log2 = float(softmax_scale * M_LOG2E);
   p.causal = causal;

@@ -11,6 +11,9 @@ struct half_t;
 
 namespace mla_decode {
 
+// n / divisor by a multiply-high (FastDivisor, params.h), for divisor >= 1.
+FastDivisor make_fast_divisor(int divisor);
+
 // Builds the TMA descriptor for the paged cache (element: the cache's type; rows_only: a kernel that
 // gathers every row, the 64-row kernel's fp8 forms; row_groups: boxes of 16 keys x all 576 fp8 columns,
 // the narrow kernel's fp8 form); returns an error message or nullptr.

@@ -7,6 +7,18 @@
 
 namespace mla_decode {
 
+// n / divisor = __umulhi(n, multiplier) >> shift, exact for 0 <= n < 2^31 (divisor >= 2; made by
+// make_fast_divisor in tma_maps.cu): a division by a run-time divisor is ~40 instructions otherwise.
+struct FastDivisor {
+  int divisor;
+  uint32_t multiplier, shift;
+#ifdef __CUDACC__
+  __device__ __forceinline__ int divide(int n) const {
+    return divisor == 1 ? n : int(__umulhi(uint32_t(n), multiplier) >> shift);
+  }
+#endif
+};
+
 struct DecodeParams {
   // Queries, split into the latent part and the rope part (views of one tensor or two tensors).
   // Row (request b, token t, head h) of q, out and lse lives at
@@ -52,6 +64,12 @@ struct DecodeParams {
   int batch, num_heads_q, max_seqlen_q;
   float scale_log2;  // softmax_scale * log2(e)
   bool causal;
+  // num_heads_q's FastDivisor (a request's query row -> token, head: shared/query_span.cuh), in the
+  // padding after `causal`: beside num_heads_q in the parameter bank, and no member after them moves.
+  // At the struct's end (a bank line of their own, read as each CTA starts) cold h_q 128 batch-1
+  // calls read 0.98x (docs/design-decisions.md).
+  uint8_t heads_shift;
+  uint32_t heads_multiplier;
 
   // Split-KV schedule (see python/mla_attn/metadata.py) and the workspace for split partials: rows
   // normalised by their own denominator in q's dtype (as FlashInfer stores them; half the bytes of
@@ -68,18 +86,6 @@ struct DecodeParams {
   // so that the other members keep their offsets in the kernels' parameter bank.
   const float* attn_sink;
   int num_q_tokens;  // with cu_seqlens_q: q's (and out's, lse's) token count, T; shared/query_span.cuh
-};
-
-// n / divisor = __umulhi(n, multiplier) >> shift, exact for 0 <= n < 2^31 (divisor >= 2; made by
-// make_fast_divisor in tma_maps.cu): a division by a run-time divisor is ~40 instructions otherwise.
-struct FastDivisor {
-  int divisor;
-  uint32_t multiplier, shift;
-#ifdef __CUDACC__
-  __device__ __forceinline__ int divide(int n) const {
-    return divisor == 1 ? n : int(__umulhi(uint32_t(n), multiplier) >> shift);
-  }
-#endif
 };
 
 struct DecodeTma {

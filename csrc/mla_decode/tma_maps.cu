@@ -7,6 +7,7 @@ namespace mla_decode {
 
 namespace {
 int gcd(int a, int b) { return b == 0 ? a : gcd(b, a % b); }
+}  // namespace
 
 // Round-up reciprocal: with 2^(p-1) < divisor <= 2^p (2^p for a power of two), multiplier =
 // ceil(2^(31+p) / divisor) < 2^32, and n * multiplier >> (31 + p) = n / divisor for n < 2^31.
@@ -17,7 +18,6 @@ FastDivisor make_fast_divisor(int divisor) {
   const uint64_t multiplier = ((uint64_t(1) << (31 + p)) + uint64_t(divisor) - 1) / uint64_t(divisor);
   return FastDivisor{divisor, uint32_t(multiplier), uint32_t(p - 1)};
 }
-}  // namespace
 
 const char* make_kv_tma(const DecodeParams& p, mla_common::TmaElement element, bool rows_only, bool row_groups,
                         DecodeTma* tma) {

@@ -128,7 +128,7 @@ __global__ void __launch_bounds__(kCombineThreads)
   __syncwarp();
   // With a sink: e^lse / (e^lse + e^sink) folded in, e^lse = sum e^max_lse (denominator_with_sink in
   // natural-log units).
-  const float inv_sum = empty ? 0.f : 1.f / (p.attn_sink ? sum + expf(p.attn_sink[row % p.num_heads_q] - max_lse) : sum);
+  const float inv_sum = empty ? 0.f : 1.f / (p.attn_sink ? sum + expf(p.attn_sink[QueryRow::of(p, row).head] - max_lse) : sum);
 
   // An empty split's partial is 0 (it wrote O * 0), so every split can be summed unconditionally.
   const int lane_in_split = lane % kThreadsPerSplit;
@@ -192,9 +192,9 @@ __global__ void __launch_bounds__(kCombineThreads)
     }
   }
   if (first_split != 0) return;
-  const int t = row / p.num_heads_q, h = row % p.num_heads_q;
-  Element* out = static_cast<Element*>(p.out) + b * p.out_batch_stride + (first_token + t) * p.out_token_stride +
-                 h * p.out_head_stride + 8 * chunk * kUnits;
+  const QueryRow q = QueryRow::of(p, row);
+  Element* out = static_cast<Element*>(p.out) + b * p.out_batch_stride + (first_token + q.token) * p.out_token_stride +
+                 q.head * p.out_head_stride + 8 * chunk * kUnits;
 #pragma unroll
   for (int j = 0; j < kPerThread; ++j) {
     uint4 packed;
@@ -205,7 +205,7 @@ __global__ void __launch_bounds__(kCombineThreads)
     reinterpret_cast<uint4*>(out)[lane_in_split + kThreadsPerSplit * j] = packed;
   }
   if (chunk == 0 && lane == 0) {
-    p.lse[b * p.lse_batch_stride + (first_token + t) * p.lse_token_stride + h * p.lse_head_stride] =
+    p.lse[b * p.lse_batch_stride + (first_token + q.token) * p.lse_token_stride + q.head * p.lse_head_stride] =
         empty ? INFINITY : max_lse + logf(sum);
   }
 }

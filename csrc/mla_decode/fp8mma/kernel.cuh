@@ -135,7 +135,8 @@ __device__ void consume_fp8mma_tiles(const DecodeParams& p, typename Traits::Sha
     const int thread = mla_common::opaque(tid), r = thread / kThreadsPerRow, first = thread % kThreadsPerRow;
     const int row = m_block * kBlockM + r;
     const bool valid = row < s.seqlen_q * p.num_heads_q;
-    const auto q = QRow<Element>::at(p, s, valid ? row / p.num_heads_q : 0, valid ? row % p.num_heads_q : 0);
+    const QueryRow qr = QueryRow::of(p, valid ? row : 0);
+    const auto q = QRow<Element>::at(p, s, qr.token, qr.head);
     uint4 chunk[kPerThread];
     float row_max = 0.f;
 #pragma unroll

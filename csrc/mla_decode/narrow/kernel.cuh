@@ -129,8 +129,8 @@ __device__ void consume_narrow_tiles(const DecodeParams& p, typename Traits::Sha
     const float k_scale = Traits::kFp8Kv && !kDs ? *mla_common::opaque(p.k_scale) : 1.f;
     const int row = thread / kThreadsPerRow, first = thread % kThreadsPerRow;
     const bool valid = row < s.seqlen_q * p.num_heads_q;
-    const int t = valid ? row / p.num_heads_q : 0;
-    const auto q = QRow<Element>::at(p, s, t, valid ? row % p.num_heads_q : 0);
+    const QueryRow r = QueryRow::of(p, valid ? row : 0);
+    const auto q = QRow<Element>::at(p, s, r.token, r.head);
     uint4 chunk[kChunksPerThread];
     float row_max = 0.f;
 #pragma unroll
@@ -165,7 +165,7 @@ __device__ void consume_narrow_tiles(const DecodeParams& p, typename Traits::Sha
     }
     if (first == 0) {  // per-row softmax constants (read per tile: registers are scarce at kRows 32)
       ss.score_scale[row] = p.scale_log2 * k_scale / scale;
-      ss.last_key[row] = p.causal ? min(s.seqlen_k - s.seqlen_q + t, s.seqlen_k - 1) : s.seqlen_k - 1;
+      ss.last_key[row] = p.causal ? min(s.seqlen_k - s.seqlen_q + r.token, s.seqlen_k - 1) : s.seqlen_k - 1;
       for (int w = 0; w < kMathWarpgroups; ++w) ss.run_max[w][row] = -INFINITY;
       if (row == 0) ss.k_scale = k_scale;
     }
@@ -646,11 +646,11 @@ __device__ void consume_narrow_tiles(const DecodeParams& p, typename Traits::Sha
         if (col >= rows_in_request) continue;
         const RowMerge r = merge_row(col);
         const float lse = r.total == 0.f ? (is_partial ? -INFINITY : INFINITY) : (r.max_all + __log2f(r.total)) * float(M_LN2);
-        const int t = col / p.num_heads_q, h = col % p.num_heads_q;
+        const QueryRow q = QueryRow::of(p, col);
         if (is_partial) {
           p.partial_lse[int64_t(slot) * p.num_q_tiles * kBlockM + col] = lse;
         } else {
-          p.lse[seg.b * p.lse_batch_stride + (seg.first_token + t) * p.lse_token_stride + h * p.lse_head_stride] = lse;
+          p.lse[seg.b * p.lse_batch_stride + (seg.first_token + q.token) * p.lse_token_stride + q.head * p.lse_head_stride] = lse;
         }
       }
     }
@@ -688,22 +688,19 @@ __device__ void consume_narrow_tiles(const DecodeParams& p, typename Traits::Sha
     }
 
     // ---- Store this warpgroup's dims [256 wg, 256 wg + 256). The parts of the rows' addresses that
-    // do not depend on the row come first, and a row's token and head come from a float reciprocal
-    // instead of an integer division (~25 instructions per row of straight-line code): exact, since
-    // (r + 0.5) / h_q lies at least 0.5 / h_q from an integer, far beyond the rounding error at r < 32.
-    const float inv_heads = 1.f / float(p.num_heads_q);
+    // do not depend on the row come first (straight-line code per row, fetched on a cold call).
     Element* const out_request = static_cast<Element*>(p.out) + seg.b * p.out_batch_stride + seg.first_token * p.out_token_stride;
     const int64_t partial_first_row = int64_t(slot) * p.num_q_tiles * kBlockM;
 #pragma unroll
     for (int j = 0; j < kCols; ++j) {
       const int row = mla_common::opaque(col_of(j));  // opaque: its address is not hoisted and held
       if (row >= rows_in_request) continue;
-      const int t = int((float(row) + 0.5f) * inv_heads), h = row - t * p.num_heads_q;
+      const QueryRow q = QueryRow::of(p, row);
       // A partial row in q's dtype, or in fp32 (p.partials_fp32): the same offset in elements.
       const int64_t partial_offset = (partial_first_row + row) * kHeadDimV;
       Element* partial_row = static_cast<Element*>(p.partial_out) + partial_offset;
       float* partial_row_fp32 = static_cast<float*>(p.partial_out) + partial_offset;
-      Element* out_row = out_request + t * p.out_token_stride + h * p.out_head_stride;
+      Element* out_row = out_request + q.token * p.out_token_stride + q.head * p.out_head_stride;
 #pragma unroll
       for (int m = 0; m < kMTiles; ++m) {
         if (m / kHalf != warpgroup) continue;  // static m: O stays in registers

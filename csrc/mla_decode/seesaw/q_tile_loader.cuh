@@ -26,7 +26,8 @@ struct QTileLoader {
   __device__ void issue(const Segment& s, SmemElement* q_smem) const {
     if (!tma.q_by_tma) return issue_q_tile_load<Element, SmemLayoutQ>(p, s, q_smem);
     if (threadIdx.x != 0) return;
-    const int row0 = int(blockIdx.x) * kBlockM, token = s.first_token + row0 / p.num_heads_q, h0 = row0 % p.num_heads_q;
+    const QueryRow row0 = QueryRow::of(p, int(blockIdx.x) * kBlockM);
+    const int token = s.first_token + row0.token, h0 = row0.head;
     const int batch = p.cu_seqlens_q ? 0 : s.b;
     cutlass::arch::ClusterTransactionBarrier::arrive_and_expect_tx(q_full, kBlockM * kHeadDimK * sizeof(Element));
 #pragma unroll

@@ -8,7 +8,7 @@ namespace mla_decode {
 
 // Last key (inclusive) query row `row` of the segment's request sees: bottom-right causal alignment.
 __device__ __forceinline__ int last_visible_key(const DecodeParams& p, const Segment& seg, int row) {
-  const int t = row / p.num_heads_q;
+  const int t = QueryRow::of(p, row).token;
   return p.causal ? min(seg.seqlen_k - seg.seqlen_q + t, seg.seqlen_k - 1) : seg.seqlen_k - 1;
 }
 

@@ -18,7 +18,7 @@ namespace mla_decode {
 // when the call has one.
 __device__ __forceinline__ float denominator_with_sink(const DecodeParams& p, int row, float row_max, float total) {
   if (!p.attn_sink) return total;
-  return total + exp2f(fmaf(p.attn_sink[row % p.num_heads_q], float(M_LOG2E), -row_max));
+  return total + exp2f(fmaf(p.attn_sink[QueryRow::of(p, row).head], float(M_LOG2E), -row_max));
 }
 
 // Where the rows of a finished 64-row output tile go: the final output of the request, or a partial
@@ -39,9 +39,9 @@ struct OutputTile {
   template <typename Element>
   __device__ Element* row_ptr(int r, int col) const {
     if (is_partial) return static_cast<Element*>(p.partial_out) + partial_index(r) * kHeadDimV + col;
-    const int row = m_block * kBlockM + r, t = row / p.num_heads_q, h = row % p.num_heads_q;
-    return static_cast<Element*>(p.out) + seg.b * p.out_batch_stride + (seg.first_token + t) * p.out_token_stride +
-           h * p.out_head_stride + col;
+    const QueryRow q = QueryRow::of(p, m_block * kBlockM + r);
+    return static_cast<Element*>(p.out) + seg.b * p.out_batch_stride + (seg.first_token + q.token) * p.out_token_stride +
+           q.head * p.out_head_stride + col;
   }
   // 1 / denominator (times out_scale, an fp8 cache's k_scale) of a row with running max row_max (log2
   // units) and denominator total (a final row's with the sink, denominator_with_sink); writes the row's
@@ -53,8 +53,8 @@ struct OutputTile {
       if (is_partial) {
         p.partial_lse[partial_index(r)] = lse;
       } else {
-        const int row = m_block * kBlockM + r, t = row / p.num_heads_q, h = row % p.num_heads_q;
-        p.lse[seg.b * p.lse_batch_stride + (seg.first_token + t) * p.lse_token_stride + h * p.lse_head_stride] = lse;
+        const QueryRow q = QueryRow::of(p, m_block * kBlockM + r);
+        p.lse[seg.b * p.lse_batch_stride + (seg.first_token + q.token) * p.lse_token_stride + q.head * p.lse_head_stride] = lse;
       }
     }
     if (empty) return 0.f;

@@ -22,7 +22,8 @@ __device__ __forceinline__ void issue_q_tile_load(const DecodeParams& p, const S
   // over requests and holds them across it.
   const int thread = mla_common::opaque(int(threadIdx.x)), r = thread / kThreadsPerRow, row = int(blockIdx.x) * kBlockM + r;
   const bool valid = row < s.seqlen_q * p.num_heads_q;
-  const auto q = QRow<Element>::at(p, s, valid ? row / p.num_heads_q : 0, valid ? row % p.num_heads_q : 0);
+  const QueryRow qr = QueryRow::of(p, valid ? row : 0);
+  const auto q = QRow<Element>::at(p, s, qr.token, qr.head);
 #pragma unroll
   for (int c = thread % kThreadsPerRow; c < kChunks; c += kThreadsPerRow) {
     const Element* src = (c < kHeadDimV / 8 ? q.nope : q.pe) + c * 8;

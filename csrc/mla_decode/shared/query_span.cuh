@@ -19,4 +19,15 @@ struct QuerySpan {
   }
 };
 
+// Query row `row` of a request, token-major: token row / h_q, head row % h_q, by the host-made divisor
+// (an integer division is tens of instructions at each of a kernel's sites, code a cold call fetches).
+struct QueryRow {
+  int token, head;
+
+  __device__ __forceinline__ static QueryRow of(const DecodeParams& p, int row) {
+    const int token = FastDivisor{p.num_heads_q, p.heads_multiplier, p.heads_shift}.divide(row);
+    return {token, row - token * p.num_heads_q};
+  }
+};
+
 }  // namespace mla_decode
