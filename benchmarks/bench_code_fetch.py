@@ -45,7 +45,7 @@ def decode_call(p, c, kernel):
     def fn():
         mla_attn.mla_decode(p["q"], p["kv"], p["table"], p["lens"], softmax_scale=bd.SCALE, causal=c["s_q"] > 1,
                             k_scale=p["k_scale"], _kernel=kernel, metadata=md, out=out)
-    return fn, (md, out)
+    return fn
 
 
 def cold_warm_us(timer, fn, reps):
@@ -64,9 +64,8 @@ def main():
     for h, s, b, L, cache, kernel, other in CASES:
         c, tiny_c = bd.cfg(h, s, b, L), bd.cfg(h, s, TINY_BATCH, TINY_KEYS)
         p, tiny_p = bd.make_problem(c, 1, cache), bd.make_problem(tiny_c, 2, cache)
-        call, keep = decode_call(p, c, kernel)
-        tiny, keep_tiny = decode_call(tiny_p, tiny_c, kernel)
-        tiny_other, keep_other = decode_call(tiny_p, tiny_c, other)
+        call, tiny, tiny_other = decode_call(p, c, kernel), decode_call(tiny_p, tiny_c, kernel), \
+            decode_call(tiny_p, tiny_c, other)
         t = {name: cold_warm_us(timer, fn, args.reps) for name, fn in (
             ("alone", call), ("tiny", tiny), ("tiny_then_call", lambda: (tiny(), call())),
             ("tiny_other", tiny_other), ("tiny_other_then_call", lambda: (tiny_other(), call())))}
