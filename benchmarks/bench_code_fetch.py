@@ -34,6 +34,8 @@ CASES = [
     (16, 1, 32, 1024, "fp8", "narrow16_3wg", "rows64"),
     (128, 1, 32, 1024, "bf16", "seesaw_steady", "rows64"),
     (128, 1, 32, 1024, "bf16", "rows64", "seesaw_steady"),
+    (128, 1, 32, 1024, "bf16", "seesaw", "rows64"),
+    (128, 1, 1, 1024, "bf16", "rows64", "seesaw"),
 ]
 TINY_BATCH, TINY_KEYS = 2, 256
 

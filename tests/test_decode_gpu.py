@@ -117,6 +117,19 @@ def test_out_given_and_strided_q(h_q, kernel):
     check_unit_scale(case, True, out, lse)
 
 
+# out whose rows are not back to back (a view of wider rows): the 64-row kernels copy the rows out one
+# by one instead of one bulk copy per tile, and must leave the columns past 512 alone.
+@pytest.mark.parametrize("h_q,kernel", with_kernels([(16,), (128,)], lambda h: 2 * h))
+def test_out_rows_strided(h_q, kernel):
+    case = to_device(make_decode_case([1023, 77], 2, h_q, 64, seed=4))
+    wide = torch.full((2, 2, h_q, 544), float("nan"), device="cuda", dtype=torch.bfloat16)
+    out = wide[..., :512]
+    got, lse = run_decode(case, True, out=out, _kernel=kernel)
+    assert got.data_ptr() == out.data_ptr()
+    check_unit_scale(case, True, out, lse)
+    assert wide[..., 512:].isnan().all(), "a store reached past a row's 512 columns"
+
+
 @pytest.mark.parametrize("kernel", [None] + decode_kernels_for(torch.bfloat16, 128))
 def test_q_broadcast_over_batch(kernel):
     # One query for every request (batch stride 0): at h_q 128 the seesaw kernel's Q maps refuse a

@@ -129,6 +129,14 @@ __device__ __forceinline__ void ldsm_x4_trans(uint32_t addr, uint32_t (&r)[4]) {
                : "r"(addr));
 }
 
+// stmatrix.x4: four 8x8 16-bit matrices from registers (ri: this lane's pair of row lane / 4 of matrix
+// i), lanes 8i..8i+7 give the row addresses of matrix i.
+__device__ __forceinline__ void stsm_x4(uint32_t addr, uint32_t r0, uint32_t r1, uint32_t r2, uint32_t r3) {
+  asm volatile("stmatrix.sync.aligned.m8n8.x4.shared.b16 [%0], {%1, %2, %3, %4};" ::"r"(addr), "r"(r0), "r"(r1),
+               "r"(r2), "r"(r3)
+               : "memory");
+}
+
 // Returns `ptr` through an opaque move, so the compiler recomputes what derives from it (WGMMA
 // descriptors) at each use instead of keeping dozens of them live in registers across a loop.
 template <typename T>

@@ -511,7 +511,7 @@ __device__ void consume_narrow_tiles(const DecodeParams& p, typename Traits::Sha
           if (m + kAheadV < kMTiles) load_v(m + kAheadV);
           if (m == kMTiles - 1) {  // every byte of the tile has been loaded: hand the stage back
             __syncwarp();
-            if (lane == 0) cutlass::arch::ClusterBarrier::arrive(&ss.kv_empty[stage]);
+            if (kEveryThreadReleases || lane == 0) cutlass::arch::ClusterBarrier::arrive(&ss.kv_empty[stage]);
           }
           warpgroup_wait<1>();  // the WGMMAs that read this A buffer (two groups ago) are done
           const int buf = (m % 2) * kSteps;
@@ -562,7 +562,7 @@ __device__ void consume_narrow_tiles(const DecodeParams& p, typename Traits::Sha
         warpgroup_wait<0>();  // the stage and P^T are read
         warpgroup_fence_operand(tOrO);
         __syncwarp();
-        if (lane == 0) cutlass::arch::ClusterBarrier::arrive(&ss.kv_empty[stage]);
+        if (kEveryThreadReleases || lane == 0) cutlass::arch::ClusterBarrier::arrive(&ss.kv_empty[stage]);
       }
     }
     warpgroup_wait<0>();
@@ -734,12 +734,16 @@ struct NarrowKernel {
   static constexpr int kThreads = Traits::kThreads, kMathWarpgroups = Traits::kMathWarpgroups;
   static constexpr int kMathRegisters = Traits::kMathRegisters, kProducerRegisters = kNarrowProducerRegisters;
 
-  // kv_empty: the 4 warps of the warpgroup that consumed a tile arrive; kv_fill: no fill yet (-1).
-  // Row-staged: whole rows by bulk copy (shared/row_copies.cuh).
+  // kv_empty: the 4 warps of the warpgroup that consumed a tile arrive (racecheck builds: its 128
+  // threads, each after its own reads of the stage: racecheck does not order the other lanes' reads
+  // before lane 0's arrival through __syncwarp, and reported the next fill's bulk copies and zeroing
+  // of row-staged tiles as racing them); kv_fill: no fill yet (-1). Row-staged: whole rows by bulk copy
+  // (shared/row_copies.cuh).
+  static constexpr int kReleaseArrivals = kEveryThreadReleases ? 128 : 4;
   template <bool kGather>
   __device__ __forceinline__ static void init_barriers(SharedStorage& ss) {
-    if constexpr (Traits::kRowStaged) init_row_ring<Traits>(ss, 4);
-    else init_kv_ring<Traits, kGather>(ss, 4);
+    if constexpr (Traits::kRowStaged) init_row_ring<Traits>(ss, kReleaseArrivals);
+    else init_kv_ring<Traits, kGather>(ss, kReleaseArrivals);
     if (threadIdx.x < Traits::kStages) ss.kv_fill[threadIdx.x] = -1;
   }
   template <bool kGather>

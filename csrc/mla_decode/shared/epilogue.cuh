@@ -83,22 +83,32 @@ __device__ __forceinline__ void store_empty_output_tile(const DecodeParams& p, c
 constexpr int kStagingPitch = 512 + 16;                    // bytes
 constexpr int kStagingBytes = kBlockM * kStagingPitch;     // per warpgroup
 
-// Fragments -> `staging`, then the warpgroup copies the rows out, a warp per row and 16 bytes per
-// lane (coalesced stores; one 512-byte bulk copy per row instead measured slower at batch 1).
+// Fragments -> `staging` by stmatrix (16 instructions a thread instead of 64 4-byte stores), then the
+// warpgroup copies the rows out, a warp per row and 16 bytes per lane (coalesced stores; one 512-byte
+// bulk copy per row, or one per tile, measured slower: the TMA unit takes them one after another).
+// Pair q = e / 2 of tOrO (element e in row r0 + 8 ((e >> 1) & 1), column 8 (e >> 2) + 2 (lane % 4) +
+// (e & 1)) is 8-column chunk q / 2 of row half q % 2; stmatrix i of a row half stores chunks 4i..4i+3,
+// lanes 8j..8j+7 addressing the rows of chunk 4i + j (the padded pitch spreads them over the banks).
 template <typename Element, typename TensorO, typename Sync>
-__device__ __forceinline__ void stage_output_columns(const OutputTile& tile, uint32_t staging, int tid_in_wg, int r0,
+__device__ __forceinline__ void stage_output_columns(const OutputTile& tile, uint32_t staging, int tid_in_wg,
                                                      const float (&inv_sum)[2], int col_base, const TensorO& tOrO,
                                                      Sync&& sync) {
   static_assert(sizeof(Element) == 2, "rows of 256 16-bit values: one 512-byte round");
   constexpr int kPairs = int(decltype(cute::size(tOrO))::value) / 2;
-  // Element e is in column 8 (e >> 2) + 2 (lane % 4) + (e & 1) of the 256.
-  const uint32_t thread_addr = staging + r0 * kStagingPitch + (tid_in_wg % 4) * 4;
+  static_assert(kPairs % 8 == 0, "whole stmatrix.x4 groups");
   const int lane = tid_in_wg % 32, warp = tid_in_wg / 32;
+  const uint32_t lane_addr = staging + (16 * warp + lane % 8) * kStagingPitch + (lane / 8) * 16;
+  auto pair = [&](int q) {
+    const int e = 2 * q, h = q & 1;
+    return pack_pair<Element>(tOrO(e) * inv_sum[h], tOrO(e + 1) * inv_sum[h]);
+  };
 #pragma unroll
-  for (int pair = 0; pair < kPairs; ++pair) {
-    const int e = 2 * pair, i = (e >> 1) & 1;
-    const uint32_t addr = thread_addr + i * 8 * kStagingPitch + 16 * (e >> 2);
-    mla_common::st_shared_4(addr, pack_pair<Element>(tOrO(e) * inv_sum[i], tOrO(e + 1) * inv_sum[i]));
+  for (int i = 0; i < kPairs / 8; ++i) {
+#pragma unroll
+    for (int h = 0; h < 2; ++h) {
+      mla_common::stsm_x4(lane_addr + h * 8 * kStagingPitch + i * 64, pair(8 * i + h), pair(8 * i + 2 + h),
+                          pair(8 * i + 4 + h), pair(8 * i + 6 + h));
+    }
   }
   sync();
   // Unrolled 4 deep: fully unrolled, the 16 row addresses were computed up front and spilled.
@@ -132,7 +142,7 @@ __device__ __forceinline__ void store_output_columns_staged(const DecodeParams& 
   for (int i = 0; i < 2; ++i) {
     inv_sum[i] = tile.finish_row(r0 + 8 * i, row_max[i], row_total[i], out_scale, write_lse && threadIdx.x % 4 == 0);
   }
-  stage_output_columns<Element>(tile, staging, tid_in_wg, r0, inv_sum, col_base, tOrO, sync);
+  stage_output_columns<Element>(tile, staging, tid_in_wg, inv_sum, col_base, tOrO, sync);
 }
 
 }  // namespace mla_decode
