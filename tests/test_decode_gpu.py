@@ -117,8 +117,8 @@ def test_out_given_and_strided_q(h_q, kernel):
     check_unit_scale(case, True, out, lse)
 
 
-# out whose rows are not back to back (a view of wider rows): the 64-row kernels copy the rows out one
-# by one instead of one bulk copy per tile, and must leave the columns past 512 alone.
+# out whose rows are not back to back (a view of wider rows): every kernel stores through out's strides
+# and leaves the columns past 512 alone.
 @pytest.mark.parametrize("h_q,kernel", with_kernels([(16,), (128,)], lambda h: 2 * h))
 def test_out_rows_strided(h_q, kernel):
     case = to_device(make_decode_case([1023, 77], 2, h_q, 64, seed=4))
