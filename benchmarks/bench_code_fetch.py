@@ -10,7 +10,9 @@ after a spin kernel (warm), median µs:
   behind other  the same with a tiny call of another kernel first (controls for what any earlier
                 kernel warms: the schedule's and the parameters' lines, TLB entries).
 alone - behind same is the call's code-fetch cost when its code is not in L2 (a step whose other
-kernels have streamed the L2).
+kernels have streamed the L2), an upper bound: the tiny call also takes the graph's first launch, so a
+call behind it can read below its warm time (h_q 128 batch 1 does); alone cold - alone warm bounds
+what code and data fetched from memory cost together.
 usage: python benchmarks/bench_code_fetch.py [--out benchmarks/results] [--reps 200]
 """
 import argparse
@@ -87,7 +89,8 @@ def main():
              "Median µs of CUDA-graph replays; cold: L2 flushed first. behind same: a graph of a tiny call "
              f"(batch {TINY_BATCH}, {TINY_KEYS} keys, buffers of its own) of the same kernel then the call, minus "
              "the tiny call alone; behind other: the same with another kernel's tiny call. alone − behind same "
-             "is the code-fetch cost.", "",
+             "bounds the code-fetch cost from above (the tiny call also takes the graph's first launch); "
+             "alone cold − alone warm bounds code and data fetched from memory together.", "",
              "| config | cache | kernel | alone cold | alone warm | behind same (cold) | behind other (cold) | other |",
              "|---|---|---|---|---|---|---|---|"]
     for r in rows:
