@@ -159,7 +159,7 @@ __device__ void consume_narrow_tiles(const DecodeParams& p, typename Traits::Sha
       const uint32_t w[4] = {chunk[i].x, chunk[i].y, chunk[i].z, chunk[i].w};
       for (int k = 0; k < 4; ++k) {
         uint32_t pair = w[k];
-        if constexpr (!std::is_same_v<Element, MmaElement>) pair = scaled_f16x2<Element>(w[k], scale);
+        if constexpr (!std::is_same_v<Element, MmaElement>) pair = scaled_f16x2(w[k], scale);
         *reinterpret_cast<uint32_t*>(&sQ(row, q_column(d0 + 2 * k))) = pair;
       }
     }

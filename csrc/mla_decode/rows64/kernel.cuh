@@ -186,7 +186,6 @@ __device__ void consume_kv_tiles(const DecodeParams& p, bool gathered, typename 
   auto thr_qk = mma_qk.get_thread_slice(tid_in_wg);
   auto thr_pv = mma_pv.get_thread_slice(tid);
 
-  Tensor sQ = make_tensor(make_smem_ptr(ss.q), typename Traits::SmemLayoutQ{});   // (64, 576)
   Tensor sP = make_tensor(make_smem_ptr(ss.p), typename Traits::SmemLayoutP{});   // (64, 64)
   Tensor tSsP = thr_qk.partition_C(sP);  // where this thread's probabilities go in P
   // Coordinates (row, key) / (row, dim) of each accumulator element of this thread.
@@ -205,31 +204,44 @@ __device__ void consume_kv_tiles(const DecodeParams& p, bool gathered, typename 
     if (kEveryThreadReleases || tid_in_wg == 0) cutlass::arch::ClusterBarrier::arrive(&ss.kv_empty[stage]);
   };
 
-  // ---- kScaledQ (bf16 q, fp8 cache): each thread rescales the chunks it copied (its own cp.async
-  // writes, visible after cp_async_wait_all) in place from bf16 to fp16 times fp16_row_scale of the
-  // row (the 4 threads of a row are adjacent lanes), and records the factor in ss.q_scale. The loops
-  // are not unrolled: once per request, code size matters more (cold instruction fetch at batch 1).
-  auto scale_q_rows = [&] {
-    constexpr int kChunks = kHeadDimK / 8, kThreadsPerRow = 256 / kBlockM;
-    const int thread = threadIdx.x, r = thread / kThreadsPerRow;
-    float row_max = 0.f;
+  // ---- kScaledQ (bf16 q, fp8 cache): the tile's query rows are rescaled in place from bf16 to fp16
+  // times fp16_row_scale of the row, the factor recorded in ss.q_scale. Eight adjacent lanes share a
+  // row, 32 rows a pass, and only passes that hold query rows run (the rest of the tile was zero-filled:
+  // the same bits in fp16, factor 1). Each thread holds its 9 chunks of the row in registers between the
+  // max and the conversion, so that its loads are in flight together; the row max is taken on the bit
+  // patterns of |q| (ordered as the values), two per instruction.
+  auto scale_q_rows = [&](int query_rows) {
+    constexpr int kThreadsPerRow = 8, kRowsPerPass = 256 / kThreadsPerRow, kChunksPerThread = kHeadDimK / 8 / kThreadsPerRow;
+    constexpr uint32_t kAbs = 0x7fff7fffu;
+    static_assert(kTmaColumns == 8 * kThreadsPerRow, "16-byte chunk (thread % 8) of a row in each 64-column slab");
+    constexpr int kSlabBytes = kBlockM * kTmaColumns * int(sizeof(MmaElement));
+    named_barrier_sync<int(Rows64Barrier::kQLanded), 256>();  // every thread's cp.async chunks have landed
+    const int thread = threadIdx.x, chunk = thread % kThreadsPerRow;
 #pragma unroll 1
-    for (int c = thread % kThreadsPerRow; c < kChunks; c += kThreadsPerRow) {
-      const uint4 raw = *reinterpret_cast<const uint4*>(&sQ(r, c * 8));
-      const Element* v = reinterpret_cast<const Element*>(&raw);
+    for (int r = thread / kThreadsPerRow; r < kBlockM; r += kRowsPerPass) {
+      if (r - thread / kThreadsPerRow >= query_rows) {  // warp-uniform: the pass holds no query row
+        if (chunk == 0) ss.q_scale[r] = 1.f;
+        continue;
+      }
+      // Chunk `chunk` of the row in slab i (128-byte swizzle: 16-byte chunk c of row r at c ^ (r % 8)).
+      const uint32_t row_addr = mla_common::smem_addr(ss.q) + r * 128 + ((chunk ^ (r % 8)) << 4);
+      uint4 raw[kChunksPerThread];
+      uint32_t max_bits = 0;
 #pragma unroll
-      for (int k = 0; k < 8; ++k) row_max = fmaxf(row_max, fabsf(float(v[k])));
-    }
-    for (int x = 1; x < kThreadsPerRow; x *= 2) row_max = fmaxf(row_max, __shfl_xor_sync(0xffffffff, row_max, x));
-    const float scale = fp16_row_scale(row_max);
-    if (thread % kThreadsPerRow == 0) ss.q_scale[r] = scale;
-#pragma unroll 1
-    for (int c = thread % kThreadsPerRow; c < kChunks; c += kThreadsPerRow) {
-      uint4 raw = *reinterpret_cast<const uint4*>(&sQ(r, c * 8));
-      uint32_t* words = reinterpret_cast<uint32_t*>(&raw);
+      for (int i = 0; i < kChunksPerThread; ++i) {
+        raw[i] = mla_common::ld_shared_16(row_addr + i * kSlabBytes);
+        max_bits = __vimax3_u16x2(max_bits, __vimax3_u16x2(raw[i].x & kAbs, raw[i].y & kAbs, raw[i].z & kAbs),
+                                  raw[i].w & kAbs);
+      }
+      for (int x = 1; x < kThreadsPerRow; x *= 2) max_bits = __vmaxu2(max_bits, __shfl_xor_sync(0xffffffff, max_bits, x));
+      const float scale = fp16_row_scale(__uint_as_float(max(max_bits & 0xffffu, max_bits >> 16) << 16));
+      if (chunk == 0) ss.q_scale[r] = scale;
 #pragma unroll
-      for (int k = 0; k < 4; ++k) words[k] = scaled_f16x2<Element>(words[k], scale);
-      mla_common::st_shared_16(&sQ(r, c * 8), raw);
+      for (int i = 0; i < kChunksPerThread; ++i) {
+        mla_common::st_shared_16(row_addr + i * kSlabBytes,
+                                 make_uint4(scaled_f16x2(raw[i].x, scale), scaled_f16x2(raw[i].y, scale),
+                                            scaled_f16x2(raw[i].z, scale), scaled_f16x2(raw[i].w, scale)));
+      }
     }
   };
 
@@ -240,7 +252,7 @@ __device__ void consume_kv_tiles(const DecodeParams& p, bool gathered, typename 
   while (have_segment) {
     const int row_base = m_block * kBlockM;
     mla_common::cp_async_wait_all();
-    if constexpr (Traits::kScaledQ) scale_q_rows();
+    if constexpr (Traits::kScaledQ) scale_q_rows(seg.seqlen_q * p.num_heads_q - row_base);
     cutlass::arch::fence_view_async_shared();
     named_barrier_sync<int(Rows64Barrier::kQReady), 256>();
     // Score scale of this thread's two rows, log2 units (a scaled Q row's factor undone here).
@@ -390,7 +402,7 @@ __device__ void consume_kv_tiles(const DecodeParams& p, bool gathered, typename 
     // The last block's stage is released after the epilogue, which stages the output there.
 
     // Every QK of this segment has completed (the other warpgroup's last PV needed the last S), so
-    // sQ is free: the next segment's Q load overlaps this epilogue.
+    // the Q tile is free: the next segment's Q load overlaps this epilogue.
     Segment next;
     const bool have_next = range.next_segment(p, seg.b + 1, m_block, next);
     if (have_next) issue_q_tile_load<Element, typename Traits::SmemLayoutQ>(p, next, ss.q);

@@ -123,6 +123,7 @@ enum class Rows64Barrier : int {
   kFp8Converted = 8,  // fp8 cache: a converted slab group is fenced for WGMMA (and, in place, its
                       // staged bytes are read before a later slab overwrites them)
   kStaged0 = 9,      // (+ warpgroup, 128 threads) its output rows are in shared memory / copied out
+  kQLanded = 11,     // kScaledQ: every math thread's cp.async chunks of the Q tile have landed
 };
 
 }  // namespace mla_decode

@@ -70,11 +70,10 @@ __device__ __forceinline__ float fp16_row_scale(float row_max) {
   return row_max > 0.f ? __int_as_float((min(14 - exponent, 100) + 127) << 23) : 1.f;
 }
 
-// Two 16-bit Q values (Element, first lowest) -> f16x2 of each times `scale` (fp16_row_scale).
-template <typename Element>
+// Two bf16 Q values (first lowest) -> f16x2 of each times `scale` (fp16_row_scale): a bf16 is the
+// high half of an fp32, the product is exact, and the cvt to fp16 rounds once.
 __device__ __forceinline__ uint32_t scaled_f16x2(uint32_t pair, float scale) {
-  const Element* v = reinterpret_cast<const Element*>(&pair);
-  const __half2 h = __floats2half2_rn(float(v[0]) * scale, float(v[1]) * scale);
+  const __half2 h = __floats2half2_rn(__uint_as_float(pair << 16) * scale, __uint_as_float(pair & 0xffff0000u) * scale);
   return *reinterpret_cast<const uint32_t*>(&h);
 }
 
