@@ -39,6 +39,7 @@
 #include "mla_decode/shared/launch.cuh"
 #include "mla_decode/shared/mma_issue.cuh"
 #include "mla_decode/shared/online_softmax.cuh"
+#include "mla_decode/shared/packed_pair.cuh"
 #include "mla_decode/shared/q_load.cuh"
 #include "mla_decode/shared/row_copies.cuh"
 #include "mla_decode/shared/schedule.cuh"
@@ -208,11 +209,9 @@ __device__ void consume_kv_tiles(const DecodeParams& p, bool gathered, typename 
   // times fp16_row_scale of the row, the factor recorded in ss.q_scale. Eight adjacent lanes share a
   // row, 32 rows a pass, and only passes that hold query rows run (the rest of the tile was zero-filled:
   // the same bits in fp16, factor 1). Each thread holds its 9 chunks of the row in registers between the
-  // max and the conversion, so that its loads are in flight together; the row max is taken on the bit
-  // patterns of |q| (ordered as the values), two per instruction.
+  // max (abs_max_bits) and the conversion, so that its loads are in flight together.
   auto scale_q_rows = [&](int query_rows) {
     constexpr int kThreadsPerRow = 8, kRowsPerPass = 256 / kThreadsPerRow, kChunksPerThread = kHeadDimK / 8 / kThreadsPerRow;
-    constexpr uint32_t kAbs = 0x7fff7fffu;
     static_assert(kTmaColumns == 8 * kThreadsPerRow, "16-byte chunk (thread % 8) of a row in each 64-column slab");
     constexpr int kSlabBytes = kBlockM * kTmaColumns * int(sizeof(MmaElement));
     named_barrier_sync<int(Rows64Barrier::kQLanded), 256>();  // every thread's cp.async chunks have landed
@@ -230,11 +229,10 @@ __device__ void consume_kv_tiles(const DecodeParams& p, bool gathered, typename 
 #pragma unroll
       for (int i = 0; i < kChunksPerThread; ++i) {
         raw[i] = mla_common::ld_shared_16(row_addr + i * kSlabBytes);
-        max_bits = __vimax3_u16x2(max_bits, __vimax3_u16x2(raw[i].x & kAbs, raw[i].y & kAbs, raw[i].z & kAbs),
-                                  raw[i].w & kAbs);
+        max_bits = abs_max_bits(max_bits, raw[i]);
       }
       for (int x = 1; x < kThreadsPerRow; x *= 2) max_bits = __vmaxu2(max_bits, __shfl_xor_sync(0xffffffff, max_bits, x));
-      const float scale = fp16_row_scale(__uint_as_float(max(max_bits & 0xffffu, max_bits >> 16) << 16));
+      const float scale = fp16_row_scale(abs_max_value<Element>(max_bits));
       if (chunk == 0) ss.q_scale[r] = scale;
 #pragma unroll
       for (int i = 0; i < kChunksPerThread; ++i) {
