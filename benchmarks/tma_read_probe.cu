@@ -4,7 +4,14 @@
 // Patterns: the decode kernels' TMA boxes (9 slabs of 64 columns per 64-key tile; 16-row copies as
 // at page 16) under each L2 promotion of the tensor map, other box orders, one bulk copy per page,
 // and one bulk copy per key row. bf16 (1152 bytes per key) and fp8 (576).
-//   TB/s = cache bytes / median time of 10 runs (CUDA events; the 2.4 GB cache does not fit in L2).
+// Then gathered rows, one bulk copy per listed row as the row-staged kernels copy them (16 lanes of
+// each of 4 warps, a row each; the row list read before the stage wait), bf16 / e4m3 / ds_mla_fp8
+// rows (1152 / 576 / 656 bytes), 2M rows per run: "page 1" lists every row of a 2M-row cache once
+// in random order (a page-1 block table); "top-k" lists, for each of 1024 query tokens, 2048
+// distinct random rows of its own 8192-row context, whose 64-row pages lie in random order in an
+// 8M-row cache (bench_sparse.py's data at s_q 1). Each with the kernels' stage count and with as many
+// stages as fit.
+//   TB/s = bytes moved / median time of 10 runs (CUDA events; every cache is far larger than L2).
 // Standalone (not part of the extension): nvcc -O2 -std=c++17 -arch=sm_90a -o tma_read_probe tma_read_probe.cu
 #include <cuda.h>
 #include <cuda_runtime.h>
@@ -31,6 +38,7 @@ typedef CUresult (*EncodeFn)(CUtensorMap*, CUtensorMapDataType, cuuint32_t, void
                              CUtensorMapSwizzle, CUtensorMapL2promotion, CUtensorMapFloatOOBfill);
 
 enum Pattern { kSlabBoxes, kRowGroups, kRowMajor, kBulkPage, kBulkRows };
+constexpr int kGatherRows = 1 << 21, kTopk = 2048, kContext = 8192;
 constexpr int kKeys = 64, kSlabs = 9, kPages = 128 * 256;  // b128 x L16384 at 64 keys per page
 
 struct Case {
@@ -106,6 +114,49 @@ __global__ void __launch_bounds__(64) stream_tiles(const __grid_constant__ CUten
       }
     }
   } else if (threadIdx.x == 32) {
+    for (int i = begin; i < end; ++i) {
+      const int k = i - begin, s = k % stages;
+      wait_parity(smem_u32(full + s), (k / stages) & 1);
+      asm volatile("mbarrier.arrive.shared::cta.b64 _, [%0];" ::"r"(smem_u32(empty + s)));
+    }
+  }
+}
+
+// Tile i of this CTA: keys rows[64 i, 64 i + 64) of the cache, one bulk copy per row from lanes 0-15 of
+// warps 0-3 into staging rows of row_bytes + pad bytes; thread 128 hands each stage back as it lands.
+__global__ void __launch_bounds__(160) gather_rows(const uint8_t* cache, const int* rows, int tiles, int stages,
+                                                   int row_bytes, int pad) {
+  extern __shared__ uint8_t raw[];
+  uint8_t* smem = raw + ((1024 - (smem_u32(raw) & 1023)) & 1023);
+  const int stride = row_bytes + pad, stage_bytes = kKeys * stride;
+  uint64_t* full = reinterpret_cast<uint64_t*>(smem + stages * stage_bytes);
+  uint64_t* empty = full + stages;
+  if (threadIdx.x == 0) {
+    for (int s = 0; s < stages; ++s) {
+      asm volatile("mbarrier.init.shared::cta.b64 [%0], 4;" ::"r"(smem_u32(full + s)));
+      asm volatile("mbarrier.init.shared::cta.b64 [%0], 1;" ::"r"(smem_u32(empty + s)));
+    }
+    asm volatile("fence.mbarrier_init.release.cluster;");
+  }
+  __syncthreads();
+  const int begin = int(int64_t(tiles) * blockIdx.x / gridDim.x), end = int(int64_t(tiles) * (blockIdx.x + 1) / gridDim.x);
+  uint64_t policy;
+  asm volatile("createpolicy.fractional.L2::evict_first.b64 %0, 1.0;" : "=l"(policy));
+  const int warp = threadIdx.x / 32, lane = threadIdx.x % 32;
+  if (warp < 4) {
+    for (int i = begin; i < end; ++i) {
+      const int k = i - begin, s = k % stages, r = 16 * warp + lane;
+      const int row = lane < 16 ? rows[int64_t(i) * kKeys + r] : 0;
+      wait_parity(smem_u32(empty + s), ((k / stages) & 1) ^ 1);
+      const uint32_t bar = smem_u32(full + s);
+      if (lane == 0) asm volatile("mbarrier.arrive.expect_tx.shared::cta.b64 _, [%0], %1;" ::"r"(bar), "r"(16 * row_bytes));
+      __syncwarp();
+      if (lane < 16)
+        asm volatile("cp.async.bulk.shared::cluster.global.mbarrier::complete_tx::bytes.L2::cache_hint"
+                     " [%0], [%1], %2, [%3], %4;" ::"r"(smem_u32(smem + s * stage_bytes + r * stride)),
+                     "l"(cache + int64_t(row) * row_bytes), "r"(row_bytes), "r"(bar), "l"(policy) : "memory");
+    }
+  } else if (threadIdx.x == 128) {
     for (int i = begin; i < end; ++i) {
       const int k = i - begin, s = k % stages;
       wait_parity(smem_u32(full + s), (k / stages) & 1);
@@ -224,6 +275,48 @@ int main() {
         case kRowMajor: run(stream_tiles<kRowMajor>); break;
         case kBulkPage: run(stream_tiles<kBulkPage>); break;
         case kBulkRows: run(stream_tiles<kBulkRows>); break;
+      }
+    }
+  }
+
+  // Gathered rows: the row lists, then each row size with the kernels' stages and with as many as fit.
+  const int64_t cache_rows = int64_t(kGatherRows / kTopk) * kContext;  // top-k: 1024 contexts of 8192 rows
+  uint8_t* big;
+  CHECK(cudaMalloc(&big, cache_rows * 1152));
+  CHECK(cudaMemset(big, 1, cache_rows * 1152));
+  std::mt19937 gen(2);
+  std::vector<int> page1(kGatherRows), topk;
+  for (int i = 0; i < kGatherRows; ++i) page1[i] = i;
+  std::shuffle(page1.begin(), page1.end(), gen);
+  std::vector<int> pages(cache_rows / kKeys), order(kContext);
+  for (size_t i = 0; i < pages.size(); ++i) pages[i] = int(i);
+  std::shuffle(pages.begin(), pages.end(), gen);
+  for (int t = 0; t < kGatherRows / kTopk; ++t) {
+    for (int i = 0; i < kContext; ++i) order[i] = i;
+    std::shuffle(order.begin(), order.end(), gen);
+    for (int i = 0; i < kTopk; ++i)
+      topk.push_back(pages[t * (kContext / kKeys) + order[i] / kKeys] * kKeys + order[i] % kKeys);
+  }
+  int *dpage1, *dtopk;
+  CHECK(cudaMalloc(&dpage1, kGatherRows * 4));
+  CHECK(cudaMalloc(&dtopk, kGatherRows * 4));
+  CHECK(cudaMemcpy(dpage1, page1.data(), kGatherRows * 4, cudaMemcpyHostToDevice));
+  CHECK(cudaMemcpy(dtopk, topk.data(), kGatherRows * 4, cudaMemcpyHostToDevice));
+  struct RowCase { const char* name; int row_bytes, pad, stages; };
+  const RowCase row_cases[] = {{"bf16", 1152, 16, 2}, {"e4m3", 576, 16, 5}, {"ds_mla_fp8", 656, 0, 4}};
+  for (const RowCase& rc : row_cases) {
+    const int stage_bytes = kKeys * (rc.row_bytes + rc.pad);
+    const int max_stages = (227 * 1024 - 1024) / (stage_bytes + 16);
+    for (int list = 0; list < 2; ++list) {
+      for (int stages : {rc.stages, max_stages}) {
+        const int smem = stages * stage_bytes + 1024 + 16 * stages;
+        CHECK(cudaFuncSetAttribute(gather_rows, cudaFuncAttributeMaxDynamicSharedMemorySize, smem));
+        char name[128];
+        snprintf(name, sizeof(name), "gather %s rows, %s, %d stages", rc.name, list ? "top-k" : "page 1", stages);
+        time_it([&] { gather_rows<<<sms, 160, smem>>>(list ? big : cache, list ? dtopk : dpage1, kGatherRows / kKeys,
+                                                     stages, rc.row_bytes, rc.pad); },
+                double(kGatherRows) * rc.row_bytes, name);
+        CHECK(cudaGetLastError());
       }
     }
   }
