@@ -53,28 +53,52 @@ __device__ __forceinline__ void wait_parity(uint32_t bar, uint32_t parity) {
                ::"r"(bar), "r"(parity));
 }
 
+// A CTA's ring: `stages` shared-memory stages of stage_bytes from the first 1024-byte boundary of raw, then
+// per stage a full barrier (full_arrivals arrivals and the stage's bytes) and an empty one (one arrival).
+struct Ring {
+  uint8_t* stages;
+  uint64_t* full;
+  uint64_t* empty;
+};
+__device__ Ring init_ring(uint8_t* raw, int stages, int stage_bytes, int full_arrivals) {
+  Ring ring;
+  ring.stages = raw + ((1024 - (smem_u32(raw) & 1023)) & 1023);
+  ring.full = reinterpret_cast<uint64_t*>(ring.stages + stages * stage_bytes);
+  ring.empty = ring.full + stages;
+  if (threadIdx.x == 0) {
+    for (int s = 0; s < stages; ++s) {
+      asm volatile("mbarrier.init.shared::cta.b64 [%0], %1;" ::"r"(smem_u32(ring.full + s)), "r"(full_arrivals));
+      asm volatile("mbarrier.init.shared::cta.b64 [%0], 1;" ::"r"(smem_u32(ring.empty + s)));
+    }
+    asm volatile("fence.mbarrier_init.release.cluster;");
+  }
+  __syncthreads();
+  return ring;
+}
+// This CTA's tiles [x, y) of n, and the L2 policy of every copy.
+__device__ int2 cta_tiles(int n) {
+  return make_int2(int(int64_t(n) * blockIdx.x / gridDim.x), int(int64_t(n) * (blockIdx.x + 1) / gridDim.x));
+}
+__device__ uint64_t evict_first_policy() {
+  uint64_t policy;
+  asm volatile("createpolicy.fractional.L2::evict_first.b64 %0, 1.0;" : "=l"(policy));
+  return policy;
+}
+
 // Tile i of this CTA: kKeys keys from page perm[i] (kBulkRows: one bulk copy per key row, 32 lanes,
 // rows padded by 16 bytes in shared memory).
 template <Pattern kPattern>
 __global__ void __launch_bounds__(64) stream_tiles(const __grid_constant__ CUtensorMap map, const uint8_t* cache,
                                                    const int* perm, int stages, int row_bytes, int rows_per_copy) {
   extern __shared__ uint8_t raw[];
-  uint8_t* smem = raw + ((1024 - (smem_u32(raw) & 1023)) & 1023);
   const int tile_bytes = kKeys * row_bytes;
   const int stage_bytes = kKeys * (kPattern == kBulkRows ? row_bytes + 16 : row_bytes);
-  uint64_t* full = reinterpret_cast<uint64_t*>(smem + stages * stage_bytes);
-  uint64_t* empty = full + stages;
-  if (threadIdx.x == 0) {
-    for (int s = 0; s < stages; ++s) {
-      asm volatile("mbarrier.init.shared::cta.b64 [%0], 1;" ::"r"(smem_u32(full + s)));
-      asm volatile("mbarrier.init.shared::cta.b64 [%0], 1;" ::"r"(smem_u32(empty + s)));
-    }
-    asm volatile("fence.mbarrier_init.release.cluster;");
-  }
-  __syncthreads();
-  const int begin = int(int64_t(kPages) * blockIdx.x / gridDim.x), end = int(int64_t(kPages) * (blockIdx.x + 1) / gridDim.x);
-  uint64_t policy;
-  asm volatile("createpolicy.fractional.L2::evict_first.b64 %0, 1.0;" : "=l"(policy));
+  const Ring ring = init_ring(raw, stages, stage_bytes, 1);
+  uint8_t* smem = ring.stages;
+  uint64_t *full = ring.full, *empty = ring.empty;
+  const int2 range = cta_tiles(kPages);
+  const int begin = range.x, end = range.y;
+  const uint64_t policy = evict_first_policy();
   const uint64_t tmap = reinterpret_cast<uint64_t>(&map);
   const int lanes = kPattern == kBulkRows ? 32 : 1;
   if (threadIdx.x < lanes) {
@@ -127,21 +151,13 @@ __global__ void __launch_bounds__(64) stream_tiles(const __grid_constant__ CUten
 __global__ void __launch_bounds__(160) gather_rows(const uint8_t* cache, const int* rows, int tiles, int stages,
                                                    int row_bytes, int pad) {
   extern __shared__ uint8_t raw[];
-  uint8_t* smem = raw + ((1024 - (smem_u32(raw) & 1023)) & 1023);
   const int stride = row_bytes + pad, stage_bytes = kKeys * stride;
-  uint64_t* full = reinterpret_cast<uint64_t*>(smem + stages * stage_bytes);
-  uint64_t* empty = full + stages;
-  if (threadIdx.x == 0) {
-    for (int s = 0; s < stages; ++s) {
-      asm volatile("mbarrier.init.shared::cta.b64 [%0], 4;" ::"r"(smem_u32(full + s)));
-      asm volatile("mbarrier.init.shared::cta.b64 [%0], 1;" ::"r"(smem_u32(empty + s)));
-    }
-    asm volatile("fence.mbarrier_init.release.cluster;");
-  }
-  __syncthreads();
-  const int begin = int(int64_t(tiles) * blockIdx.x / gridDim.x), end = int(int64_t(tiles) * (blockIdx.x + 1) / gridDim.x);
-  uint64_t policy;
-  asm volatile("createpolicy.fractional.L2::evict_first.b64 %0, 1.0;" : "=l"(policy));
+  const Ring ring = init_ring(raw, stages, stage_bytes, 4);  // an arrival per producer warp
+  uint8_t* smem = ring.stages;
+  uint64_t *full = ring.full, *empty = ring.empty;
+  const int2 range = cta_tiles(tiles);
+  const int begin = range.x, end = range.y;
+  const uint64_t policy = evict_first_policy();
   const int warp = threadIdx.x / 32, lane = threadIdx.x % 32;
   if (warp < 4) {
     for (int i = begin; i < end; ++i) {
