@@ -75,10 +75,11 @@ __device__ Ring init_ring(uint8_t* raw, int stages, int stage_bytes, int full_ar
   __syncthreads();
   return ring;
 }
-// This CTA's tiles [x, y) of n, and the L2 policy of every copy.
+// This CTA's tiles [x, y) of n.
 __device__ int2 cta_tiles(int n) {
   return make_int2(int(int64_t(n) * blockIdx.x / gridDim.x), int(int64_t(n) * (blockIdx.x + 1) / gridDim.x));
 }
+// The L2 policy of every copy: the cache is read once.
 __device__ uint64_t evict_first_policy() {
   uint64_t policy;
   asm volatile("createpolicy.fractional.L2::evict_first.b64 %0, 1.0;" : "=l"(policy));
