@@ -95,10 +95,7 @@ __global__ void __launch_bounds__(kThreads) write_ds_mla_fp8_kernel(const __grid
 template <typename Tout>
 __global__ void __launch_bounds__(kThreads) gather_ds_mla_fp8_kernel(const __grid_constant__ GatherParams p) {
   const int total = __ldg(p.cu_seqlens + p.batch);
-  const int64_t n = p.num_tokens * kChunksRow;
-  for (int64_t i = int64_t(blockIdx.x) * kThreads + threadIdx.x; i < n; i += int64_t(gridDim.x) * kThreads) {
-    const int64_t r = i / kChunksRow;
-    const int c = int(i - r * kChunksRow);
+  for_each_row_chunk(p.num_tokens, [&](int64_t r, int c) {
     Tout* dst = static_cast<Tout*>(p.out) + r * kDimRow + c * 8;
     const uint8_t* row = find_row<uint8_t>(p, r, total);
     float f[8] = {};
@@ -112,13 +109,13 @@ __global__ void __launch_bounds__(kThreads) gather_ds_mla_fp8_kernel(const __gri
       const auto raw = Vec8<Bf16>::load(reinterpret_cast<const Bf16*>(row + kDsRopeOffset) + (c - kChunksLatent) * 8);
       if constexpr (std::is_same_v<Tout, Bf16>) {
         Vec8<Bf16>::store(dst, raw);
-        continue;
+        return;
       } else {
         Vec8<Bf16>::to_float(raw, f);
       }
     }
     Vec8<Tout>::store(dst, Vec8<Tout>::from_float(f));  // rows past the batch / bad pages: zeros
-  }
+  });
 }
 
 }  // namespace mla_kv_cache

@@ -19,21 +19,28 @@ constexpr int64_t kMaxBlocks = int64_t(1) << 20;  // beyond this, blocks loop
 using mla_common::Vec8;
 using Fp8 = __nv_fp8_e4m3;
 
+// Calls f(row, chunk) for every 8-value chunk of num_rows 576-wide rows, blocks striding over them.
+template <typename F>
+__device__ __forceinline__ void for_each_row_chunk(int64_t num_rows, F&& f) {
+  const int64_t n = num_rows * kChunksRow;
+  for (int64_t i = int64_t(blockIdx.x) * kThreads + threadIdx.x; i < n; i += int64_t(gridDim.x) * kThreads) {
+    const int64_t r = i / kChunksRow;
+    f(r, int(i - r * kChunksRow));
+  }
+}
+
 template <typename Tin, typename Tcache>
 __global__ void __launch_bounds__(kThreads) write_kernel(const __grid_constant__ WriteParams p) {
   constexpr bool kQuantize = !std::is_same_v<Tin, Tcache>;
   static_assert(!kQuantize || std::is_same_v<Tcache, Fp8>);
   const float scale = kQuantize ? __ldg(p.k_scale) : 1.f;
-  const int64_t total = p.num_tokens * kChunksRow;
-  for (int64_t i = int64_t(blockIdx.x) * kThreads + threadIdx.x; i < total; i += int64_t(gridDim.x) * kThreads) {
-    const int64_t t = i / kChunksRow;
-    const int c = int(i - t * kChunksRow);
+  for_each_row_chunk(p.num_tokens, [&](int64_t t, int c) {
     const Tin* src = c < kChunksLatent
                          ? static_cast<const Tin*>(p.kv_c) + t * p.kv_c_stride + c * 8
                          : static_cast<const Tin*>(p.k_pe) + t * p.k_pe_stride + (c - kChunksLatent) * 8;
     const auto raw = Vec8<Tin>::load(src);  // issued together with the slot load (one memory latency)
     const int64_t slot = __ldg(p.slot_mapping + t * p.slot_stride);
-    if (slot < 0 || slot >= p.num_slots) continue;  // padding token; a slot past the cache is never written
+    if (slot < 0 || slot >= p.num_slots) return;  // padding token; a slot past the cache is never written
     const int64_t page = slot / p.page_size;
     Tcache* dst = static_cast<Tcache*>(p.cache) + page * p.page_stride + (slot - page * p.page_size) * p.token_stride +
                   c * 8;
@@ -46,7 +53,7 @@ __global__ void __launch_bounds__(kThreads) write_kernel(const __grid_constant__
       for (int e = 0; e < 8; ++e) f[e] = __fdiv_rn(f[e], scale);  // IEEE division, as on the CPU
       Vec8<Fp8>::store(dst, Vec8<Fp8>::from_float(f));
     }
-  }
+  });
 }
 
 // Row r < cu[batch] is token r - cu[b] of the request b with cu[b] <= r < cu[b + 1] (binary search:
@@ -78,16 +85,13 @@ __global__ void __launch_bounds__(kThreads) gather_kernel(const __grid_constant_
   constexpr bool kDequantize = std::is_same_v<Tcache, Fp8>;
   const float scale = kDequantize ? __ldg(p.k_scale) : 1.f;
   const int total = __ldg(p.cu_seqlens + p.batch);
-  const int64_t n = p.num_tokens * kChunksRow;
-  for (int64_t i = int64_t(blockIdx.x) * kThreads + threadIdx.x; i < n; i += int64_t(gridDim.x) * kThreads) {
-    const int64_t r = i / kChunksRow;
-    const int c = int(i - r * kChunksRow);
+  for_each_row_chunk(p.num_tokens, [&](int64_t r, int c) {
     Tout* dst = static_cast<Tout*>(p.out) + r * kDimRow + c * 8;
     const Tcache* row = find_row<Tcache>(p, r, total);
     if (row == nullptr) {
       const float zero[8] = {};
       Vec8<Tout>::store(dst, Vec8<Tout>::from_float(zero));
-      continue;
+      return;
     }
     const auto raw = Vec8<Tcache>::load(row + c * 8);
     if constexpr (std::is_same_v<Tcache, Tout>) {
@@ -101,7 +105,7 @@ __global__ void __launch_bounds__(kThreads) gather_kernel(const __grid_constant_
       }
       Vec8<Tout>::store(dst, Vec8<Tout>::from_float(f));
     }
-  }
+  });
 }
 
 inline int num_blocks(int64_t items) {
