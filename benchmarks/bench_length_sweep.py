@@ -45,7 +45,7 @@ def fit(points):
 
 
 def sparse_call(b, topk):
-    bs.TOPK, bs.CONTEXT = topk, 16384
+    bs.TOPK, bs.CONTEXT = topk, 16384  # bench_sparse's problem and check read these module globals
     p = bs.make_problem(dict(name="", h_q=16, s_q=1, b=b), 1, "ds_mla_fp8")
     md = mla_attn.get_sparse_decode_metadata(p["indices"], 16)
     slots, counts = torch.ops.mla_attn.compact_sparse_indices(p["indices"].reshape(b, topk), None,
