@@ -24,6 +24,7 @@ Outputs: <out>/bench_length_sweep.json and .md.
 import argparse
 import json
 import os
+import statistics
 
 import torch
 
@@ -32,16 +33,6 @@ import bench_sparse as bs
 from _timing import GraphTimer, capture, measure_ceilings, smi
 
 import mla_attn
-
-
-def fit(points):
-    """Least-squares line (intercept, slope) through (x, y) points."""
-    n = len(points)
-    mx = sum(x for x, _ in points) / n
-    my = sum(y for _, y in points) / n
-    sxx = sum((x - mx) ** 2 for x, _ in points)
-    slope = sum((x - mx) * (y - my) for x, y in points) / sxx
-    return my - slope * mx, slope
 
 
 def sparse_call(b, topk):
@@ -111,7 +102,7 @@ def main():
             print(name, points[-1], flush=True)
             del fn, g
             torch.cuda.empty_cache()
-        fixed, us_per_key = fit([(p["n"], p["cold_us"]) for p in points])
+        us_per_key, fixed = statistics.linear_regression([p["n"] for p in points], [p["cold_us"] for p in points])
         rate = batch * row_bytes / us_per_key / 1e6
         for p in points:
             p["fixed_share"] = fixed / p["cold_us"]
