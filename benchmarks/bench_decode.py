@@ -27,6 +27,7 @@ ratio measured in this same run.
 usage: python benchmarks/bench_decode.py [--quick] [--configs main|ext|all] [--only SUBSTR,..]
                                          [--out DIR] [--no-flashinfer] [--no-ceilings]
                                          [--flashmla SO:PKG_ROOT]  (a FlashMLA build, timed beside)
+                                         [--flashmla-fp8 SO]  (FlashMLA's dense FP8 decode, --kv-dtype fp8*)
                                          [--kernel NAME] [--kernels K1,K2]  (forced decode kernels)
 """
 import argparse
@@ -383,6 +384,45 @@ class FlashMLA:
         return dict(eager=run, graph_fn=run, step_fn=step_fn, info={}, keep=(meta,))
 
 
+class FlashMLAFP8:
+    """FlashMLA's SM90 dense FP8 decode as vLLM ships it (--flashmla-fp8 SO: vLLM's
+    _flashmla_extension_C.abi3.so, the kernel its FlashMLA backend runs with an FP8 cache): e4m3 Q and
+    cache with per-tensor descales, e4m3 math, bf16 out. Q is quantised once outside the timed call
+    (amax / 448, as vLLM's q_scale); vLLM quantises it in a kernel of its own each layer. Page 64 only."""
+    name = "flashmla"
+
+    def __init__(self, so_path):
+        import importlib.util
+        # the module's init symbol follows its name (PyInit__flashmla_extension_C)
+        spec = importlib.util.spec_from_file_location("_flashmla_extension_C", so_path)
+        spec.loader.exec_module(importlib.util.module_from_spec(spec))
+        self.ops = torch.ops._flashmla_extension_C
+
+    def prepare(self, p, c):
+        if p["page"] != 64 or p["k_scale"] is None:
+            raise ValueError("FlashMLA's dense FP8 decode takes an e4m3 cache of page 64 only")
+        q, table, lens, k_scale = p["q"], p["table"], p["lens"], p["k_scale"]
+        q_scale = (q.float().abs().amax() / 448.0).reshape(1)
+        q8 = (q.float() / q_scale).to(torch.float8_e4m3fn)
+        kv = p["kv"].view(torch.float8_e4m3fn)
+        b, s_q, h_q, _ = q.shape
+        causal = c["s_q"] > 1
+
+        def metadata():
+            return self.ops.get_mla_decoding_metadata_dense_fp8(lens, s_q * h_q, 1)
+        sched, splits = metadata()
+
+        def run(sched=sched, splits=splits):
+            out, lse = self.ops.fwd_kvcache_mla_fp8(q8, kv, D_V, lens, table, SCALE, causal, sched, splits,
+                                                    q_scale, k_scale)
+            return out, lse.transpose(1, 2)  # lse [b, h_q, s_q] -> [b, s_q, h_q]
+
+        def step_fn():  # its metadata, then the decode
+            return run(*metadata())
+        return dict(eager=run, graph_fn=run, step_fn=step_fn, info=dict(q_scale=float(q_scale)),
+                    keep=(sched, splits), fp8_math=True)
+
+
 # ----------------------------------------------------------------------------------------------
 # metadata timing
 # ----------------------------------------------------------------------------------------------
@@ -425,16 +465,17 @@ def check_kernel(kern, p, c, ref):
     try:
         prep = kern.prepare(p, c)
         r.update(prep["info"])
+        fp8_math = p.get("fp8_mma", False) or prep.get("fp8_math", False)  # e4m3 Q and P: the looser bound
         out, lse = prep["eager"]()
         torch.cuda.synchronize()
-        eager_chk = compare(out, lse, *ref, fp8_mma=p.get("fp8_mma", False))
+        eager_chk = compare(out, lse, *ref, fp8_mma=fp8_math)
         del out, lse
         g, (gout, glse) = capture(prep["graph_fn"])
         gout.fill_(float("nan"))
         glse.fill_(float("nan"))
         g.replay()
         torch.cuda.synchronize()
-        graph_chk = compare(gout, glse, *ref, fp8_mma=p.get("fp8_mma", False))
+        graph_chk = compare(gout, glse, *ref, fp8_mma=fp8_math)
         r["eager_check"], r["graph_check"] = eager_chk, graph_chk
         r["rel_l2"] = max(eager_chk["rel_l2"], graph_chk["rel_l2"])
         r["max_abs"] = max(eager_chk["max_abs"], graph_chk["max_abs"])
@@ -529,7 +570,9 @@ def write_outputs(results, out_dir):
     lines.append("")
     fmla = any(row.get("flashmla") for row in results["rows"])
     if fmla:
-        lines.append("FMLA = FlashMLA SM90 dense decode (live, this run; --flashmla); x live best = the faster "
+        which = ("its dense FP8 kernel, e4m3 Q and P, as vLLM ships it (--flashmla-fp8)"
+                 if info["args"].get("kv_dtype", "bf16") != "bf16" else "--flashmla")
+        lines.append(f"FMLA = FlashMLA SM90 dense decode (live, this run; {which}); x live best = the faster "
                      "correct one of FI and FMLA / ours. FMLA step us = its call with a fresh schedule object "
                      "(it makes its metadata, then decodes), one CUDA graph, cold; x FMLA step = that / step us.")
         lines.append("")
@@ -631,6 +674,9 @@ def add_args(ap):
     ap.add_argument("--flashmla", default="", metavar="SO:PKG_ROOT",
                     help="also time a FlashMLA build (SM90 dense decode; bf16, page 64): its compiled module "
                          "and the folder holding its flash_mla/ package")
+    ap.add_argument("--flashmla-fp8", default="", metavar="SO",
+                    help="with --kv-dtype fp8/fp8_mma: also time FlashMLA's SM90 dense FP8 decode from this "
+                         "compiled module (vLLM's _flashmla_extension_C.abi3.so; page 64)")
     ap.add_argument("--kv-dtype", default="bf16", choices=("bf16", "fp8", "fp8_mma"),
                     help="fp8: float8_e4m3fn cache with k_scale (FlashInfer is not run); TB/s counts 1 byte "
                          "per cached value. fp8_mma: the same with mla_decode(fp8_mma=True)")
@@ -693,6 +739,13 @@ def run(args, extra_kernels=()):
             results["errors"].append(("ceilings", traceback.format_exc()[-1500:]))
             log(traceback.format_exc())
 
+    if args.flashmla_fp8 and args.kv_dtype in ("fp8", "fp8_mma"):
+        try:
+            extra_kernels = list(extra_kernels) + [FlashMLAFP8(args.flashmla_fp8)]
+            log("FlashMLA dense FP8 loaded")
+        except Exception as e:
+            results["errors"].append(("flashmla_fp8_import", traceback.format_exc()[-1500:]))
+            log(f"FlashMLA dense FP8 not importable, running without it: {e!r}")
     if args.flashmla and args.kv_dtype == "bf16":
         try:
             extra_kernels = list(extra_kernels) + [FlashMLA(args.flashmla)]
