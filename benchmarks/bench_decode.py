@@ -739,20 +739,15 @@ def run(args, extra_kernels=()):
             results["errors"].append(("ceilings", traceback.format_exc()[-1500:]))
             log(traceback.format_exc())
 
-    if args.flashmla_fp8 and args.kv_dtype in ("fp8", "fp8_mma"):
+    # FlashMLA live: its bf16 dense decode (--flashmla) or, for an FP8 cache, its dense FP8 one (--flashmla-fp8)
+    peer, spec = (FlashMLA, args.flashmla) if args.kv_dtype == "bf16" else (FlashMLAFP8, args.flashmla_fp8)
+    if spec:
         try:
-            extra_kernels = list(extra_kernels) + [FlashMLAFP8(args.flashmla_fp8)]
-            log("FlashMLA dense FP8 loaded")
-        except Exception as e:
-            results["errors"].append(("flashmla_fp8_import", traceback.format_exc()[-1500:]))
-            log(f"FlashMLA dense FP8 not importable, running without it: {e!r}")
-    if args.flashmla and args.kv_dtype == "bf16":
-        try:
-            extra_kernels = list(extra_kernels) + [FlashMLA(args.flashmla)]
-            log("FlashMLA loaded")
+            extra_kernels = list(extra_kernels) + [peer(spec)]
+            log(f"{peer.__name__} loaded")
         except Exception as e:
             results["errors"].append(("flashmla_import", traceback.format_exc()[-1500:]))
-            log(f"FlashMLA not importable, running without it: {e!r}")
+            log(f"{peer.__name__} not importable, running without it: {e!r}")
 
     timer = GraphTimer()
     cfgs = select_configs(args.configs, args.quick, args.only)
