@@ -550,6 +550,8 @@ def write_outputs(results, out_dir):
     ce = results.get("ceilings") or {}
     lines = []
     info = results["info"]
+    # the static table holds bf16-cache peers: no yardstick for an FP8 cache
+    static_best = STATIC_BEST if info["args"].get("kv_dtype", "bf16") == "bf16" else {}
     lines.append(f"# mla_attn decode benchmark ({info.get('gpu')}, torch {info.get('torch')}, "
                  f"FlashInfer {info.get('flashinfer', 'n/a')}, KV cache {info['args'].get('kv_dtype', 'bf16')}"
                  + (f", mla_attn kernel forced: {info['args']['kernel']}" if info["args"].get("kernel") else "") + ")")
@@ -584,7 +586,7 @@ def write_outputs(results, out_dir):
     for row in results["rows"]:
         o = row.get("ours", {})
         fi = row.get("flashinfer_fa3")
-        st = STATIC_BEST.get(row["cfg"])
+        st = static_best.get(row["cfg"])
         cold = o.get("cold_us")
         if "error" in o and cold is None:
             err = o["error"].strip().splitlines()[-1][:80].replace("|", "/")
@@ -610,8 +612,8 @@ def write_outputs(results, out_dir):
               if r.get("ours", {}).get("cold_us") and (r.get("flashinfer_fa3") or {}).get("cold_us")]
     rat_live = [live_best(r) / r["ours"]["cold_us"] for r in results["rows"]
                 if r.get("ours", {}).get("cold_us") and live_best(r)] if fmla else []
-    rat_st = [STATIC_BEST[r["cfg"]][1] / r["ours"]["cold_us"] for r in results["rows"]
-              if r.get("ours", {}).get("cold_us") and r["cfg"] in STATIC_BEST]
+    rat_st = [static_best[r["cfg"]][1] / r["ours"]["cold_us"] for r in results["rows"]
+              if r.get("ours", {}).get("cold_us") and r["cfg"] in static_best]
     lines.append("")
     n_ok = sum(1 for r in results["rows"] if r.get("ours", {}).get("ok"))
     lines.append(f"Correct: {n_ok}/{len(results['rows'])} configs.")
