@@ -405,8 +405,8 @@ class FlashMLAFP8:
         q_scale = (q.float().abs().amax() / 448.0).reshape(1)
         q8 = (q.float() / q_scale).to(torch.float8_e4m3fn)
         kv = p["kv"].view(torch.float8_e4m3fn)
-        b, s_q, h_q, _ = q.shape
-        causal = c["s_q"] > 1
+        _, s_q, h_q, _ = q.shape
+        causal = s_q > 1
 
         def metadata():
             return self.ops.get_mla_decoding_metadata_dense_fp8(lens, s_q * h_q, 1)
@@ -550,8 +550,8 @@ def write_outputs(results, out_dir):
     ce = results.get("ceilings") or {}
     lines = []
     info = results["info"]
-    # the static table holds bf16-cache peers: no yardstick for an FP8 cache
-    static_best = STATIC_BEST if info["args"].get("kv_dtype", "bf16") == "bf16" else {}
+    fp8_cache = info["args"].get("kv_dtype", "bf16") != "bf16"
+    static_best = {} if fp8_cache else STATIC_BEST  # the static table holds bf16-cache peers
     lines.append(f"# mla_attn decode benchmark ({info.get('gpu')}, torch {info.get('torch')}, "
                  f"FlashInfer {info.get('flashinfer', 'n/a')}, KV cache {info['args'].get('kv_dtype', 'bf16')}"
                  + (f", mla_attn kernel forced: {info['args']['kernel']}" if info["args"].get("kernel") else "") + ")")
@@ -573,7 +573,7 @@ def write_outputs(results, out_dir):
     fmla = any(row.get("flashmla") for row in results["rows"])
     if fmla:
         which = ("its dense FP8 kernel, e4m3 Q and P, as vLLM ships it (--flashmla-fp8)"
-                 if info["args"].get("kv_dtype", "bf16") != "bf16" else "--flashmla")
+                 if fp8_cache else "--flashmla")
         lines.append(f"FMLA = FlashMLA SM90 dense decode (live, this run; {which}); x live best = the faster "
                      "correct one of FI and FMLA / ours. FMLA step us = its call with a fresh schedule object "
                      "(it makes its metadata, then decodes), one CUDA graph, cold; x FMLA step = that / step us.")
