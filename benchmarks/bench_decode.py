@@ -29,6 +29,7 @@ usage: python benchmarks/bench_decode.py [--quick] [--configs main|ext|all] [--o
                                          [--flashmla SO:PKG_ROOT]  (a FlashMLA build, timed beside)
                                          [--flashmla-fp8 SO]  (FlashMLA's dense FP8 decode, --kv-dtype fp8*)
                                          [--kernel NAME] [--kernels K1,K2]  (forced decode kernels)
+                                         [--l2-resident]  (one shared cache per config, served from L2)
 """
 import argparse
 import json
@@ -173,7 +174,9 @@ def select_configs(which, quick, only):
 # ----------------------------------------------------------------------------------------------
 # data and float32 reference
 # ----------------------------------------------------------------------------------------------
-def make_problem(c, seed, kv_dtype="bf16"):
+def make_problem(c, seed, kv_dtype="bf16", l2_resident=False):
+    """l2_resident: every request reads one shared cache of max(lens) keys (each block-table row a random
+    order of the same pages), small enough to stay in L2, so that the memory system does not set the time."""
     gen = torch.Generator().manual_seed(seed)
     b, s_q, h_q, page = c["b"], c["s_q"], c["h_q"], c["page"]
     if c["L"] == "rand":
@@ -181,13 +184,16 @@ def make_problem(c, seed, kv_dtype="bf16"):
     else:
         lens = torch.full((b,), int(c["L"]), dtype=torch.int32)
     npages = (lens + page - 1) // page
-    total = int(npages.sum())
+    total = int(npages.max()) if l2_resident else int(npages.sum())
     order = torch.randperm(total, generator=gen).to(torch.int32)
     table = torch.zeros(b, int(npages.max()), dtype=torch.int32)
     start = 0
     for i, n in enumerate(npages.tolist()):
-        table[i, :n] = order[start:start + n]
-        start += n
+        if l2_resident:
+            table[i, :n] = torch.randperm(total, generator=gen)[:n]
+        else:
+            table[i, :n] = order[start:start + n]
+            start += n
     dgen = torch.Generator(device=DEV).manual_seed(seed)
     kv = torch.randn(total, page, 1, D_QK, dtype=torch.bfloat16, device=DEV, generator=dgen)
     q = torch.randn(b, s_q, h_q, D_QK, dtype=torch.bfloat16, device=DEV, generator=dgen)
@@ -522,8 +528,10 @@ def fmt(v, f="{:.1f}", none="-"):
 
 
 def _stem(results):
-    kv_dtype = results["info"]["args"].get("kv_dtype", "bf16")
-    return "bench_decode" if kv_dtype == "bf16" else f"bench_decode_{kv_dtype}"
+    args = results["info"]["args"]
+    kv_dtype = args.get("kv_dtype", "bf16")
+    stem = "bench_decode" if kv_dtype == "bf16" else f"bench_decode_{kv_dtype}"
+    return stem + ("_l2_resident" if args.get("l2_resident") else "")
 
 
 def live_best(row):
@@ -551,11 +559,18 @@ def write_outputs(results, out_dir):
     lines = []
     info = results["info"]
     fp8_cache = info["args"].get("kv_dtype", "bf16") != "bf16"
-    static_best = {} if fp8_cache else STATIC_BEST  # the static table holds bf16-cache peers
+    l2_resident = info["args"].get("l2_resident", False)
+    static_best = {} if fp8_cache or l2_resident else STATIC_BEST  # the static table holds bf16-cache peers on HBM
     lines.append(f"# mla_attn decode benchmark ({info.get('gpu')}, torch {info.get('torch')}, "
                  f"FlashInfer {info.get('flashinfer', 'n/a')}, KV cache {info['args'].get('kv_dtype', 'bf16')}"
                  + (f", mla_attn kernel forced: {info['args']['kernel']}" if info["args"].get("kernel") else "") + ")")
     lines.append("")
+    if l2_resident:
+        lines.append("**L2-resident cache** (--l2-resident): every request of a config reads the same cache of L keys "
+                     "(block-table rows are random orders of one set of pages), so after the first reads it is "
+                     "served from L2: warm us is the kernel's own time where HBM does not bound it, and TB/s the "
+                     "rate it reads at (from cold us, which includes loading the cache from HBM once).")
+        lines.append("")
     if ce:
         lines.append(f"Ceilings (this run): HBM read {ce.get('read_TBps', 0):.2f} TB/s "
                      f"(Triton {ce.get('read_triton_TBps', float('nan')):.2f}, torch.sum "
@@ -688,6 +703,12 @@ def add_args(ap):
     ap.add_argument("--kernels", default="",
                     help="comma list of decode kernels each also timed forced, beside the dispatch's choice in the "
                          "same interleaved replays (an A/B of kernels in one run); JSON rows under mla_attn[NAME]")
+    ap.add_argument("--l2-resident", action="store_true",
+                    help="every request reads one shared cache of its config's length (each block-table row a "
+                         "random order of the same pages), which stays in L2 where it fits (up to ~40 MB): warm "
+                         "times then show what bounds a kernel when HBM does not, e.g. whether it can stream at a "
+                         "faster card's read rate, measured on a slower one; TB/s counts the bytes the kernel "
+                         "reads. Outputs bench_decode*_l2_resident.{json,md}")
     ap.add_argument("--no-ceilings", action="store_true")
     ap.add_argument("--rep-ms", type=float, default=100.0, help="timing budget per mode per kernel (ms)")
     ap.add_argument("--time-budget-s", type=float, default=None,
@@ -771,7 +792,8 @@ def run(args, extra_kernels=()):
                    page=c["page"], causal=causal, rep_ms=rep_ms)
         try:
             ts = time.time()
-            p = make_problem(c, seed=zlib.crc32(c["name"].encode()) & 0x7FFFFFFF, kv_dtype=args.kv_dtype)
+            p = make_problem(c, seed=zlib.crc32(c["name"].encode()) & 0x7FFFFFFF, kv_dtype=args.kv_dtype,
+                             l2_resident=args.l2_resident)
             ref = reference_fp32(p, causal)
             torch.cuda.synchronize()
             t_ref = time.time() - ts
