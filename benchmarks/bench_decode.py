@@ -184,14 +184,16 @@ def make_problem(c, seed, kv_dtype="bf16", l2_resident=False):
     else:
         lens = torch.full((b,), int(c["L"]), dtype=torch.int32)
     npages = (lens + page - 1) // page
-    total = int(npages.max()) if l2_resident else int(npages.sum())
-    order = torch.randperm(total, generator=gen).to(torch.int32)
     table = torch.zeros(b, int(npages.max()), dtype=torch.int32)
-    start = 0
-    for i, n in enumerate(npages.tolist()):
-        if l2_resident:
+    if l2_resident:
+        total = int(npages.max())
+        for i, n in enumerate(npages.tolist()):
             table[i, :n] = torch.randperm(total, generator=gen)[:n]
-        else:
+    else:
+        total = int(npages.sum())
+        order = torch.randperm(total, generator=gen).to(torch.int32)
+        start = 0
+        for i, n in enumerate(npages.tolist()):
             table[i, :n] = order[start:start + n]
             start += n
     dgen = torch.Generator(device=DEV).manual_seed(seed)
