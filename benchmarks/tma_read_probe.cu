@@ -9,8 +9,10 @@
 // rows (1152 / 576 / 656 bytes), 2M rows per run: "page 1" lists every row of a 2M-row cache once
 // in random order (a page-1 block table); "top-k" lists, for each of 1024 query tokens, 2048
 // distinct random rows of its own 8192-row context, whose 64-row pages lie in random order in an
-// 8M-row cache (bench_sparse.py's data at s_q 1). Each from 1 stage up to as many stages as fit.
-//   TB/s = bytes moved / median time of 10 runs (CUDA events; every cache is far larger than L2).
+// 8M-row cache (bench_sparse.py's data at s_q 1); "L2" reads the page-1 list folded onto 16,384 rows,
+// which stay in L2 (no HBM in the way: the gather's own rate). Each from 1 stage up to as many as fit.
+//   TB/s = bytes moved / median time of 10 runs (CUDA events; every cache but "L2"'s is far larger
+//   than L2).
 // Standalone (not part of the extension): nvcc -O2 -std=c++17 -arch=sm_90a -o tma_read_probe tma_read_probe.cu
 #include <cuda.h>
 #include <cuda_runtime.h>
@@ -37,7 +39,7 @@ typedef CUresult (*EncodeFn)(CUtensorMap*, CUtensorMapDataType, cuuint32_t, void
                              CUtensorMapSwizzle, CUtensorMapL2promotion, CUtensorMapFloatOOBfill);
 
 enum Pattern { kSlabBoxes, kRowGroups, kRowMajor, kBulkPage, kBulkRows };
-constexpr int kGatherRows = 1 << 21, kTopk = 2048, kContext = 8192;
+constexpr int kGatherRows = 1 << 21, kTopk = 2048, kContext = 8192, kL2Rows = 16384;
 constexpr int kKeys = 64, kSlabs = 9, kPages = 128 * 256;  // b128 x L16384 at 64 keys per page
 
 struct Case {
@@ -82,6 +84,13 @@ __device__ int2 cta_tiles(int n) {
 __device__ uint64_t evict_first_policy() {
   uint64_t policy;
   asm volatile("createpolicy.fractional.L2::evict_first.b64 %0, 1.0;" : "=l"(policy));
+  return policy;
+}
+
+// The default policy: rows read again (the "L2" row list) stay in L2.
+__device__ uint64_t evict_normal_policy() {
+  uint64_t policy;
+  asm volatile("createpolicy.fractional.L2::evict_normal.b64 %0, 1.0;" : "=l"(policy));
   return policy;
 }
 
@@ -149,7 +158,7 @@ __global__ void __launch_bounds__(64) stream_tiles(const __grid_constant__ CUten
 // Tile i of this CTA: keys rows[64 i, 64 i + 64) of the cache, one bulk copy per row from lanes 0-15 of
 // warps 0-3 into staging rows of row_bytes + pad bytes; thread 128 hands each stage back as it lands.
 __global__ void __launch_bounds__(160) gather_rows(const uint8_t* cache, const int* rows, int tiles, int stages,
-                                                   int row_bytes, int pad) {
+                                                   int row_bytes, int pad, bool keep_in_l2) {
   extern __shared__ uint8_t raw[];
   const int stride = row_bytes + pad, stage_bytes = kKeys * stride;
   const Ring ring = init_ring(raw, stages, stage_bytes, 4);  // an arrival per producer warp
@@ -157,7 +166,7 @@ __global__ void __launch_bounds__(160) gather_rows(const uint8_t* cache, const i
   uint64_t *full = ring.full, *empty = ring.empty;
   const int2 range = cta_tiles(tiles);
   const int begin = range.x, end = range.y;
-  const uint64_t policy = evict_first_policy();
+  const uint64_t policy = keep_in_l2 ? evict_normal_policy() : evict_first_policy();
   const int warp = threadIdx.x / 32, lane = threadIdx.x % 32;
   if (warp < 4) {
     for (int i = begin; i < end; ++i) {
@@ -314,24 +323,32 @@ int main() {
     for (int i = 0; i < kTopk; ++i)
       topk.push_back(pages[t * (kContext / kKeys) + order[i] / kKeys] * kKeys + order[i] % kKeys);
   }
-  int *dpage1, *dtopk;
+  // "L2": the page-1 list folded onto the cache's first kL2Rows rows, which stay in L2 (as where every
+  // request reads one shared cache: bench_decode.py --l2-resident), so the gather's own rate shows.
+  std::vector<int> l2rows(kGatherRows);
+  for (int i = 0; i < kGatherRows; ++i) l2rows[i] = page1[i] % kL2Rows;
+  int *dpage1, *dtopk, *dl2;
   CHECK(cudaMalloc(&dpage1, kGatherRows * 4));
   CHECK(cudaMalloc(&dtopk, kGatherRows * 4));
+  CHECK(cudaMalloc(&dl2, kGatherRows * 4));
   CHECK(cudaMemcpy(dpage1, page1.data(), kGatherRows * 4, cudaMemcpyHostToDevice));
   CHECK(cudaMemcpy(dtopk, topk.data(), kGatherRows * 4, cudaMemcpyHostToDevice));
+  CHECK(cudaMemcpy(dl2, l2rows.data(), kGatherRows * 4, cudaMemcpyHostToDevice));
   struct RowCase { const char* name; int row_bytes, pad; };
   const RowCase row_cases[] = {{"bf16", 1152, 16}, {"e4m3", 576, 16}, {"ds_mla_fp8", 656, 0}};
+  const char* list_names[] = {"page 1", "top-k", "L2"};
   for (const RowCase& rc : row_cases) {
     const int stage_bytes = kKeys * (rc.row_bytes + rc.pad);
     const int max_stages = (227 * 1024 - 1024) / (stage_bytes + 16);
-    for (int list = 0; list < 2; ++list) {
+    for (int list = 0; list < 3; ++list) {
+      const int* rows = list == 0 ? dpage1 : list == 1 ? dtopk : dl2;
       for (int stages = 1; stages <= max_stages; ++stages) {
         const int smem = stages * stage_bytes + 1024 + 16 * stages;
         CHECK(cudaFuncSetAttribute(gather_rows, cudaFuncAttributeMaxDynamicSharedMemorySize, smem));
         char name[128];
-        snprintf(name, sizeof(name), "gather %s rows, %s, %d stages", rc.name, list ? "top-k" : "page 1", stages);
-        time_it([&] { gather_rows<<<sms, 160, smem>>>(list ? big : cache, list ? dtopk : dpage1, kGatherRows / kKeys,
-                                                     stages, rc.row_bytes, rc.pad); },
+        snprintf(name, sizeof(name), "gather %s rows, %s, %d stages", rc.name, list_names[list], stages);
+        time_it([&] { gather_rows<<<sms, 160, smem>>>(list == 1 ? big : cache, rows, kGatherRows / kKeys, stages,
+                                                     rc.row_bytes, rc.pad, list == 2); },
                 double(kGatherRows) * rc.row_bytes, name);
         CHECK(cudaGetLastError());
       }
