@@ -18,7 +18,7 @@ public wrappers of the calls an engine makes per layer (decode, sparse decode, c
 merge) run them through `memoized`: once per signature of their arguments, since a call repeats the
 last one's in every layer and step (see there).
 Value checks (lengths, cu_seqlens, page ids, slots, k_scale's value) read the data, so they run where
-want_value_checks says: always for CPU tensors; for GPU tensors only with validate=True or
+want_value_checks says: by default for CPU tensors; for GPU tensors only with validate=True or
 MLA_ATTN_VALIDATE=1 (they sync); validate=False disables them; never while torch.compile traces.
 """
 import math
