@@ -75,9 +75,8 @@ def one_row_on(t, second_storage=False):
 
 
 def output_over(a, name, output, second_storage=False):
-    """Input `name` made contiguous (overlap is judged between dense tensors only) and output `output`
-    shaped as before over its first bytes (the input must be at least as large); with second_storage,
-    through a storage of its own."""
+    """Input `name` made contiguous and output `output` shaped as before over its first bytes (the input
+    must be at least as large); with second_storage, through a storage of its own."""
     t = a[name].contiguous()
     like = a[output]
     over = _second_storage(t) if second_storage else t
@@ -160,6 +159,30 @@ def raise_case(base, case):
 
 def on(device):
     return lambda t: t.to(device)
+
+
+def columns_on(t, by):
+    """t's values in the first columns of a buffer twice as wide, and a view of that buffer `by` columns
+    on: two views that are not dense and share part of their memory."""
+    buf = torch.zeros(t.shape[:-1] + (2 * t.shape[-1],), dtype=t.dtype, device=t.device)
+    buf[..., :t.shape[-1]] = t
+    return buf[..., :t.shape[-1]], buf[..., by:by + t.shape[-1]]
+
+
+# Outputs over part of an input through views that are not dense, whose overlap torch's own test does
+# not judge; the same on the CPU and the CUDA ops.
+NON_DENSE_OVERLAPS = [
+    ("mla_decode_out", lambda a: dict(out=a["q"][..., :512]), V, r"out shares memory with q"),
+    ("mla_decode_out", lambda a: dict(out=a["kv_cache"].reshape(-1, 576)[:16, :512].view(2, 2, 4, 512)), V,
+     r"out shares memory with kv_cache"),
+    ("mla_prefill_out", lambda a: dict(out=a["q"][..., :128]), V, r"out shares memory with q"),
+    ("merge_attn_states_out", lambda a: dict(zip(("out_a", "out"), columns_on(a["out_a"], 8))), V,
+     r"out shares part of out_a's memory"),
+    ("write_kv_cache", lambda a: dict(kv_c=a["kv_cache"].view(-1, 576)[40:46, :512]), V,
+     r"kv_cache shares memory with kv_c"),
+    ("write_kv_cache", lambda a: dict(k_pe=a["kv_cache"].view(-1)[:6 * 64].view(6, 64)), V,
+     r"kv_cache shares memory with k_pe"),
+]
 
 
 # ------------------------------------------------------------------------------------------ GPU cases
@@ -435,7 +458,7 @@ GPU_CASES = [
     ("compact_sparse_indices", lambda a: dict(topk_length=a["topk_length"][:1]), R,
      r"topk_length must be \[R\] = \[3\], got \[1\]"),
     ("compact_sparse_indices", lambda a: dict(num_slots=-1), R, r"num_slots must be >= 0, got -1"),
-]
+] + NON_DENSE_OVERLAPS
 
 
 def _ids(cases):
@@ -604,7 +627,7 @@ CPU_CASES = [
     ("write_kv_cache", lambda a: dict(slot_mapping=a["slot_mapping"].to("meta")), T, r"slot_mapping is on meta"),
     ("write_kv_cache", lambda a: dict(kv_cache=a["kv_cache"][:1].expand(a["kv_cache"].shape)), V,
      r"kv_cache: elements overlap in memory"),
-]
+] + NON_DENSE_OVERLAPS
 
 
 @pytest.fixture(scope="module")
@@ -655,6 +678,9 @@ WRAPPER_CASES = [
      r"mla_attn kernels need kv_lora_rank=512, got 256"),
     ("batch table dtype", lambda: mla_attn.MLABatch.build([1], [3], torch.zeros(1, 1, dtype=torch.int64), 16, "cpu"),
      T, r"block_table tensor must be int32"),
+    ("batch table strided",
+     lambda: mla_attn.MLABatch.build([1], [3], strided_last(torch.zeros(2, 2, dtype=torch.int32)), 16, "cpu"), V,
+     r"block_table tensor must be contiguous in its last dim"),
     # found by fuzzing the wrappers on CPU: each raised another exception type (or nothing) before
     ("softmax_scale huge int", _decode_call(softmax_scale=10**400), V, r"softmax_scale must be a finite number > 0"),
     ("softmax_scale huge negative int", _decode_call(softmax_scale=-10**400), V,

@@ -1,10 +1,12 @@
 """Every input error mla_decode promises to catch, with the message it raises."""
+import random
+
 import pytest
 import torch
 from cases import D_QK, D_V, make_decode_case
 
 import mla_attn
-from mla_attn._validation import want_value_checks
+from mla_attn._validation import _share_an_address, want_value_checks
 
 
 def base(varlen=False, split_pe=False, kv_4d=False):
@@ -276,3 +278,52 @@ def test_value_checks_policy(monkeypatch):
     assert want_value_checks(True, cuda)
     monkeypatch.setenv("MLA_ATTN_VALIDATE", "1")
     assert want_value_checks(None, cuda)
+
+
+def _bytes_of(t):
+    """The byte addresses of t's elements, enumerated."""
+    addresses = {t.data_ptr()}
+    for size, stride in zip(t.shape, t.stride()):
+        addresses = {a + i * stride * t.element_size() for a in addresses for i in range(size)}
+    return {a + b for a in addresses for b in range(t.element_size())} if t.numel() else set()
+
+
+def test_share_an_address_against_enumeration():
+    """The outputs' overlap test against the byte sets themselves: exact for views of one tensor (what an
+    engine passes), and never 'apart' where two arbitrary strided views share a byte."""
+    g = random.Random(0)
+    buf = torch.zeros(4096, dtype=torch.uint8)
+    dtypes = (torch.uint8, torch.bfloat16, torch.float32)
+    for _ in range(1500):
+        parent = torch.empty(0, dtype=g.choice(dtypes)).set_(buf.untyped_storage())
+        shape = [g.randint(1, 6) for _ in range(3)]
+        pad = g.randint(0, 3)
+        rows = parent.as_strided(shape, (shape[1] * (shape[2] + pad), shape[2] + pad, 1))
+
+        def view():
+            starts = [g.randint(0, n - 1) for n in shape]
+            v = rows[tuple(slice(s, g.randint(s + 1, n)) for s, n in zip(starts, shape))]
+            return v.permute(*g.sample(range(3), 3))
+
+        a, b = view(), view()
+        assert _share_an_address(a, b) == bool(_bytes_of(a) & _bytes_of(b)), (a.shape, a.stride(), b.shape, b.stride())
+
+        def arbitrary():
+            t = torch.empty(0, dtype=g.choice(dtypes)).set_(buf.untyped_storage())
+            dims = g.randint(1, 3)
+            return t.as_strided([g.randint(1, 5) for _ in range(dims)], [g.randint(0, 12) for _ in range(dims)],
+                                g.randint(0, 40))
+
+        a, b = arbitrary(), arbitrary()
+        if _bytes_of(a) & _bytes_of(b):
+            assert _share_an_address(a, b), (a.shape, a.stride(), b.shape, b.stride())
+
+
+def test_out_beside_an_input_in_one_buffer():
+    """out and q_pe as the two column ranges of one buffer: apart, so accepted, and the same result."""
+    c = base(split_pe=True)
+    rows = torch.full(c["q_pe"].shape[:-1] + (D_V + 64,), float("nan"), dtype=c["q_pe"].dtype)
+    rows[..., D_V:] = c["q_pe"]
+    got = call(_with(c, q_pe=rows[..., D_V:]), out=rows[..., :D_V])
+    assert got.data_ptr() == rows.data_ptr()
+    assert torch.equal(got, call(c))

@@ -2,7 +2,6 @@
 // None of these syncs with the device: they read tensor metadata only.
 #pragma once
 #include <ATen/ATen.h>
-#include <ATen/MemoryOverlap.h>
 #include <ATen/cuda/CUDAContext.h>
 #include <c10/util/Exception.h>
 
@@ -15,6 +14,7 @@
 #include <utility>
 #include <vector>
 
+#include "bindings/address_overlap.h"
 #include "common/dtype.h"
 
 namespace mla_bindings {
@@ -96,26 +96,13 @@ inline void check_no_internal_overlap(const at::Tensor& t, const char* name) {
   }
 }
 
-// Whether a and b share memory: as torch judges it (one storage: the same tensor, dense or not, or dense
-// views whose ranges meet), or, for dense tensors, by their byte ranges alone, the wrappers' rule: two
-// storages over one buffer (a tensor from DLPack or from_blob) pass torch's test.
-inline bool shares_memory(const at::Tensor& a, const at::Tensor& b) {
-  const at::MemOverlapStatus status = at::get_overlap_status(a, b);
-  if (status == at::MemOverlapStatus::Partial || status == at::MemOverlapStatus::Full) return true;
-  if (a.numel() == 0 || b.numel() == 0 || a.device() != b.device()) return false;
-  if (!a.is_non_overlapping_and_dense() || !b.is_non_overlapping_and_dense()) return false;
-  const auto a_first = reinterpret_cast<uintptr_t>(a.data_ptr());
-  const auto b_first = reinterpret_cast<uintptr_t>(b.data_ptr());
-  return a_first < b_first + b.nbytes() && b_first < a_first + a.nbytes();
-}
-
 // An output that the kernels write while other CTAs (or the combine) still read the inputs: none of its
 // memory may be an input's, or a CTA reads what another has written (a q row, a page, a table entry).
 // A ValueError: the public wrappers leave this check, which needs the addresses of every call, to the op.
 inline void check_apart(const at::Tensor& out, const char* name,
                         std::initializer_list<std::pair<const at::Tensor*, const char*>> inputs) {
   for (const auto& [in, in_name] : inputs) {
-    TORCH_CHECK_VALUE(in == nullptr || !shares_memory(out, *in), "mla_attn: ", name, " shares memory with ", in_name,
+    TORCH_CHECK_VALUE(in == nullptr || !share_an_address(out, *in), "mla_attn: ", name, " shares memory with ", in_name,
                       "; the kernels still read it while they write ", name);
   }
 }

@@ -85,6 +85,9 @@ void write_kv_cache_cuda(const Tensor& kv_c, const Tensor& k_pe, Tensor kv_cache
   const CacheFormat format = cache_format(kv_cache, kv_format);
   const float* scale = check_cache(kv_cache, k_scale, kv_c, format);
   mla_bindings::check_no_internal_overlap(kv_cache, "kv_cache");  // tokens on one address would race
+  // a row read after another thread wrote its slot would race too
+  mla_bindings::check_apart(kv_cache, "kv_cache", {{&kv_c, "kv_c"}, {&k_pe, "k_pe"}, {&slot_mapping, "slot_mapping"},
+                                                   {mla_bindings::maybe(k_scale), "k_scale"}});
   mla_bindings::check_same_device({k_pe, slot_mapping}, kv_c);
   mla_bindings::check_aligned(kv_c, "kv_c", 16);
   mla_bindings::check_aligned(k_pe, "k_pe", 16);

@@ -39,7 +39,7 @@ void check_lse(const Tensor& t, const char* name, IntArrayRef shape) {
 void check_output_overlap(const Tensor& out, const char* name, const Tensor& in, const char* in_name) {
   bool same = out.data_ptr() == in.data_ptr() && out.sizes() == in.sizes();
   for (int64_t d = 0; same && d < out.dim(); ++d) same = out.size(d) == 1 || out.stride(d) == in.stride(d);
-  TORCH_CHECK_VALUE(same || !mla_bindings::shares_memory(out, in), "mla_attn: ", name, " shares part of ", in_name,
+  TORCH_CHECK_VALUE(same || !mla_bindings::share_an_address(out, in), "mla_attn: ", name, " shares part of ", in_name,
                     "'s memory; an output may be an input, or apart from it");
 }
 
@@ -65,8 +65,8 @@ RowLayout row_layout(IntArrayRef lead, const std::vector<IntArrayRef>& strides) 
       else st[k].push_back(strides[k][i]);
     }
   }
-  TORCH_CHECK(size.size() <= size_t(kMaxRowDims), "mla_attn: merge supports at most ", kMaxRowDims,
-              " leading dims after merging the contiguous ones; make the inputs contiguous");
+  TORCH_CHECK_VALUE(size.size() <= size_t(kMaxRowDims), "mla_attn: merge supports at most ", kMaxRowDims,
+                    " leading dims after merging the contiguous ones; make the inputs contiguous");
   RowLayout r;
   r.rank = int(size.size());
   for (int i = 0; i < r.rank; ++i) r.size[i] = size[i];
@@ -121,7 +121,7 @@ void merge_pair(const Tensor& out_a, const Tensor& lse_a, const Tensor& out_b, c
       check_output_overlap(o, o_name, i, i_name);
     }
   }
-  TORCH_CHECK_VALUE(!mla_bindings::shares_memory(out, lse), "mla_attn: out and lse share memory");
+  TORCH_CHECK_VALUE(!mla_bindings::share_an_address(out, lse), "mla_attn: out and lse share memory");
   const RowLayout rows = row_layout(
       lead, {lead_of(out_a), lead_of(out_b), lse_a.strides(), lse_b.strides(), lead_of(out), lse.strides()});
   MergeParams p = {};

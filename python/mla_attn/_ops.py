@@ -261,6 +261,8 @@ def _gather_fake(kv_cache, block_table, cu_seqlens, num_tokens, *, k_scale=None,
 
 def _write_cpu(kv_c, k_pe, kv_cache, slot_mapping, *, k_scale=None, kv_format=None):
     fmt = check.check_write_kv_cache(kv_c, k_pe, kv_cache, slot_mapping, k_scale, kv_format)
+    check.check_apart("kv_cache", kv_cache,
+                      {"kv_c": kv_c, "k_pe": k_pe, "slot_mapping": slot_mapping, "k_scale": k_scale})
     keep = (slot_mapping >= 0) & (slot_mapping < kv_cache.shape[0] * kv_cache.shape[1])  # as the CUDA kernel
     slots = slot_mapping[keep]
     page_size = kv_cache.shape[1]

@@ -167,30 +167,69 @@ def _byte_range(t: Tensor) -> tuple[int, int]:
     return first, first + (span + 1) * t.element_size()
 
 
-def _dense(t: Tensor) -> bool:
-    """Whether t's elements fill a block of memory without gaps or overlaps, in some order of its dims."""
-    expected = 1
-    for stride, size in sorted((t.stride(d), t.shape[d]) for d in range(t.dim()) if t.shape[d] > 1):
-        if stride != expected:
-            return False
-        expected *= size
-    return True
+# How many coefficients _share_an_address tries before it calls the pair overlapping.
+_ADDRESS_SEARCH_STEPS = 256
+
+
+def _address_terms(t: Tensor, sign: int, terms: dict[int, list[int]]) -> None:
+    """Adds t's byte addresses, start + sum(i_d * stride_d) + byte, to terms: per byte stride, the range of
+    its coefficient; sign -1 adds them negated."""
+    steps = [(t.stride(d) * t.element_size(), t.shape[d]) for d in range(t.dim()) if t.shape[d] > 1 and t.stride(d)]
+    for stride, size in steps + [(1, t.element_size())]:
+        low_high = terms.setdefault(stride, [0, 0])
+        low_high[sign > 0] += sign * (size - 1)
+
+
+def _share_an_address(a: Tensor, b: Tensor) -> bool:
+    """Whether a and b have a byte in common: whether some coefficients c_s, each in its range, give
+    sum(c_s * s) over the byte strides s of both = b's start - a's. Searched from the largest stride down,
+    each coefficient bounded by what the smaller strides can still add: where the strides nest (the views
+    an engine makes) that leaves at most two per stride. Past _ADDRESS_SEARCH_STEPS tries it answers True:
+    refusing an odd layout is safe, passing an overlap is not."""
+    terms: dict[int, list[int]] = {}
+    _address_terms(a, 1, terms)
+    _address_terms(b, -1, terms)
+    strides = sorted(terms, reverse=True)
+    low_rest, high_rest = [0] * (len(strides) + 1), [0] * (len(strides) + 1)  # what strides[k:] can add
+    for k in range(len(strides) - 1, -1, -1):
+        low_rest[k] = low_rest[k + 1] + terms[strides[k]][0] * strides[k]
+        high_rest[k] = high_rest[k + 1] + terms[strides[k]][1] * strides[k]
+    tries = [_ADDRESS_SEARCH_STEPS]
+
+    def reach(k: int, rest: int) -> bool:
+        if k == len(strides):
+            return rest == 0
+        stride, (low, high) = strides[k], terms[strides[k]]
+        first = max(low, -((high_rest[k + 1] - rest) // stride))  # ceil((rest - high_rest) / stride)
+        last = min(high, (rest - low_rest[k + 1]) // stride)
+        for c in range(first, last + 1):
+            tries[0] -= 1
+            if tries[0] < 0 or reach(k + 1, rest - c * stride):
+                return True
+        return False
+
+    return reach(0, b.data_ptr() - a.data_ptr())
+
+
+# Tensors with memory of their own to compare (not fake or functional subclasses).
+_MEMORY_TENSORS = (Tensor, torch.nn.Parameter)
 
 
 def _overlapping(out: Tensor, inputs: dict[str, Optional[Tensor]]):
-    """(name, input) of each input sharing memory with out, as torch judges it: dense tensors only. None
-    while torch.compile traces, nor for fake, functional or meta tensors (no memory)."""
-    if torch.compiler.is_compiling() or type(out) is not Tensor or out.device.type == "meta" or not out.numel():
+    """(name, input) of each input with a byte of out's memory. None while torch.compile traces, nor for
+    fake, functional or meta tensors (no memory)."""
+    if (torch.compiler.is_compiling() or type(out) not in _MEMORY_TENSORS or out.device.type == "meta"
+            or not out.numel()):
         return
     out_first, out_end = _byte_range(out)
     for input_name, inp in inputs.items():
         # the start alone settles the usual case (an input after out) in one call; this runs every call
-        if type(inp) is not Tensor or inp.data_ptr() >= out_end:
+        if type(inp) not in _MEMORY_TENSORS or inp.data_ptr() >= out_end:
             continue
         in_first, in_end = _byte_range(inp)
         if in_end <= out_first or in_first == in_end or inp.device != out.device:
             continue
-        if _dense(out) and _dense(inp):
+        if _share_an_address(out, inp):
             yield input_name, inp
 
 
@@ -956,6 +995,9 @@ def check_batch(query_lens: list[int], context_lens: list[int], block_table: obj
             raise TypeError(f"block_table tensor must be int32, got {block_table.dtype}")
         if block_table.dim() != 2 or block_table.shape[0] < B:
             raise ValueError(f"block_table tensor must be [>= {B}, max_pages], got {tuple(block_table.shape)}")
+        if block_table.shape[1] > 1 and block_table.stride(1) != 1:
+            raise ValueError(f"block_table tensor must be contiguous in its last dim, got strides "
+                             f"{block_table.stride()}")
         if max(seq_lens, default=0) > block_table.shape[1] * page_size:
             raise ValueError(f"block_table has {block_table.shape[1]} pages per request, too few for "
                              f"{max(seq_lens)} tokens of page_size {page_size}")

@@ -108,9 +108,10 @@ def gather_kv_cache(kv_cache: Tensor, block_table: Tensor, cu_seqlens: Tensor, n
     """Gather the cached rows of B requests into a dense [num_tokens, 576] tensor.
 
     block_table int32 [B, max_pages]; cu_seqlens int32 [B+1]: row cu[b] + i is token i of request b;
-    rows >= cu[B] are zero. num_tokens (host int, usually >= cu[B]) fixes the output shape without a
-    sync. out_dtype defaults to the cache dtype, bfloat16 for the FP8 formats (dequantised: x * k_scale
-    for "fp8", e4m3 * tile scale | the bf16 rope values for "ds_mla_fp8"). kv_format as in write_kv_cache.
+    rows >= cu[B] are zero. num_tokens (host int) fixes the output shape without a sync; below cu[B] the
+    result is the first num_tokens rows. out_dtype defaults to the cache dtype, bfloat16 for the FP8
+    formats (dequantised: x * k_scale for "fp8", e4m3 * tile scale | the bf16 rope values for
+    "ds_mla_fp8"). kv_format as in write_kv_cache.
     """
     check.check_gather_kv_cache(kv_cache, block_table, cu_seqlens, num_tokens, k_scale, out_dtype, kv_format)
     check.check_flags(validate=validate)

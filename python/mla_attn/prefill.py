@@ -23,7 +23,8 @@ def mla_prefill(q: Tensor, k: Tensor, v: Tensor, cu_seqlens_q: Tensor, cu_seqlen
     cu_seqlens_q/k int32 [B + 1]; max_seqlen_q/k bound the per-request lengths (host ints: no sync).
     Causal masking is bottom-right aligned: query i of a request with L_q queries and L_k keys sees keys
     [0, L_k - L_q + i]. Returns out [T_q, h_q, 128] in q's dtype, plus lse fp32 [T_q, h_q] (natural log,
-    +inf for rows that see no key, whose out is 0) if return_lse.
+    +inf for rows that see no key, whose out is 0) if return_lse. Rows past cu_seqlens_q[B] (padding) are
+    not written: unspecified in a new out and lse.
     """
     check.memoized(_static_checks, q, k, v, cu_seqlens_q, cu_seqlens_k, max_seqlen_q, max_seqlen_k, softmax_scale,
                    causal, return_lse, out, k_pe, validate)
