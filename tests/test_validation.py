@@ -1,6 +1,7 @@
 """Every input error mla_decode promises to catch, with the message it raises."""
 import random
 
+import numpy as np
 import pytest
 import torch
 from cases import D_QK, D_V, make_decode_case
@@ -327,3 +328,14 @@ def test_out_beside_an_input_in_one_buffer():
     got = call(_with(c, q_pe=rows[..., D_V:]), out=rows[..., :D_V])
     assert got.data_ptr() == rows.data_ptr()
     assert torch.equal(got, call(c))
+
+
+def test_numpy_host_ints():
+    """Host ints may be NumPy's, as MLABatch.build and the ops' schemas take them."""
+    c = base(varlen=True)
+    md = mla_attn.get_decode_metadata(c["cache_seqlens"], np.int64(c["q"].shape[-2]), cu_seqlens_q=c["cu_seqlens_q"],
+                                      max_seqlen_q=np.int32(c["max_seqlen_q"]))
+    got = call(c, metadata=md, max_seqlen_q=np.int64(c["max_seqlen_q"]))
+    assert torch.equal(got, call(c))
+    with pytest.raises(TypeError, match="max_seqlen_q must be an int, got bool"):
+        call(c, max_seqlen_q=np.bool_(True))

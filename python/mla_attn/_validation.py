@@ -264,8 +264,9 @@ def check_int32(name: str, t: Tensor, dim: int) -> None:
 
 
 def check_int_type(name: str, x: object) -> None:
-    """A host int the ops take (a SymInt while torch.compile traces), not a bool."""
-    if not isinstance(x, (int, torch.SymInt)) or isinstance(x, bool):
+    """A host int the ops take (Python or NumPy, as the ops' schemas; a SymInt while torch.compile traces),
+    not a bool."""
+    if not isinstance(x, (numbers.Integral, torch.SymInt)) or isinstance(x, bool):
         raise TypeError(f"{name} must be an int, got {type(x).__name__}")
 
 
