@@ -163,6 +163,13 @@ def poisoned_past_lengths(kv_cache, block_table, lens):
     return kv
 
 
+def leave_nan_blocks(*blocks):
+    """Leaves freed blocks of NaN, one per (shape, dtype), in CUDA's caching allocator, where the outputs of
+    those sizes an op allocates next land: a row the op leaves unwritten then reads NaN, not zeros."""
+    for shape, dtype in blocks:
+        torch.full(shape, float("nan"), dtype=dtype, device="cuda")
+
+
 def _check_empty_rows(ref_lse, out, lse):
     assert torch.isfinite(out).all(), "non-finite output"
     empty = torch.isinf(ref_lse)

@@ -185,7 +185,7 @@ def test_decode_op_attn_sink_every_kernel(lens, s_q, h_q):
     requests (batch 1, long: the combine) and whole ones (batch 300: the split kernels' epilogues): the
     output is the output without a sink times exp(lse) / (exp(lse) + exp(sink)), lse is unchanged and
     a request without keys stays 0. Outputs NaN-poisoned before each call."""
-    c = to_device(make_decode_case(lens, s_q, h_q, 64, seed=11))
+    c = dict(to_device(make_decode_case(lens, s_q, h_q, 64, seed=11)), references={})  # the reference once
     md = mla_attn.get_decode_metadata(c["cache_seqlens"], h_q, s_q=s_q)
     args = (c["q"], c["q_pe"], c["kv_cache"], c["block_table"], c["cache_seqlens"], None, s_q, c["softmax_scale"],
             False, md.tile_sched, md.req_splits, md.num_sm_parts)
@@ -199,6 +199,7 @@ def test_decode_op_attn_sink_every_kernel(lens, s_q, h_q):
             torch.ops.mla_attn.mla_decode_out(*args, out, lse, split_kernel=kernel, attn_sink=attn_sink)
             outs.append((out, lse))
         (out, lse), (got, got_lse) = outs
+        check_unit_scale(c, False, out, lse)  # the output the sink's is derived from
         assert torch.equal(got_lse, lse), kernel
         assert not got[..., 0, :].any() and torch.equal(got[..., -1, :], out[..., -1, :]), kernel
         keys = torch.isfinite(lse)
@@ -214,7 +215,7 @@ def test_decode_out_without_lse_every_kernel(lens, s_q, h_q):
     """mla_decode_out with lse=None (the op keeps the LSE to itself) writes the out it writes with an lse,
     bit for bit, for every kernel that runs the case, split requests and whole ones; so does mla_decode's
     out= without return_lse, which passes None. Outputs NaN-poisoned before each call."""
-    c = to_device(make_decode_case(lens, s_q, h_q, 64, seed=12))
+    c = dict(to_device(make_decode_case(lens, s_q, h_q, 64, seed=12)), references={})  # the reference once
     md = mla_attn.get_decode_metadata(c["cache_seqlens"], h_q, s_q=s_q)
     args = (c["q"], c["q_pe"], c["kv_cache"], c["block_table"], c["cache_seqlens"], None, s_q, c["softmax_scale"],
             True, md.tile_sched, md.req_splits, md.num_sm_parts)
@@ -224,6 +225,7 @@ def test_decode_out_without_lse_every_kernel(lens, s_q, h_q):
         lse = torch.full(c["q"].shape[:-1], float("nan"), device="cuda")
         torch.ops.mla_attn.mla_decode_out(*args, out, lse, split_kernel=kernel)
         torch.ops.mla_attn.mla_decode_out(*args, got, None, split_kernel=kernel)
+        check_unit_scale(c, True, out, lse)
         assert torch.isfinite(out).all() and torch.equal(got, out), kernel
     want, want_lse = mla_attn.mla_decode(c["q"], c["kv_cache"], c["block_table"], c["cache_seqlens"], q_pe=c["q_pe"],
                                          softmax_scale=c["softmax_scale"], metadata=md, return_lse=True)
@@ -468,7 +470,7 @@ def test_kernel_that_cannot_run_the_call_raises(cache_dtype, s_q, h_q, kernel):
     with pytest.raises(ValueError, match=repr(kernel)):
         run_decode(case, True, _kernel=kernel)
     md = mla_attn.get_decode_metadata(case["cache_seqlens"], h_q, s_q=s_q)
-    with pytest.raises(ValueError):
+    with pytest.raises(ValueError, match=f"decode kernel {kernel!r}"):
         torch.ops.mla_attn.mla_decode(case["q"], None, case["kv_cache"], case["block_table"], case["cache_seqlens"],
                                       None, s_q, case["softmax_scale"], True, md.tile_sched, md.req_splits,
                                       md.num_sm_parts, k_scale=case.get("k_scale"), split_kernel=kernel)

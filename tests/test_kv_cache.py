@@ -6,6 +6,7 @@ import math
 import pytest
 import torch
 from cases import HUGE_ID, write_layout
+from conftest import leave_nan_blocks
 
 import mla_attn
 from mla_attn.kv_cache import FP8
@@ -356,9 +357,7 @@ def test_gpu_gather_matches_cpu(case, lens):
     cache, bt, cu, n = make_gather_case(lens, ps, cache_dtype, kv_4d=kv_4d, padded=padded, extra_rows=70)
     k_scale = _scale(cache_dtype)
     want = OPS.gather_kv_cache(cache, bt, cu, n, k_scale=k_scale, out_dtype=out_dtype)
-    # leave a NaN block of the output's size in the caching allocator: every row must be written
-    junk = torch.full((n, D), NAN, dtype=want.dtype, device="cuda")
-    del junk
+    leave_nan_blocks(((n, D), want.dtype))  # every row must be written
     got = mla_attn.gather_kv_cache(cache.cuda(), bt.cuda(), cu.cuda(), n, out_dtype=out_dtype,
                                    k_scale=None if k_scale is None else k_scale.cuda())
     assert torch.equal(_bits(got.cpu()), _bits(want))
@@ -372,6 +371,8 @@ def test_gather_rows_past_the_table_or_cache_are_zero(device, cache_dtype):
     k_scale = None if cache_dtype != FP8 else torch.tensor([0.5], device=device)
     bt = torch.tensor([[HUGE_ID], [-1], [1]], dtype=torch.int32, device=device)
     cu = torch.tensor([0, 2, 4, 22], dtype=torch.int32, device=device)  # request 2: 18 rows, its table holds 16
+    if device == "cuda":
+        leave_nan_blocks(((24, D), torch.bfloat16))
     out = OPS.gather_kv_cache(cache, bt, cu, 24, k_scale=k_scale).float().cpu()
     one = 1.0 if k_scale is None else 0.5
     assert (out[:4] == 0).all() and (out[4:20] == one).all() and (out[20:] == 0).all()
@@ -386,6 +387,8 @@ def test_out_of_range_is_skipped(device):
     written = cache.isnan().logical_not().all(-1).nonzero().tolist()
     assert written == [[0, 5]] and torch.equal(cache[0, 5], torch.cat([kv_c[2], k_pe[2]]))
     bt = torch.tensor([[HUGE_ID], [-3]], dtype=torch.int32, device=device)
+    if device == "cuda":
+        leave_nan_blocks(((4, D), torch.bfloat16))
     out = OPS.gather_kv_cache(cache, bt, torch.tensor([0, 2, 4], dtype=torch.int32, device=device), 4)
     assert (out == 0).all()
 
@@ -398,6 +401,7 @@ def test_gpu_gather_request_start_int_min():
     bt = torch.tensor([[0], [1]], dtype=torch.int32, device="cuda")
     for start in (-2**31, -2**31 + 1):
         cu = torch.tensor([start, 2, 4], dtype=torch.int32, device="cuda")
+        leave_nan_blocks(((6, D), torch.bfloat16))
         out = OPS.gather_kv_cache(cache, bt, cu, 6)
         assert (out[:2] == 0).all() and (out[2:4] == 1).all() and (out[4:] == 0).all()
 
