@@ -8,7 +8,7 @@ converted to fp16 with their scales in shared memory), and so do the narrow kern
 import pytest
 import torch
 from cases import DECODE_CASES, make_decode_case
-from conftest import check_decode, decode_case_params, run_decode, to_device
+from conftest import check_decode, check_unit_scale, decode_case_params, run_decode, to_device
 from fp8_cases import to_ds_case
 
 from mla_attn.metadata import DECODE_KERNELS
@@ -45,14 +45,17 @@ def test_ds_mla_fp8_decode_matches_reference(lens, s_q, h_q, page_size, varlen, 
 def test_ds_mla_fp8_group_scales(low, kernel, h_q):
     """Each 128-column group of a row has its own scale: the groups of every row scaled by 2^(low + 6),
     2^(low + 3), 2^low, 2^(low + 3), so that the scales (about 2^-6 for unit data) span the quantiser's
-    smallest, 2^-13, to 2^2; the rope part stays unit-scale. Every kernel that reads the layout."""
+    smallest, 2^-13, to 2^2; the rope part stays unit-scale. q's latent columns are divided by the same
+    factors, so the scores stay unit-scale, and each output column group is checked at its own scale
+    (one bound for all let the smallest group's errors hide under the largest's). Every kernel that reads
+    the layout."""
     case = make_decode_case([700, 64], 1, h_q, 64, seed=23)
-    kv = case["kv_cache"]
-    group_factors = 2.0 ** torch.tensor([low + 6, low + 3, low, low + 3], dtype=torch.float32)
-    kv[..., :512] *= group_factors.repeat_interleave(128).to(kv.dtype)
+    column_factors = (2.0 ** torch.tensor([low + 6, low + 3, low, low + 3])).repeat_interleave(128)
+    case["kv_cache"][..., :512] *= column_factors.to(case["kv_cache"].dtype)  # powers of two: exact
+    case["q"][..., :512] /= column_factors.to(case["q"].dtype)
     case = to_device(to_ds_case(case))
     out, lse = run_decode(case, True, _kernel=kernel)
-    check_decode(case, True, out, lse, kernel)
+    check_unit_scale(case, True, out, lse, column_scale=column_factors.cuda())
 
 
 @pytest.mark.parametrize("kernel", [k for k in DECODE_KERNELS if k not in ("narrow16", "narrow32", "rows64")])
