@@ -387,7 +387,7 @@ GPU_CASES = [
     ("merge_attn_states", lambda a: dict(  # every other row of every leading dim: no two dims merge
         out_a=torch.zeros(4, 4, 4, 4, 6, 16, dtype=torch.bfloat16, device="cuda")[::2, ::2, ::2, ::2, ::2],
         out_b=torch.zeros(2, 2, 2, 2, 3, 16, dtype=torch.bfloat16, device="cuda"),
-        lse_a=torch.zeros(2, 2, 2, 2, 3, device="cuda"), lse_b=torch.zeros(2, 2, 2, 2, 3, device="cuda")), R,
+        lse_a=torch.zeros(2, 2, 2, 2, 3, device="cuda"), lse_b=torch.zeros(2, 2, 2, 2, 3, device="cuda")), V,
      r"merge supports at most 4 leading dims"),
     ("merge_attn_states_out", lambda a: dict(out=a["out"].half()), R, r"out must have dtype BFloat16"),
     ("merge_attn_states_out", lambda a: dict(lse=a["lse"].double()), R, r"lse must be float32"),

@@ -370,5 +370,5 @@ def test_gpu_errors():
     with pytest.raises(RuntimeError, match="float32"):
         OPS.merge_attn_states_n(outs, lses.double())
     outs5, lses5 = make_parts(2, (2, 2, 2, 2, 3), 16, torch.bfloat16, device="cuda", strided=True)
-    with pytest.raises(RuntimeError, match="at most 4 leading dims"):
+    with pytest.raises(ValueError, match="at most 4 leading dims"):
         OPS.merge_attn_states(outs5[0], lses5[0], outs5[1], lses5[1])
