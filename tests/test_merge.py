@@ -188,6 +188,8 @@ PAIR_ERRORS = [
     (dict(out_b=OA.half()), TypeError, r"out_b dtype torch.float16 must match out_a dtype"),
     (dict(out_b=OA[:3]), ValueError, r"out_b shape \(3, 2, 16\) must match out_a shape \(4, 2, 16\)"),
     (dict(out_a=OA[..., :12], out_b=OA[..., :12]), ValueError, r"d a positive multiple of 8"),
+    (dict(out_a=OA[..., :1].expand(4, 2, 2**31), out_b=OA[..., :1].expand(4, 2, 2**31)), ValueError,
+     r"d a positive multiple of 8 below 2\^31"),
     (dict(out_a=OA.transpose(-1, -2).contiguous().transpose(-1, -2)), ValueError, r"out_a: last dim must be contiguous"),
     (dict(out_a=torch.zeros(4, 2, 17, dtype=torch.bfloat16)[..., :16]), ValueError,
      r"out_a: stride\(0\) = 34 elements is not a multiple of 16 bytes"),

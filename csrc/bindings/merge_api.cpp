@@ -22,8 +22,8 @@ void check_outs(const Tensor& t, const char* name, const Tensor& like) {
   TORCH_CHECK(t.scalar_type() == at::kBFloat16 || t.scalar_type() == at::kHalf || t.scalar_type() == at::kFloat,
               "mla_attn: ", name, " must be bfloat16, float16 or float32, got ", t.scalar_type());
   TORCH_CHECK(t.scalar_type() == like.scalar_type(), "mla_attn: ", name, " must have dtype ", like.scalar_type());
-  TORCH_CHECK(t.dim() >= 1 && t.size(-1) > 0 && t.size(-1) % 8 == 0, "mla_attn: ", name,
-              " must be [..., d] with d a positive multiple of 8, got ", t.sizes());
+  TORCH_CHECK(t.dim() >= 1 && t.size(-1) > 0 && t.size(-1) % 8 == 0 && t.size(-1) <= INT32_MAX, "mla_attn: ", name,
+              " must be [..., d] with d a positive multiple of 8 below 2^31, got ", t.sizes());
   TORCH_CHECK(t.stride(-1) == 1, "mla_attn: ", name, " must be contiguous in its last dim");
   mla_bindings::check_aligned(t, name, 16);
 }

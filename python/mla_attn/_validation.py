@@ -726,8 +726,8 @@ def _check_merge_out(name: str, t: Tensor) -> None:
     check_tensor(name, t)
     if t.dtype not in _MERGE_DTYPES:
         raise TypeError(f"{name} must be bfloat16, float16 or float32, got {t.dtype}")
-    if t.dim() < 1 or t.shape[-1] == 0 or t.shape[-1] % MERGE_D_ALIGN:
-        raise ValueError(f"{name} must be [..., d] with d a positive multiple of {MERGE_D_ALIGN}, "
+    if t.dim() < 1 or t.shape[-1] == 0 or t.shape[-1] % MERGE_D_ALIGN or t.shape[-1] > INT32_MAX:
+        raise ValueError(f"{name} must be [..., d] with d a positive multiple of {MERGE_D_ALIGN} below 2^31, "
                          f"got shape {tuple(t.shape)}")
     check_layout(name, t)
 
