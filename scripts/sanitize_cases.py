@@ -7,7 +7,7 @@ rows, k_pe split. Then an LSE merge and a KV-cache write + gather round trip. Sp
 invalid indices and lengths (rows ending before their scheduled pieces, empty rows) over a 16-bit, an
 FP8 and a ds_mla_fp8 cache, with the schedule made once for two index sets. Last, values only validation
 refuses: lengths past the block table through every 16-bit kernel, out-of-range cu_seqlens in decode
-and prefill."""
+and prefill, a decode op given fewer parts than its schedule or a larger batch's tile_sched."""
 import os
 import sys
 
@@ -15,10 +15,11 @@ import torch
 
 sys.path.insert(0, os.path.join(os.path.dirname(__file__), "..", "tests"))
 import mla_attn  # noqa: E402
-from cases import make_decode_case, make_overlong_decode_case, make_prefill_case, scramble_cu_seqlens  # noqa: E402
+from cases import (make_decode_case, make_overlong_decode_case, make_prefill_case, scramble_cu_seqlens,  # noqa: E402
+                   to_device)
 from conftest import decode_kernels_for  # noqa: E402
 from fp8_cases import dequantized, to_ds_case, to_fp8_case  # noqa: E402
-from sparse_cases import check_sparse, make_sparse_case, run_sparse, to_device, valid_first  # noqa: E402
+from sparse_cases import check_sparse, make_sparse_case, run_sparse, valid_first  # noqa: E402
 from mla_attn._ops import prefill_cpu  # noqa: E402
 from mla_attn.metadata import DecodeMetadata, device_num_sms  # noqa: E402
 from mla_attn.reference import mla_decode_ref  # noqa: E402
@@ -44,13 +45,9 @@ PREFILL_CASES = [
 ]
 
 
-def cuda(case):
-    return {k: (v.cuda() if isinstance(v, torch.Tensor) else v) for k, v in case.items()}
-
-
 def check_prefill():
     for lens_q, lens_k, h, split_pe, causal in PREFILL_CASES:
-        c = cuda(make_prefill_case(lens_q, lens_k, h, split_pe=split_pe))
+        c = to_device(make_prefill_case(lens_q, lens_k, h, split_pe=split_pe))
         out = mla_attn.mla_prefill(c["q"], c["k"], c["v"], c["cu_seqlens_q"], c["cu_seqlens_k"], c["max_seqlen_q"],
                                    c["max_seqlen_k"], softmax_scale=c["softmax_scale"], causal=causal,
                                    k_pe=c["k_pe"])
@@ -89,7 +86,7 @@ def check_decode():
     16-bit, an FP8 and a ds_mla_fp8 cache."""
     worst = {False: 0.0, True: 0.0}  # by e4m3 MMAs
     for (lens, s_q, h_q, page, varlen, split_pe), fmt in [(c, f) for c in CASES for f in ("16-bit", "fp8", "ds")]:
-        c = cuda(make_decode_case(lens, s_q, h_q, page, varlen=varlen, split_pe=split_pe))
+        c = to_device(make_decode_case(lens, s_q, h_q, page, varlen=varlen, split_pe=split_pe))
         c = to_fp8_case(c) if fmt == "fp8" else {**(to_ds_case(c) if fmt == "ds" else c), "k_scale": None}
         kw = dict(max_seqlen_q=c["max_seqlen_q"]) if varlen else {}
         r = c if fmt == "16-bit" else dequantized(c)
@@ -105,7 +102,7 @@ def check_decode():
             print(f"lens={lens} s_q={s_q} h_q={h_q} page={page} cache={fmt} {kernel}: max |err| {err:.2e}",
                   flush=True)
     # Whole requests of 40 and 33 blocks per CTA (deterministic): the seesaw kernel's steady loop.
-    c = cuda(make_decode_case([2500, 2111], 2, 128, 64))
+    c = to_device(make_decode_case([2500, 2111], 2, 128, 64))
     out = mla_attn.mla_decode(c["q"], c["kv_cache"], c["block_table"], c["cache_seqlens"],
                               softmax_scale=c["softmax_scale"], causal=True, deterministic=True)
     ref, _ = mla_decode_ref(c["q"], c["kv_cache"], c["block_table"], c["cache_seqlens"],
@@ -115,7 +112,7 @@ def check_decode():
     print(f"steady loop (lens [2500, 2111], h_q 128, s_q 2, deterministic): max |err| {err:.2e}", flush=True)
     # rows64_seesaw over 3 parts: the seesaw body on the first and last (275 blocks), the 64-row body on
     # the middle one (77 by its count), requests 0 and 2 split between the two bodies (the combine).
-    c = cuda(make_decode_case([20000, 12000, 20000], 2, 32, 64))
+    c = to_device(make_decode_case([20000, 12000, 20000], 2, 32, 64))
     tile_sched, req_splits = torch.ops.mla_attn.get_decode_metadata(c["cache_seqlens"], None, 2, 32, True, 3,
                                                                     device_num_sms("cuda"))
     out = mla_attn.mla_decode(c["q"], c["kv_cache"], c["block_table"], c["cache_seqlens"], softmax_scale=c["softmax_scale"],
@@ -155,17 +152,17 @@ def check_sparse_decode():
 def check_unchecked_values():
     """validate=False with values the kernels must survive (tests/test_unchecked_values_gpu.py)."""
     overlong, _ = make_overlong_decode_case(2, 64, 64)
-    overlong = cuda(overlong)
+    overlong = to_device(overlong)
     for kernel in decode_kernels_for(torch.bfloat16, 128):
         mla_attn.mla_decode(overlong["q"], overlong["kv_cache"], overlong["block_table"], overlong["cache_seqlens"],
                             softmax_scale=overlong["softmax_scale"], causal=True, validate=False, _kernel=kernel)
-    c = cuda(make_decode_case([300, 70, 0, 129, 64], 2, 64, 64, varlen=True))
+    c = to_device(make_decode_case([300, 70, 0, 129, 64], 2, 64, 64, varlen=True))
     bad = scramble_cu_seqlens(c["cu_seqlens_q"], c["q"].shape[0])
     for kernel in decode_kernels_for(torch.bfloat16, 128):
         mla_attn.mla_decode(c["q"], c["kv_cache"], c["block_table"], c["cache_seqlens"], cu_seqlens_q=bad,
                             max_seqlen_q=2, softmax_scale=c["softmax_scale"], causal=True, validate=False,
                             _kernel=kernel)
-    p = cuda(make_prefill_case([200, 5, 64, 90], [300, 0, 64, 128], 2))
+    p = to_device(make_prefill_case([200, 5, 64, 90], [300, 0, 64, 128], 2))
     mla_attn.mla_prefill(p["q"], p["k"], p["v"], scramble_cu_seqlens(p["cu_seqlens_q"], p["q"].shape[0]),
                          scramble_cu_seqlens(p["cu_seqlens_k"], p["k"].shape[0]), p["max_seqlen_q"], p["max_seqlen_k"],
                          softmax_scale=p["softmax_scale"], causal=True, validate=False)
@@ -175,8 +172,18 @@ def check_unchecked_values():
         case = to_device(dict(valid_first(case), topk_length=None), "cuda")
         for kernel in decode_kernels_for(case["kv_cache"].dtype, 128):
             run_sparse(case, indices_valid=True, validate=False, _kernel=kernel)
+    # torch.ops decode with fewer parts than its schedule (slots clamped into the smaller workspace) and with a
+    # larger batch's tile_sched (requests clamped to the batch)
+    c = to_device(make_decode_case([3200, 3200, 40000], 1, 16, 64, seed=9))
+    md = mla_attn.get_decode_metadata(c["cache_seqlens"], 16, s_q=1)
+    larger = mla_attn.get_decode_metadata(c["cache_seqlens"].new_tensor([3200, 3200, 40000] + [9000] * 3), 16, s_q=1)
+    args = (c["q"], c["q_pe"], c["kv_cache"], c["block_table"], c["cache_seqlens"], None, 1, c["softmax_scale"], True)
+    for kernel in decode_kernels_for(torch.bfloat16, 16):
+        for tile_sched, parts in ((md.tile_sched, 1), (md.tile_sched, 2), (larger.tile_sched, larger.num_sm_parts)):
+            torch.ops.mla_attn.mla_decode(*args, tile_sched, md.req_splits, parts, split_kernel=kernel)
     torch.cuda.synchronize()
-    print("lengths past the block table, out-of-range cu_seqlens, unchecked sparse slots: ran", flush=True)
+    print("lengths past the block table, out-of-range cu_seqlens, unchecked sparse slots, schedules of another call:"
+          " ran", flush=True)
 
 
 def main():

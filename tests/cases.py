@@ -10,6 +10,11 @@ D_QK, D_V = 576, 512
 HUGE_ID = 2**31 - 1
 
 
+def to_device(case, device="cuda"):
+    """The case with every tensor moved to `device`."""
+    return {k: (v.to(device) if isinstance(v, torch.Tensor) else v) for k, v in case.items()}
+
+
 def write_layout(lens, page_size, seed):
     """Where a write puts the tokens of requests of `lens` tokens: a block table over shuffled pages
     (HUGE_ID in each row's unused tail and in one spare column), every token's cache slot in request

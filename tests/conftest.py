@@ -6,7 +6,7 @@ import os
 
 import pytest
 import torch
-from cases import make_decode_case
+from cases import make_decode_case, to_device  # noqa: F401 (to_device: the tests import it from here)
 from fp8_cases import dequantized, to_fp8_case
 
 import mla_attn
@@ -44,10 +44,6 @@ def pytest_collection_modifyitems(config, items):
 def device(request):
     """Runs a test on the CPU ops and (gpu-marked) on the CUDA kernels."""
     return request.param
-
-
-def to_device(case, device="cuda"):
-    return {k: (v.to(device) if isinstance(v, torch.Tensor) else v) for k, v in case.items()}
 
 
 # ---------------------------------------------------------------------------------------- decode

@@ -122,10 +122,6 @@ def valid_first(case, batched=False):
                 topk_length=counts.to(device, torch.int32))
 
 
-def to_device(case, device):
-    return {k: (v.to(device) if isinstance(v, torch.Tensor) else v) for k, v in case.items()}
-
-
 def run_sparse(case, **kw):
     """mla_sparse_decode on a case, returning (out, lse)."""
     import mla_attn

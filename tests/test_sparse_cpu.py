@@ -5,9 +5,9 @@ import math
 
 import pytest
 import torch
-from cases import make_decode_case
+from cases import make_decode_case, to_device
 from serving_utils import RecordOps, opcheck_all
-from sparse_cases import FP8, check_sparse, make_sparse_case, run_sparse, to_device, valid_first
+from sparse_cases import FP8, check_sparse, make_sparse_case, run_sparse, valid_first
 
 import mla_attn
 from mla_attn.reference import mla_decode_ref, mla_sparse_ref

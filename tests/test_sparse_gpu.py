@@ -6,8 +6,9 @@ import functools
 
 import pytest
 import torch
+from cases import to_device
 from conftest import FP8MMA_LSE_ABS, FP8MMA_REL_L2, FP8MMA_ROW_REL, decode_kernels_for, leave_nan_blocks
-from sparse_cases import FP8, check_sparse, make_sparse_case, run_sparse, sparse_reference, to_device, valid_first
+from sparse_cases import FP8, check_sparse, make_sparse_case, run_sparse, sparse_reference, valid_first
 
 import mla_attn
 

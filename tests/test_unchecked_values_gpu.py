@@ -74,6 +74,41 @@ def test_decode_with_a_schedule_for_longer_lengths(cache_dtype, h_q, kernel):
     check_decode(shrunk, True, out, lse, kernel)
 
 
+@pytest.mark.parametrize("parts", [1, 2, 33])
+@pytest.mark.parametrize("h_q,kernel", [(h, k) for h in (16, 128) for k in decode_kernels_for(torch.bfloat16, h)])
+def test_decode_op_with_fewer_parts_than_its_schedule(h_q, kernel, parts):
+    """torch.ops.mla_attn.mla_decode given a num_sm_parts below the schedule's (a caller's bug): the op
+    allocates 2 (parts - 1) workspace slots, fewer than the schedule's split requests use. Wrong
+    numbers, but no access outside the workspace (none at all with one part), and the context
+    survives: the call with its own num_sm_parts is then right."""
+    c = to_device(make_decode_case([3200, 3200, 40000], 1, h_q, 64, seed=9))
+    md = mla_attn.get_decode_metadata(c["cache_seqlens"], h_q, s_q=1)
+    assert md.num_sm_parts > parts and (md.req_splits[:, 0] > 1).any()
+    args = (c["q"], c["q_pe"], c["kv_cache"], c["block_table"], c["cache_seqlens"], None, 1, c["softmax_scale"],
+            True, md.tile_sched, md.req_splits)
+    torch.ops.mla_attn.mla_decode(*args, parts, split_kernel=kernel)
+    torch.cuda.synchronize()
+    out, lse = torch.ops.mla_attn.mla_decode(*args, md.num_sm_parts, split_kernel=kernel)
+    check_decode(c, True, out, lse, kernel)
+
+
+@pytest.mark.parametrize("h_q,kernel", [(h, k) for h in (16, 128) for k in decode_kernels_for(torch.bfloat16, h)])
+def test_decode_op_with_a_larger_batchs_tile_sched(h_q, kernel):
+    """torch.ops.mla_attn.mla_decode given the tile_sched of a larger batch beside its own req_splits (a
+    caller's bug no shape shows: tile_sched is [num_sms, 8] for any batch): parts that name requests past
+    the batch read none of them, and the context survives."""
+    lens = [3200, 3200, 40000]
+    c = to_device(make_decode_case(lens, 1, h_q, 64, seed=9))
+    larger = mla_attn.get_decode_metadata(torch.tensor(lens + [9000] * 3, dtype=torch.int32, device="cuda"), h_q, s_q=1)
+    md = mla_attn.get_decode_metadata(c["cache_seqlens"], h_q, s_q=1)
+    assert (larger.tile_sched[:larger.num_sm_parts, SCHEDULE_COLUMN.last_request] >= len(lens)).any()
+    args = (c["q"], c["q_pe"], c["kv_cache"], c["block_table"], c["cache_seqlens"], None, 1, c["softmax_scale"], True)
+    torch.ops.mla_attn.mla_decode(*args, larger.tile_sched, md.req_splits, larger.num_sm_parts, split_kernel=kernel)
+    torch.cuda.synchronize()
+    out, lse = torch.ops.mla_attn.mla_decode(*args, md.tile_sched, md.req_splits, md.num_sm_parts, split_kernel=kernel)
+    check_decode(c, True, out, lse, kernel)
+
+
 @pytest.mark.parametrize("h_q,s_q,kernel", [(h, s, k) for h, s in [(16, 1), (8, 4), (128, 2)]
                                              for k in decode_kernels_for(torch.bfloat16, h * s)])
 def test_decode_cu_seqlens_q_out_of_range(h_q, s_q, kernel):

@@ -65,17 +65,18 @@ __global__ void __launch_bounds__(kCombineThreads)
   // blockIdx.x: the request, or with fewer CTAs than requests the entry of the split list
   // (ScheduleRow::split_list: b + 1 of the x-th split request, 0 past the last).
   const int b = int(gridDim.x) == p.batch ? int(blockIdx.x) : p.tile_sched[blockIdx.x].split_list - 1;
-  if (b < 0) return;
+  if (b < 0 || b >= p.batch) return;
   const int chunk = blockIdx.z, warp = threadIdx.x / 32, lane = threadIdx.x % 32;
   const int row = blockIdx.y * kRowsPerCta + warp / kWarpsPerRow;
-  const int num_splits = p.req_splits[2 * b];
-  if (num_splits <= 1) return;  // written directly by the split kernel
+  // Written directly by the split kernel when not split; clamped into the workspace as partial_slot.
+  const int slots = 2 * (p.num_sm_parts - 1), slot0 = min(max(p.req_splits[2 * b + 1], 0), slots - 1);
+  const int num_splits = min(p.req_splits[2 * b], min(slots - slot0, kMaxSmParts));
+  if (num_splits <= 1) return;
   const QuerySpan span = QuerySpan::of(p, b);
   const int first_token = span.first, seqlen_q = span.count;
   if (row >= seqlen_q * p.num_heads_q) return;
   mla_common::grid_dependency_wait();  // the split kernel's partials are visible from here on
 
-  const int slot0 = p.req_splits[2 * b + 1];
   const int m_block = row / kBlockM, row_in_tile = row % kBlockM;
   auto partial_row = [&](int split) {
     return (int64_t(slot0 + split) * p.num_q_tiles + m_block) * kBlockM + row_in_tile;

@@ -597,8 +597,8 @@ __device__ void consume_narrow_tiles(const DecodeParams& p, typename Traits::Sha
       if (g == 0) ss.col_stat[warpgroup][warp][col_of(j)] = col_sum[j];
     }
     named_barrier_sync<int(NarrowBarrier::kMergeStats), kMathThreads>();
-    const bool is_partial = p.req_splits[2 * seg.b] > 1;
-    const int slot = p.req_splits[2 * seg.b + 1] + seg.split;
+    const int slot = partial_slot(p, seg);
+    const bool is_partial = slot >= 0;
     // The merged (max, sum) of query row `col` over the warpgroups' states in shared memory.
     struct RowMerge {
       float max_all, total, own_factor;  // own_factor: 2^(this warpgroup's max - max_all)

@@ -31,7 +31,8 @@ struct OutputTile {
   int slot;  // workspace slot of the partial
 
   __device__ static OutputTile of(const DecodeParams& p, const Segment& seg, int m_block) {
-    return {p, seg, m_block, p.req_splits[2 * seg.b] > 1, p.req_splits[2 * seg.b + 1] + seg.split};
+    const int slot = partial_slot(p, seg);
+    return {p, seg, m_block, slot >= 0, slot};
   }
   __device__ bool has_row(int r) const { return m_block * kBlockM + r < seg.seqlen_q * p.num_heads_q; }
   __device__ int64_t partial_index(int r) const { return (int64_t(slot) * p.num_q_tiles + m_block) * kBlockM + r; }

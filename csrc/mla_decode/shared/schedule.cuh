@@ -16,6 +16,15 @@ struct Segment {
   int first_token;  // cu_seqlens_q[b] (varlen, clamped: QuerySpan) or 0
 };
 
+// The workspace slot of a segment's partial when its request is split, else -1 (it writes the final
+// output). The schedule is data: one made for another call (a torch.ops call with another num_sm_parts,
+// or metadata of other shapes) is clamped into the 2 (num_sm_parts - 1) slots the op allocated, giving
+// wrong numbers but no access outside them.
+__device__ __forceinline__ int partial_slot(const DecodeParams& p, const Segment& seg) {
+  if (p.req_splits[2 * seg.b] <= 1 || p.num_sm_parts <= 1) return -1;
+  return min(max(p.req_splits[2 * seg.b + 1] + seg.split, 0), 2 * (p.num_sm_parts - 1) - 1);
+}
+
 // Query row (t, h) of a segment, t < seqlen_q: its latent part, and its rope part offset by -512 so that
 // dim d of the 576-dim row is (d < 512 ? nope : pe)[d].
 template <typename Element>
@@ -38,7 +47,10 @@ struct PartRange {
 
   __device__ static PartRange load(const DecodeParams& p, int part) {
     const ScheduleRow& row = p.tile_sched[part];
-    return {row.first_request, row.first_block, row.last_request, row.last_end_block, row.first_split, row.first_seqlen};
+    // Clamped to the batch: a schedule made for a larger batch (a caller's bug the op cannot see, as
+    // tile_sched's shape does not depend on the batch) then reads no request past it.
+    return {row.first_request, row.first_block, min(row.last_request, p.batch - 1), row.last_end_block,
+            row.first_split, row.first_seqlen};
   }
 
   // KV blocks of the part, without those of the requests strictly between its first and last (a lower
