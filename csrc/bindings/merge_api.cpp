@@ -140,6 +140,7 @@ void merge_pair(const Tensor& out_a, const Tensor& lse_a, const Tensor& out_b, c
 
 std::tuple<Tensor, Tensor> merge_attn_states_cuda(const Tensor& out_a, const Tensor& lse_a, const Tensor& out_b,
                                                   const Tensor& lse_b) {
+  check_outs(out_a, "out_a", out_a);  // before allocating by its shape: a d past the bound is refused, not allocated
   Tensor out = at::empty_like(out_a, at::MemoryFormat::Contiguous);
   Tensor lse = at::empty(out_a.sizes().slice(0, out_a.dim() - 1), out_a.options().dtype(at::kFloat));
   merge_pair(out_a, lse_a, out_b, lse_b, out, lse);
