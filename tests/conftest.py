@@ -130,14 +130,14 @@ def capture_graph(fn):
     return graph, outputs
 
 
-def capture_decode_step(case, out):
+def capture_decode_step(case, out, **kw):
     """A CUDA graph of one causal decode step of a uniform case (get_decode_metadata on its
-    cache_seqlens, then mla_decode into out): replays read the case's tensors as they are then.
+    cache_seqlens, then mla_decode(**kw) into out): replays read the case's tensors as they are then.
     Returns (graph, lse)."""
     def step():
         md = mla_attn.get_decode_metadata(case["cache_seqlens"], case["q"].shape[-2], s_q=case["q"].shape[1],
                                           causal=True)
-        return run_decode(case, True, metadata=md, out=out)
+        return run_decode(case, True, metadata=md, out=out, **kw)
 
     graph, (_, lse) = capture_graph(step)
     return graph, lse
@@ -150,8 +150,9 @@ def poisoned_past_lengths(kv_cache, block_table, lens):
     num_pages, page_size = kv.shape[0], kv.shape[1]
     table = block_table.long()
     keys = torch.arange(table.shape[1] * page_size, device=kv.device)
-    # e4m3 has no NaN scalar to assign from: its NaN byte, 0x7f, through a uint8 view
-    slots, nan = (kv.view(torch.uint8), 0x7F) if kv.dtype == FP8 else (kv, float("nan"))
+    # e4m3 has no NaN scalar to assign from, nor have ds_mla_fp8 rows: all-ones bytes are NaN in e4m3,
+    # float32 (the group scales) and bf16 (the rope part) alike
+    slots, nan = (kv.view(torch.uint8), 0xFF) if kv.dtype in (FP8, torch.uint8) else (kv, float("nan"))
     for b, n in enumerate(lens):
         pages = table[b, keys[n:] // page_size]
         mine = (pages >= 0) & (pages < num_pages)

@@ -93,15 +93,28 @@ def test_one_page_cache_with_any_page_stride(page_size, cache_dtype):
         check_decode(ref_case, True, out, lse, kernel)
 
 
-@pytest.mark.parametrize("page_size", [1, 24, 64])
-def test_cuda_graph_replay_with_new_tables(page_size):
+def _graph_params():
+    params = []
+    for page_size in (1, 24, 64):
+        for cache_dtype, name, convert in ((torch.bfloat16, "bf16", None), (FP8, "fp8", to_fp8_case),
+                                           (torch.uint8, "ds_mla_fp8", to_ds_case)):
+            for kernel in [None] + decode_kernels_for(cache_dtype, 128):
+                if kernel == "rows64_seesaw" and page_size % 16:
+                    continue  # runs as rows64 on gathered rows
+                params.append(pytest.param(page_size, convert, kernel, id=f"ps{page_size}-{name}-{kernel}"))
+    return params
+
+
+@pytest.mark.parametrize("page_size,convert,kernel", _graph_params())
+def test_cuda_graph_replay_with_new_tables(page_size, convert, kernel):
     """A captured decode (metadata included) replays with the cache's pages moved (a new block table
-    and cache contents) and new lengths, NaN in every slot past them."""
-    case = to_device(make_decode_case([300, 2000, 5], 1, 128, page_size, seed=page_size))
+    and cache contents) and new lengths, NaN in every slot past them; every kernel, every cache format."""
+    case = make_decode_case([300, 2000, 5], 1, 128, page_size, seed=page_size)
+    case = to_device(convert(case) if convert else case)
     static = dict(case, kv_cache=case["kv_cache"].clone(), block_table=case["block_table"].clone(),
                   cache_seqlens=case["cache_seqlens"].clone())
     out = torch.empty(3, 1, 128, 512, device="cuda", dtype=torch.bfloat16)
-    graph, lse = capture_decode_step(static, out)
+    graph, lse = capture_decode_step(static, out, _kernel=kernel)
     g = torch.Generator().manual_seed(page_size)
     for lens in ([300, 2000, 5], [299, 0, 1]):  # never past a request's written slots (NaN there)
         num_pages = case["kv_cache"].shape[0]
@@ -118,4 +131,4 @@ def test_cuda_graph_replay_with_new_tables(page_size):
         out.fill_(float("nan"))
         graph.replay()
         torch.cuda.synchronize()
-        check_decode(new, True, out, lse, None)
+        check_decode(new, True, out, lse, kernel)

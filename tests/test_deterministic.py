@@ -3,7 +3,8 @@ summed by one CTA in key order and come out bit-identical whatever else is in th
 import pytest
 import torch
 from cases import make_decode_case
-from conftest import check_unit_scale, ragged_lengths, schedule_segments, to_device
+from conftest import check_decode, ragged_lengths, schedule_segments, to_device
+from fp8_cases import to_ds_case, to_fp8_case
 
 import mla_attn
 from mla_attn.metadata import BLOCK_N, schedule_cpu
@@ -53,15 +54,27 @@ def test_deterministic_flag_plumbing_cpu():
 
 
 # ------------------------------------------------------------------------------------------------ GPU
+# The kernels that run any max_seqlen_q, per cache format (rows64_seesaw runs as rows64 with
+# deterministic=True: dispatch.h); page 24 gathers rows instead of TMA boxes.
+INVARIANCE_CACHES = [(fmt, page, kernel) for fmt, page, kernels in [
+    ("bf16", 64, ["rows64", "seesaw", "seesaw_steady", "rows64_seesaw"]),
+    ("bf16", 24, ["rows64", "seesaw"]),
+    ("fp8", 64, ["rows64", "fp8mma"]),
+    ("fp8", 24, ["rows64"]),
+    ("ds_mla_fp8", 64, ["rows64"]),
+] for kernel in [None] + kernels]
+
+
 @pytest.mark.gpu
-# those that run any max_seqlen_q (rows64_seesaw runs as rows64 with deterministic=True: dispatch.h)
-@pytest.mark.parametrize("kernel", [None, "rows64", "seesaw", "seesaw_steady", "rows64_seesaw"])
+@pytest.mark.parametrize("cache,page_size,kernel", INVARIANCE_CACHES)
 @pytest.mark.parametrize("h_q,s_q", [(16, 1), (128, 1), (64, 3)])
-def test_batch_invariance_gpu(h_q, s_q, kernel):
+def test_batch_invariance_gpu(h_q, s_q, cache, page_size, kernel):
     """The same request (same q rows, same cache pages) in batches of different size, composition,
     position and max_seqlen_q gives bit-identical out and lse, with the dispatch's kernel and with
-    each kernel forced; it is split in some of them without the flag, so the test covers the policy."""
-    page_size, target_len = 64, 9000
+    each kernel forced, over each cache format; it is split in some of them without the flag, so the
+    test covers the policy."""
+    target_len = 9000
+    convert = {"bf16": lambda c: c, "fp8": to_fp8_case, "ds_mla_fp8": to_ds_case}[cache]
     base = make_decode_case([target_len], s_q, h_q, page_size, varlen=True, seed=1)
     target_q = base["q"]  # its s_q tokens
     results, split_somewhere = [], False
@@ -82,9 +95,11 @@ def test_batch_invariance_gpu(h_q, s_q, kernel):
         pages = c["block_table"][pos, : -(-target_len // page_size)].long()
         src = base["block_table"][0, : -(-target_len // page_size)].long()
         c["kv_cache"][pages] = base["kv_cache"][src]
+        c = to_device(convert(c))  # per-tensor or per-row scales: the target's bytes are the same in every batch
         max_q = max(max(sizes), 1)
-        kw = dict(cu_seqlens_q=cu.cuda(), max_seqlen_q=max_q, softmax_scale=192**-0.5, causal=True, return_lse=True)
-        args = (q.cuda(), c["kv_cache"].cuda(), c["block_table"].cuda(), c["cache_seqlens"].cuda())
+        kw = dict(cu_seqlens_q=cu.cuda(), max_seqlen_q=max_q, softmax_scale=192**-0.5, causal=True, return_lse=True,
+                  k_scale=c.get("k_scale"))
+        args = (q.cuda(), c["kv_cache"], c["block_table"], c["cache_seqlens"])
         out = torch.full((q.shape[0], h_q, 512), float("nan"), dtype=torch.bfloat16, device="cuda")
         o, lse = mla_attn.mla_decode(*args, out=out, deterministic=True, _kernel=kernel, **kw)
         rows = slice(int(cu[pos]), int(cu[pos + 1]))
@@ -96,6 +111,6 @@ def test_batch_invariance_gpu(h_q, s_q, kernel):
         assert (md_det.req_splits[:, 0] == 1).all()
     assert split_somewhere, "the default policy never split the target: the test would prove nothing"
     o0, l0 = results[0]
-    check_unit_scale(to_device(dict(base, softmax_scale=192**-0.5)), True, o0, l0)
+    check_decode(to_device(convert(dict(base, softmax_scale=192**-0.5))), True, o0, l0, kernel)
     for o, l in results[1:]:
         assert torch.equal(o, o0) and torch.equal(l, l0)
