@@ -221,10 +221,9 @@ void mla_decode_cuda_impl(const Tensor& q, const std::optional<Tensor>& q_pe, co
   p.num_sm_parts = int(num_sm_parts);
   p.num_q_tiles = tiles;
   p.partials_fp32 = decode_partials_fp32(kernel, problem);
-  // At most 2 (parts - 1) pieces belong to split requests (each part boundary cuts one request).
   Tensor partial_out, partial_lse;
   if (num_sm_parts > 1) {
-    const int64_t rows = 2 * (num_sm_parts - 1) * int64_t(tiles) * kBlockM;
+    const int64_t rows = int64_t(split_partial_slots(int(num_sm_parts))) * tiles * kBlockM;
     partial_out = at::empty({rows, kHeadDimV}, p.partials_fp32 ? q.options().dtype(at::kFloat) : q.options());
     partial_lse = at::empty({rows}, q.options().dtype(at::kFloat));
     p.partial_out = partial_out.data_ptr();

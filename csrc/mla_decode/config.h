@@ -40,6 +40,10 @@ constexpr int kMinSearchedPiece = 2;  // scheduler: smallest pieces its cost sea
 // overflows for lengths within 63 of INT32_MAX, which unchecked lengths may be.
 constexpr int num_kv_blocks(int seqlen) { return seqlen > 0 ? int((unsigned(seqlen) + kBlockN - 1) / kBlockN) : 0; }
 
+// Workspace slots for split requests' partials (per q-tile): each of the parts - 1 part boundaries cuts
+// at most one request, so at most 2 (parts - 1) pieces belong to split requests.
+constexpr int split_partial_slots(int num_sm_parts) { return 2 * (num_sm_parts - 1); }
+
 static_assert(kHeadDimK % kTmaColumns == 0, "K head dim must be whole swizzle atoms");
 static_assert(kHeadDimV == kNumMathWarpgroups * 256, "each math warpgroup owns 256 output columns");
 static_assert(kBlockN % 16 == 0 && kBlockM == 64, "one WGMMA M-tile per warpgroup");

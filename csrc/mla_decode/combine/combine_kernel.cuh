@@ -69,7 +69,7 @@ __global__ void __launch_bounds__(kCombineThreads)
   const int chunk = blockIdx.z, warp = threadIdx.x / 32, lane = threadIdx.x % 32;
   const int row = blockIdx.y * kRowsPerCta + warp / kWarpsPerRow;
   // Written directly by the split kernel when not split; clamped into the workspace as partial_slot.
-  const int slots = 2 * (p.num_sm_parts - 1), slot0 = min(max(p.req_splits[2 * b + 1], 0), slots - 1);
+  const int slots = split_partial_slots(p.num_sm_parts), slot0 = min(max(p.req_splits[2 * b + 1], 0), slots - 1);
   const int num_splits = min(p.req_splits[2 * b], min(slots - slot0, kMaxSmParts));
   if (num_splits <= 1) return;
   const QuerySpan span = QuerySpan::of(p, b);

@@ -18,11 +18,11 @@ struct Segment {
 
 // The workspace slot of a segment's partial when its request is split, else -1 (it writes the final
 // output). The schedule is data: one made for another call (a torch.ops call with another num_sm_parts,
-// or metadata of other shapes) is clamped into the 2 (num_sm_parts - 1) slots the op allocated, giving
+// or metadata of other shapes) is clamped into the split_partial_slots the op allocated, giving
 // wrong numbers but no access outside them.
 __device__ __forceinline__ int partial_slot(const DecodeParams& p, const Segment& seg) {
   if (p.req_splits[2 * seg.b] <= 1 || p.num_sm_parts <= 1) return -1;
-  return min(max(p.req_splits[2 * seg.b + 1] + seg.split, 0), 2 * (p.num_sm_parts - 1) - 1);
+  return min(max(p.req_splits[2 * seg.b + 1] + seg.split, 0), split_partial_slots(p.num_sm_parts) - 1);
 }
 
 // Query row (t, h) of a segment, t < seqlen_q: its latent part, and its rope part offset by -512 so that
