@@ -15,6 +15,20 @@ def to_device(case, device="cuda"):
     return {k: (v.to(device) if isinstance(v, torch.Tensor) else v) for k, v in case.items()}
 
 
+def check_unit_scale_error(out, ref, low):
+    """out against the float reference ref, measured by low, the same computation in bf16/fp16 PyTorch:
+    max |err| <= 2x low's + 1e-3, and each row's L2 error (last dim) <= 2x low's + 2^-8 of the row (its
+    rounding to 16 bits): the max alone would pass a few keys dropped from a long row."""
+    if out.numel() == 0:
+        return
+    err, low_err = out.double() - ref, low.double() - ref
+    bound = 2 * low_err.abs().max().item() + 1e-3
+    assert err.abs().max().item() <= bound, f"out max err {err.abs().max().item():.3e} > {bound:.3e}"
+    row_bound = 2 * low_err.norm(dim=-1) + 2**-8 * ref.double().norm(dim=-1) + 1e-6
+    excess = (err.norm(dim=-1) / row_bound).max().item()
+    assert excess <= 1, f"a row's L2 error is {excess:.2f}x its bound (2x bf16/fp16 PyTorch's + 2^-8 of the row)"
+
+
 def write_layout(lens, page_size, seed):
     """Where a write puts the tokens of requests of `lens` tokens: a block table over shuffled pages
     (HUGE_ID in each row's unused tail and in one spare column), every token's cache slot in request

@@ -10,6 +10,8 @@ import torch
 from mla_attn.kv_cache import dequantize_ds_mla_fp8, quantize_ds_mla_fp8, quantize_fp8
 from mla_attn.reference import mla_sparse_ref
 
+from cases import check_unit_scale_error
+
 D_QK, D_V = 576, 512
 DS_ROW_BYTES = 656  # a ds_mla_fp8 cache row
 FP8 = torch.float8_e4m3fn
@@ -138,8 +140,7 @@ def sparse_reference(case, dtype=torch.float64):
 
 
 def check_sparse(case, out, lse, *, lse_tol=1e-3):
-    """The decode tests' unit-scale rule: max |err| <= 2x the error of the same computation in q's dtype
-    + 1e-3; lse within lse_tol; rows without a valid index exactly out 0, lse +inf; no NaN anywhere."""
+    """The decode tests' unit-scale rule (check_unit_scale_error); lse within lse_tol; rows without a valid index exactly out 0, lse +inf; no NaN anywhere."""
     ref_out, ref_lse = sparse_reference(case)
     low_out, _ = sparse_reference(case, dtype=case["q"].dtype)
     assert torch.isfinite(out).all(), "non-finite output (a NaN slot was read?)"
@@ -147,9 +148,7 @@ def check_sparse(case, out, lse, *, lse_tol=1e-3):
     assert empty.reshape(-1, empty.shape[-1])[0].all(), "the case's row 0 must be empty"
     assert torch.equal(torch.isinf(lse), empty) and (lse[empty] > 0).all(), "+inf lse exactly on empty rows"
     assert not out[empty].any(), "rows without a valid index must be 0"
-    err = (out.double() - ref_out).abs().max().item()
-    bound = 2 * (low_out.double() - ref_out).abs().max().item() + 1e-3
-    assert err <= bound, f"out max err {err:.3e} > {bound:.3e}"
+    check_unit_scale_error(out, ref_out, low_out)
     seen = ~empty
     lse_err = (lse.double()[seen] - ref_lse[seen]).abs().max().item() if seen.any() else 0.0
     assert lse_err <= lse_tol, f"lse max err {lse_err:.3e}"

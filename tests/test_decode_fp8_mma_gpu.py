@@ -109,7 +109,9 @@ def test_fp8_mma_deterministic_is_bit_identical():
     exact, _ = mla_attn.mla_decode(case["q"], case["kv_cache"], case["block_table"], case["cache_seqlens"],
                                    k_scale=case["k_scale"], softmax_scale=case["softmax_scale"],
                                    return_lse=True, deterministic=True)
-    assert not torch.equal(out1, exact), "fp8_mma=True must select the e4m3-MMA kernel"
+    # e4m3 Q and P move the output by ~3 % of its norm; two 16-bit kernels differ by their rounding.
+    moved = ((out1.float() - exact.float()).norm() / exact.float().norm()).item()
+    assert moved > 5e-3, f"fp8_mma=True must select the e4m3-MMA kernel (output moved {moved:.1e})"
 
 
 def test_fp8_mma_keeps_16_bit_mmas_at_16_rows():

@@ -18,6 +18,8 @@ import mla_attn
 from mla_attn._constants import FP8, FP8_MAX
 from mla_attn.reference import mla_decode_ref
 
+from cases import check_unit_scale_error
+
 pytestmark = pytest.mark.gpu
 
 BATCH, KEYS, REPLAYS, CHECKED_REQUESTS, K_SCALE = 128, 16384, 40, 4, 0.02
@@ -56,16 +58,14 @@ def replays_under_load(kernel, h_q, page_size):
     graph.replay()
     first = out.clone()
     assert torch.isfinite(first).all(), "the first replay left rows unwritten"
-    # The first requests against the reference on their dequantised pages (2x the error of bf16 math).
+    # The first requests against the reference on their dequantised pages (check_unit_scale_error).
     c = CHECKED_REQUESTS
     sub_kv = kv[table[:c].flatten().long()].float() * k_scale
     sub_table = torch.arange(sub_kv.shape[0], device="cuda", dtype=torch.int32).view(c, -1)
     ref, _ = mla_decode_ref(q[:c], sub_kv, sub_table, lens[:c], softmax_scale=scale, causal=False)
     low, _ = mla_decode_ref(q[:c], sub_kv, sub_table, lens[:c], softmax_scale=scale, causal=False,
                             dtype=torch.bfloat16)
-    err = (first[:c].float() - ref).abs().max().item()
-    bound = 2 * (low.float() - ref).abs().max().item() + 1e-3
-    assert err <= bound, f"first replay: max |err| {err:.3e} > {bound:.3e}"
+    check_unit_scale_error(first[:c], ref, low)
     differ = 0
     for _ in range(REPLAYS):
         out.fill_(float("nan"))
