@@ -3,7 +3,7 @@ import math
 
 import pytest
 import torch
-from cases import D_V, make_decode_case
+from cases import D_V, check_unit_scale_error, make_decode_case
 
 from mla_attn.reference import merge_attn_states_ref, mla_decode_ref, mla_prefill_ref
 
@@ -142,3 +142,30 @@ def test_merge_all_empty():
     lses = torch.tensor([math.inf, -math.inf, math.inf]).reshape(3, 1, 1).expand(3, 2, 4).clone()
     out, lse = merge_attn_states_ref(outs, lses)
     assert (out == 0).all() and (lse == math.inf).all()
+
+
+@pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float16])
+def test_unit_scale_check_tells_dropped_keys_from_rounding(dtype):
+    """check_unit_scale_error, the GPU tests' bound, passes a kernel's roundings (fp32 scores and
+    softmax, P and 16 split partials in 16 bits, 16-bit out) and fails 8 of 4099 keys dropped."""
+    c = make_decode_case([4099], 1, 16, 64, seed=5, dtype=dtype)
+    args = (c["q"], c["kv_cache"], c["block_table"])
+    kw = dict(softmax_scale=c["softmax_scale"], causal=False)
+    ref, _ = mla_decode_ref(*args, c["cache_seqlens"], **kw)
+    low, _ = mla_decode_ref(*args, c["cache_seqlens"], dtype=dtype, **kw)
+    keys = c["kv_cache"].view(-1, c["kv_cache"].shape[-1])[
+        (c["block_table"][0, torch.arange(4099) // 64].long() * 64 + torch.arange(4099) % 64)].float()
+    scores = c["q"][0, 0].float() @ keys.T * c["softmax_scale"]
+    partials, lses = [], []
+    for piece in torch.arange(4099).chunk(16):
+        s = scores[:, piece]
+        m = s.max(1, keepdim=True).values
+        p = torch.exp(s - m)
+        partials.append(((p.to(dtype).float() @ keys[piece, :D_V]) / p.sum(1, keepdim=True)).to(dtype).float())
+        lses.append((m + p.sum(1, keepdim=True).log()).squeeze(1))
+    lse = torch.logsumexp(torch.stack(lses), 0)
+    kernel_like = sum(torch.exp(l - lse)[:, None] * o for o, l in zip(partials, lses)).to(dtype).view_as(ref)
+    check_unit_scale_error(kernel_like, ref, low)
+    dropped, _ = mla_decode_ref(*args, c["cache_seqlens"] - 8, **kw)
+    with pytest.raises(AssertionError):
+        check_unit_scale_error(dropped.to(dtype), ref, low)
