@@ -6,7 +6,7 @@ import os
 
 import pytest
 import torch
-from cases import check_unit_scale_error, make_decode_case, to_device  # noqa: F401 (to_device: the tests import it from here)
+from cases import check_unit_scale_error, make_decode_case, to_device  # noqa: F401 (to_device: tests import it)
 from fp8_cases import dequantized, to_fp8_case
 
 import mla_attn

@@ -140,7 +140,8 @@ def sparse_reference(case, dtype=torch.float64):
 
 
 def check_sparse(case, out, lse, *, lse_tol=1e-3):
-    """The decode tests' unit-scale rule (check_unit_scale_error); lse within lse_tol; rows without a valid index exactly out 0, lse +inf; no NaN anywhere."""
+    """The decode tests' unit-scale rule (check_unit_scale_error); lse within lse_tol; rows without a
+    valid index exactly out 0, lse +inf; no NaN anywhere."""
     ref_out, ref_lse = sparse_reference(case)
     low_out, _ = sparse_reference(case, dtype=case["q"].dtype)
     assert torch.isfinite(out).all(), "non-finite output (a NaN slot was read?)"

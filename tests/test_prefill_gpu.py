@@ -31,7 +31,8 @@ def reference(c, causal, dtype):
 
 def check(c, causal, out, lse):
     """out within check_unit_scale_error of the float32 math (measured by the same math in q's dtype);
-    LSE within 1e-3; +inf LSE and zero output exactly on rows that see no key; only the packed rows are compared."""
+    LSE within 1e-3; +inf LSE and zero output exactly on rows that see no key; only the packed rows are
+    compared."""
     t_q = int(c["cu_seqlens_q"][-1])
     out, lse = out[:t_q], lse[:t_q]
     ref_out, ref_lse = (x[:t_q] for x in reference(c, causal, torch.float32))
